@@ -1,0 +1,92 @@
+"""Engine configuration: frozen dataclasses, validated when built."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvserve.errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: int | float | str, option: str = "size") -> int:
+    """Bytes from ``4GiB``, ``512MB``, ``1e9`` or a number; a bare number below 1024 is GiB."""
+    if isinstance(value, (int, float)):
+        num, unit = float(value), ""
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ConfigError(option, f"cannot parse size {value!r}; use bytes or a unit, e.g. 4GiB, 512MiB")
+        num, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if unit == "" and num < 1024:
+        unit = "gib"  # "--kv-cache-memory 4" means 4 GiB, not 4 bytes
+    nbytes = int(num * _UNITS[unit])
+    if nbytes <= 0:
+        raise ConfigError(option, f"must be > 0, got {value!r}")
+    return nbytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the KV pool. None: on CUDA a fraction of the free memory after a profiling
+    # forward, on the CPU a fixed default.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU memory
+    swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
+    # Fraction of the pool kept free when admitting new requests, so running ones can grow.
+    watermark: float = 0.01
+    cpu_default_kv_memory: int = 2 * 2**30
+
+    def __post_init__(self):
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError("block_size", f"must be a power of two in [1, 256], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError("preemption_mode", f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ConfigError("swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    # Token budget of one step: prompt chunks and decode tokens together.
+    max_num_batched_tokens: int = 2048
+    # None: the model's context length.
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None  # None: from the model (GGUF metadata or HF directory)
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    show_progress: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError("dtype", f"must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")

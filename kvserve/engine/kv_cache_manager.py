@@ -1,0 +1,185 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool, with prefix caching.
+
+A full block's key chains the parent block's key with the block's token ids and the cache's
+``hash_extra`` (model and KV dtype), so equal keys mean equal KV on any replica:
+
+    key_i = blake2b(key_{i-1} | extra | tokens[i*bs:(i+1)*bs])
+
+Only full blocks are shared through the cache. A partial block is shared only by a fork
+(``n > 1``); the first sibling to append to it gets a private copy (copy on write), recorded in
+``pending_copies`` for the runner to perform before the forward pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from math import ceil
+
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.request import Request
+
+
+def hash_block(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(extra)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_extra: bytes = b""):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.hash_extra = hash_extra
+        self.tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of a table registered in the cache
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write this step
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found cached
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return ceil(num_tokens / self.block_size)
+
+    def _update_hashes(self, req: Request) -> None:
+        bs, hashes = self.block_size, req.block_hashes
+        while (len(hashes) + 1) * bs <= req.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block(parent, self.hash_extra, req.all_token_ids[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """The longest run of cached blocks holding this request's leading tokens. At least one
+        token is always left to compute, so the step produces logits to sample from."""
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
+            return []
+        self._update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in req.block_hashes[:max_blocks]:
+            bid = self.pool.lookup(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[int] = (),
+                     reserve_blocks: int = 0) -> bool:
+        return self._blocks_needed(req, num_new_tokens, computed) + reserve_blocks <= (
+            self.pool.num_free_blocks - sum(1 for b in computed if self.pool.blocks[b].ref_cnt == 0))
+
+    def _blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int]) -> int:
+        table = self.tables.get(req.request_id, ())
+        start = len(computed) * self.block_size if computed else req.num_computed_tokens
+        need = self.blocks_for(start + num_new_tokens) - len(table) - len(computed)
+        if self._needs_cow(req, table):
+            need += 1
+        return max(need, 0)
+
+    def _needs_cow(self, req: Request, table) -> bool:
+        return (bool(table) and req.num_computed_tokens % self.block_size != 0
+                and self.pool.blocks[table[-1]].ref_cnt > 1)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] = (),
+                       reserve_blocks: int = 0) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``req`` (after ``computed`` cached
+        blocks, for a request being admitted). False, changing nothing, if the pool is short."""
+        if not self.can_allocate(req, num_new_tokens, computed, reserve_blocks):
+            return False
+        table = self.tables.setdefault(req.request_id, [])
+        self._num_hashed.setdefault(req.request_id, 0)
+        if computed:
+            self.pool.touch(computed)
+            table.extend(computed)
+            self._num_hashed[req.request_id] = len(table)
+        if self._needs_cow(req, table):
+            (new,) = self.pool.allocate(1)
+            self.pending_copies.append((table[-1], new))
+            self.pool.free([table[-1]])
+            table[-1] = new
+        start = len(computed) * self.block_size if computed else req.num_computed_tokens
+        total = start + num_new_tokens
+        extra = self.blocks_for(total) - len(table)
+        if extra > 0:
+            table.extend(self.pool.allocate(extra))
+        self._cache_full_blocks(req, total)
+        return True
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register blocks that will be full once this step's tokens are written."""
+        if not self.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        done = self._num_hashed[req.request_id]
+        if num_full <= done:
+            return
+        self._update_hashes(req)
+        table = self.tables[req.request_id]
+        for i in range(done, num_full):
+            self.pool.cache_block(table[i], req.block_hashes[i])
+        self._num_hashed[req.request_id] = num_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        table = self.tables[parent.request_id]
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
+
+    def free(self, req: Request) -> list[int]:
+        table = self.tables.pop(req.request_id, [])
+        self._num_hashed.pop(req.request_id, None)
+        self.pool.free(table[::-1])
+        return table
+
+    def table(self, req: Request) -> list[int]:
+        return self.tables[req.request_id]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    # -- stats -----------------------------------------------------------------------------
+    def kv_waste(self, requests: list[Request]) -> tuple[int, int]:
+        """(slots allocated to requests, slots of those holding a token or one being written)."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for req in requests:
+            table = self.tables.get(req.request_id)
+            if not table:
+                continue
+            n = min(req.num_tokens, len(table) * bs)
+            for i, bid in enumerate(table):
+                f = min(bs, max(0, n - i * bs))
+                if f > filled.get(bid, -1):
+                    filled[bid] = f
+        return len(filled) * bs, sum(filled.values())
+
+    def check_invariants(self, live: list[Request]) -> None:
+        """Reference counts equal the number of tables holding each block; hashes match tokens."""
+        self.pool.check_invariants()
+        counts: dict[int, int] = {}
+        for table in self.tables.values():
+            for bid in table:
+                counts[bid] = counts.get(bid, 0) + 1
+        for blk in self.pool.blocks:
+            assert blk.ref_cnt == counts.get(blk.block_id, 0), (blk, counts.get(blk.block_id))
+        by_id = {r.request_id: r for r in live}
+        assert set(self.tables) <= set(by_id), set(self.tables) - set(by_id)
+        for rid, table in self.tables.items():
+            req = by_id[rid]
+            for i in range(self._num_hashed[rid]):
+                blk = self.pool.blocks[table[i]]
+                want = req.block_hashes[i]
+                if blk.block_hash is not None:
+                    assert blk.block_hash == want, (rid, i)
+                parent = req.block_hashes[i - 1] if i else b""
+                toks = req.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+                assert want == hash_block(parent, self.hash_extra, toks), (rid, i)

@@ -1,0 +1,239 @@
+"""LLMEngine: add requests, step, get outputs.
+
+    step():  Scheduler.schedule() -> ModelRunner.execute() -> self._update() (tokens, text,
+             stops, forks, finished requests free their blocks)
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import Detokenizer, find_stop
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.model_runner import ModelRunner, StepResult
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.stats import EngineStats, StepStats
+from kvserve.errors import InvalidRequestError
+from kvserve.models import loader
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        src = loader.resolve(config.model)
+        self.model_name = src.name
+        self.arch = src.arch
+        self.tokenizer = load_tokenizer(src.kind, src.path, config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        limit = src.arch.max_position_embeddings
+        want = config.scheduler.max_model_len
+        if want is not None and want > limit:
+            raise InvalidRequestError("max_model_len", f"must be <= the model's context length {limit}, got {want}")
+        self.max_model_len = want or limit
+        self.runner = ModelRunner(config, src, self.max_model_len)
+        kv_bytes = self.runner.determine_kv_memory()
+        block_bytes = self.runner.kv_bytes_per_block()
+        num_blocks = kv_bytes // block_bytes
+        if num_blocks < 1:
+            raise InvalidRequestError("kv_cache_memory", f"{kv_bytes} bytes is less than one KV block "
+                                      f"({block_bytes} bytes at block_size {config.cache.block_size})")
+        swap_blocks = config.cache.swap_space // block_bytes if config.cache.preemption_mode == "swap" else 0
+        self.runner.allocate_kv_cache(num_blocks, swap_blocks)
+        extra = f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}".encode()
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, extra)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, swap_blocks)
+        self.groups: dict[str, list[Request]] = {}
+        self.stats = EngineStats()
+        self.eos_token_ids = self._eos_ids()
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks,
+                 config.cache.block_size, num_blocks * config.cache.block_size, num_blocks * block_bytes / 2**30)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- requests --------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer; pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"has {n} tokens; max_model_len is {self.max_model_len}, "
+                                      f"so at most {self.max_model_len - 1} prompt tokens fit")
+        mt = params.max_tokens
+        if mt is not None and n + mt > self.max_model_len:
+            raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) = {n + mt} exceeds "
+                                      f"max_model_len {self.max_model_len}; allowed max_tokens <= {self.max_model_len - n}")
+        need = self.scheduler.blocks_to_finish(n, mt if mt is not None else self.max_model_len - n, params.n)
+        if need > self.num_kv_blocks:
+            raise InvalidRequestError("max_tokens", f"the request needs {need} KV blocks at its longest "
+                                      f"(prompt {n} + max_tokens {mt} tokens, n={params.n}) but the KV pool "
+                                      f"holds {self.num_kv_blocks}; lower max_tokens or n, or raise kv_cache_memory")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate(ids, params)
+        req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
+                      max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
+        self.groups[request_id] = [req]
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.groups.pop(request_id, []):
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self.runner.drop_request(req.request_id)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        results = self.runner.execute(out) if not out.is_empty else []
+        touched: dict[str, None] = {}
+        n_prompt = n_gen = 0
+        for s, res in zip(out.scheduled, results):
+            req = s.request
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                n_prompt += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+            if res.prompt_logprobs:
+                self._add_prompt_logprobs(req, res)
+            req.num_computed_tokens += s.num_new_tokens
+            if res.token_ids:
+                n_gen += len(res.token_ids)
+                self._append_tokens(req, res)
+            touched[req.group_id] = None
+        outputs = [self._make_output(g) for g in touched]
+        for o in outputs:
+            if o.finished:
+                self.stats.num_requests_finished += 1
+                for r in self.groups.pop(o.request_id):
+                    self.runner.drop_request(r.request_id)
+        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, time.perf_counter() - t0))
+        return outputs
+
+    def _append_tokens(self, req: Request, res: StepResult) -> None:
+        now = time.time()
+        siblings = [req]
+        if req.pending_forks:
+            gens = req.generators
+            for i in range(1, req.pending_forks + 1):
+                child = req.fork(i)
+                self.scheduler.fork(req, child)
+                self.groups[req.group_id].append(child)
+                siblings.append(child)
+            req.pending_forks = 0
+            if gens is not None:
+                req.generators = gens[:1]
+        for r, tok, lp in zip(siblings, res.token_ids, res.logprobs):
+            r.append_token(tok)
+            if r.metrics.first_token_time is None:
+                r.metrics.first_token_time = now
+            r.metrics.num_generation_tokens += 1
+            if lp is not None:
+                r.cumulative_logprob += lp[0]
+                r.logprobs.append(self._logprob_dict(tok, lp[0], lp[1], lp[2]))
+            self._check_stop(r, tok)
+
+    def _check_stop(self, r: Request, tok: int) -> None:
+        p = r.params
+        n_new_chars = self.detokenizer.update(r) if self.detokenizer else 0
+        status = None
+        if r.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok in r.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif p.stop_token_ids and tok in p.stop_token_ids:
+                status, r.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            elif (stop := find_stop(r, n_new_chars)) is not None:
+                status, r.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if status is None and (r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(r, status)
+
+    def _logprob_dict(self, tok: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        dec = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
+        d = {tok: Logprob(lp, rank, dec(tok))}
+        for r, (t, v) in enumerate(top, start=1):
+            if t not in d:
+                d[t] = Logprob(v, r, dec(t))
+        return d
+
+    def _add_prompt_logprobs(self, req: Request, res: StepResult) -> None:
+        # Entry i is prompt position i; a recomputed chunk (after preemption) overwrites.
+        del req.prompt_logprobs[req.num_computed_tokens + 1:]
+        for tok, lp, rank, top in res.prompt_logprobs:
+            req.prompt_logprobs.append(self._logprob_dict(tok, lp, rank, top))
+
+    def _make_output(self, group_id: str) -> RequestOutput:
+        reqs = sorted(self.groups[group_id], key=lambda r: r.index)
+        first = reqs[0]
+        finished = all(r.is_finished for r in reqs) and len(reqs) == first.params.n
+        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
+                                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                                 logprobs=r.logprobs, finish_reason=r.status.finish_reason,
+                                 stop_reason=r.stop_reason)
+                for r in reqs]
+        return RequestOutput(request_id=group_id, prompt=first.prompt,
+                             prompt_token_ids=first.all_token_ids[:first.num_prompt_tokens],
+                             prompt_logprobs=first.prompt_logprobs, outputs=outs, finished=finished,
+                             metrics=first.metrics)
+
+    def _step_stats(self, n_batched: int, n_prompt: int, n_gen: int, dt: float) -> StepStats:
+        pool = self.kv.pool
+        alloc, filled = self.kv.kv_waste(self.scheduler.running)
+        q = self.kv.prefix_queries
+        return StepStats(
+            step=self.stats.num_steps, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_batched_tokens=n_batched,
+            num_prompt_tokens=n_prompt, num_generated_tokens=n_gen,
+            kv_blocks_used=pool.num_used_blocks, kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_cached=pool.num_cached_blocks, kv_slots_allocated=alloc, kv_slots_filled=filled,
+            prefix_hit_rate=self.kv.prefix_hits / q if q else 0.0,
+            num_preemptions=self.scheduler.num_preemptions, step_time=dt)
+
+    def check_invariants(self) -> None:
+        live = [r for g in self.groups.values() for r in g if not r.is_finished]
+        self.kv.check_invariants(live)

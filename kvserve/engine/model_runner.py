@@ -1,0 +1,228 @@
+"""ModelRunner: owns the model and the KV cache tensors; turns a SchedulerOutput into tokens."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
+from kvserve.models import loader
+from kvserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    """What one scheduled request got from the step."""
+    token_ids: list[int]  # empty for a prompt chunk that does not reach the end; n for a forking parent
+    logprobs: list  # per token: (logprob, rank, top) or None
+    prompt_logprobs: list  # per prompt position computed this step: (id, logprob, rank, top)
+
+
+def resolve_device(name: str) -> torch.device:
+    from kvserve import envs
+    name = envs.get(envs.KVSERVE_DEVICE) or name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        self.arch = src.arch
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        t0 = time.perf_counter()
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = LlamaForCausalLM(src.arch, max_positions=max_model_len)
+        if src.kind == "dummy":
+            loader.init_dummy_weights(self.model, config.seed)
+        else:
+            weights = loader.iter_weights(src)
+            if config.show_progress:
+                from tqdm import tqdm
+                weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",
+                               unit="tensor", leave=False)
+            with torch.no_grad():
+                self.model.load_weights(weights)
+        self.model.eval()
+        self.load_time = time.perf_counter() - t0
+        self.backend = get_backend("torch")
+        self.sampler = Sampler(self.device, config.seed)
+        self.kv_cache: KVCache | None = None
+
+    # -- KV cache sizing ---------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+
+    def determine_kv_memory(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        if self.device.type != "cuda":
+            return cache.cpu_default_kv_memory
+        return self._profile_cuda_kv_memory()
+
+    def _profile_cuda_kv_memory(self) -> int:
+        """Free memory after a forward at the largest batch the scheduler can form, times the
+        utilisation fraction, minus what the profiling run showed is needed besides KV."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n_tokens = self.config.scheduler.max_num_batched_tokens
+        n_seqs = min(self.config.scheduler.max_num_seqs, n_tokens)
+        sizes = [n_tokens // n_seqs + (1 if i < n_tokens % n_seqs else 0) for i in range(n_seqs)]
+        per = -(-(max(sizes) + 1) // self.block_size)
+        tmp = KVCache(self.arch, n_seqs * per, self.block_size, self.dtype, self.device)
+        seqs = [(0, s, list(range(i * per, (i + 1) * per))) for i, s in enumerate(sizes)]
+        ids = torch.zeros(n_tokens, dtype=torch.long, device=self.device)
+        meta, positions = self._build_metadata(seqs)
+        with torch.inference_mode(), forward_context(ForwardContext(meta, tmp.layers)):
+            hidden = self.model(ids, positions)
+            self.model.compute_logits(hidden[-n_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del tmp
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
+        if budget <= self.kv_bytes_per_block():
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.2f} GiB, "
+                               f"total {total / 2**30:.2f} GiB); lower max_num_batched_tokens or set kv_cache_memory")
+        return int(budget)
+
+    def allocate_kv_cache(self, num_blocks: int, swap_blocks: int) -> None:
+        self.kv_cache = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device, swap_blocks)
+
+    # -- one step -------------------------------------------------------------------------
+    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]]):
+        """seqs: (num_computed, num_new, block_table) per sequence, in batch order."""
+        bs = self.block_size
+        positions, slots, query_start, seq_lens = [], [], [0], []
+        for start, n, table in seqs:
+            for p in range(start, start + n):
+                slots.append(table[p // bs] * bs + p % bs)
+            positions.extend(range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+        max_blocks = max(len(t) for _, _, t in seqs)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
+        qlens = [n for _, n, _ in seqs]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=tables.to(self.device),
+            seq_lens=seq_lens, query_lens=qlens, query_start=query_start, block_size=bs,
+            decode_seqs=[i for i, q in enumerate(qlens) if q == 1],
+            prefill_seqs=[i for i, q in enumerate(qlens) if q != 1])
+        self.backend.prepare(meta, self.device)
+        return meta, torch.tensor(positions, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        kv = self.kv_cache
+        for rid, blocks in out.swap_out.items():
+            kv.swap_out(rid, blocks)
+        if out.copies:
+            kv.copy_blocks(out.copies)
+        for rid, blocks in out.swap_in.items():
+            kv.swap_in(rid, blocks)
+        sched = out.scheduled
+        ids = []
+        for s in sched:
+            r = s.request
+            ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens])
+        meta, positions = self._build_metadata(
+            [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched])
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        with forward_context(ForwardContext(meta, kv.layers)):
+            hidden = self.model(input_ids, positions)
+
+        # Rows to turn into logits: the last token of each sampling request, and every
+        # position of a request that asked for prompt log-probs.
+        results = [StepResult([], [], []) for _ in sched]
+        sample_rows, rows, sample_of = [], [], []
+        for i, s in enumerate(sched):
+            if s.samples:
+                r = s.request
+                n_draws = r.pending_forks + 1
+                for j in range(n_draws):
+                    sample_rows.append(meta.query_start[i + 1] - 1)
+                    rows.append(self._sampling_row(r, j))
+                    sample_of.append(i)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            so = self.sampler(logits, rows)
+            for k, i in enumerate(sample_of):
+                results[i].token_ids.append(so.token_ids[k])
+                results[i].logprobs.append(so.logprobs[k])
+        for i, s in enumerate(sched):
+            r = s.request
+            if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
+                results[i].prompt_logprobs = self._prompt_logprobs(r, s, hidden, meta.query_start[i])
+        return results
+
+    def _sampling_row(self, r: Request, draw: int) -> SamplingRow:
+        p = r.params
+        banned = ()
+        if r.num_output_tokens < p.min_tokens:
+            banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
+        penal = p.needs_penalties
+        return SamplingRow(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            generator=None if r.generators is None else r.generators[draw],
+            num_logprobs=p.logprobs,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seen_tokens=r.all_token_ids if penal else None,
+            output_tokens=r.output_token_ids if penal else None,
+            banned_tokens=banned)
+
+    def _prompt_logprobs(self, r: Request, s: ScheduledRequest, hidden, q_start: int):
+        """Log-prob of each prompt token given those before it, for positions computed now."""
+        start = r.num_computed_tokens
+        end = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)  # position p predicts p + 1
+        if end <= start:
+            return []
+        logits = self.model.compute_logits(hidden[q_start:q_start + end - start])
+        lps = logits.log_softmax(dim=-1)
+        targets = torch.tensor(r.all_token_ids[start + 1:end + 1], device=lps.device)
+        chosen = lps.gather(1, targets[:, None]).squeeze(1)
+        ranks = (lps > chosen[:, None]).sum(dim=1) + 1
+        k = r.params.prompt_logprobs
+        top_v, top_i = (lps.topk(k) if k else (None, None))
+        out = []
+        for j in range(end - start):
+            top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
+            out.append((int(targets[j]), float(chosen[j]), int(ranks[j]), top))
+        return out
+
+    def drop_request(self, request_id: str) -> None:
+        if self.kv_cache is not None:
+            self.kv_cache.drop_swapped(request_id)

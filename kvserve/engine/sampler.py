@@ -1,0 +1,125 @@
+"""Sampler: logits of the rows being sampled -> token ids (+ log-probs), on the logits' device.
+
+Order: penalties -> min_tokens mask -> greedy rows take the argmax; the others are divided by
+their temperature, masked by top-k, top-p and min-p, and drawn by the exponential race
+(``argmax(p / q)``, q ~ Exp(1)), which equals drawing from ``p``. A seeded row draws its noise
+from its own generator, so its tokens do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingRow:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    generator: torch.Generator | None
+    num_logprobs: int | None
+    # Penalties: all tokens seen (prompt + output) and output tokens, only when used.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seen_tokens: list[int] | None = None
+    output_tokens: list[int] | None = None
+    banned_tokens: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row, when asked: (logprob of the sampled token, its rank, [(id, logprob)] top-k)
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for i, r in enumerate(rows):
+        if r.repetition_penalty != 1.0 and r.seen_tokens:
+            ids = torch.tensor(sorted(set(r.seen_tokens)), device=logits.device)
+            ids = ids[ids < vocab]
+            v = logits[i, ids]
+            logits[i, ids] = torch.where(v > 0, v / r.repetition_penalty, v * r.repetition_penalty)
+        if (r.presence_penalty or r.frequency_penalty) and r.output_tokens:
+            counts = torch.bincount(torch.tensor(r.output_tokens, device=logits.device), minlength=vocab)[:vocab]
+            logits[i] -= r.frequency_penalty * counts.to(logits.dtype)
+            logits[i] -= r.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p exclude. top_k <= 0 / top_p == 1 / min_p == 0
+    leave a row alone. ``logits`` are already divided by the temperature."""
+    vocab = logits.shape[-1]
+    neg = torch.finfo(logits.dtype).min
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    if bool((k < vocab).any()):
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, neg)
+    if bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already cover top_p; the first always stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), neg)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        thresh = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < thresh, neg)
+    return logits
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        n, vocab = logits.shape
+        want_lp = [r.num_logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_lp) else None
+        if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
+            apply_penalties(logits, rows)
+        for i, r in enumerate(rows):
+            if r.banned_tokens:
+                ids = [t for t in r.banned_tokens if t < vocab]
+                logits[i, ids] = float("-inf")
+        greedy = [r.temperature == 0.0 for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device)
+            scaled = apply_top_k_top_p_min_p(
+                logits / temps.unsqueeze(1),
+                torch.tensor([r.top_k for r in rows], device=logits.device),
+                torch.tensor([r.top_p for r in rows], device=logits.device),
+                torch.tensor([r.min_p for r in rows], device=logits.device))
+            probs = scaled.softmax(dim=-1)
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            for i, r in enumerate(rows):
+                if r.generator is not None and not greedy[i]:
+                    q[i] = torch.empty(vocab).exponential_(generator=r.generator).to(q.device)
+            sampled = (probs / q).argmax(dim=-1)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
+        token_list = tokens.tolist()
+        lps: list = [None] * n
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                if r.num_logprobs is None:
+                    continue
+                row = raw_logprobs[i]
+                tok = token_list[i]
+                lp = row[tok]
+                rank = int((row > lp).sum()) + 1
+                top = []
+                if r.num_logprobs > 0:
+                    vals, ids = row.topk(r.num_logprobs)
+                    top = list(zip(ids.tolist(), vals.tolist()))
+                lps[i] = (float(lp), rank, top)
+        return SamplerOutput(token_list, lps)

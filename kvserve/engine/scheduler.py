@@ -1,0 +1,178 @@
+"""Scheduler: continuous batching by counters.
+
+Each step moves every scheduled request's ``num_computed_tokens`` toward ``num_tokens`` within
+a token budget. A prompt is a request far behind (possibly chunked over several steps), a decode
+step is a request one token behind; prefix-cache hits start a request ahead, preemption sends it
+back to zero (recompute) or keeps its counter with its KV in CPU memory (swap). There is no
+separate prefill phase.
+
+Order: running requests first, in arrival order (they hold KV), then waiting ones, FCFS. When the
+pool runs dry the newest running request is preempted and put at the head of the queue; nothing
+is admitted in a step that preempted, so an old request is never overtaken for long.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    swap_out: dict[str, list[int]] = field(default_factory=dict)  # request id -> device blocks
+    swap_in: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager,
+                 max_model_len: int, swap_capacity_blocks: int = 0):
+        self.config = sched
+        self.cache_config = cache
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swap_capacity_blocks = swap_capacity_blocks
+        self.swap_used_blocks: dict[str, int] = {}
+        self.watermark_blocks = int(cache.watermark * kv.pool.num_blocks)
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def blocks_to_finish(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Blocks a request needs at its largest: its prompt plus n completions."""
+        bs = self.kv.block_size
+        prompt_blocks = -(-num_prompt_tokens // bs)
+        full_prompt_blocks = num_prompt_tokens // bs
+        per_child = -(-(num_prompt_tokens + max_tokens) // bs) - full_prompt_blocks
+        return prompt_blocks + n * per_child
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        out = SchedulerOutput(scheduled, 0)
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (cannot happen for a running request, kept safe)
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, n, self.kv.table(req)))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted; the running list ends here
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            if req.swapped_out:
+                computed: list[int] = []
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+            else:
+                computed = self.kv.get_computed_blocks(req)
+                n_hit = len(computed) * self.kv.block_size
+                n = req.num_tokens - n_hit
+                if not self.config.enable_chunked_prefill and n > budget:
+                    if scheduled:
+                        break
+                    # A prompt over the budget still runs alone rather than never.
+                else:
+                    n = min(n, budget)
+            if not self.kv.allocate_slots(req, n, computed, reserve_blocks=self.watermark_blocks):
+                break
+            self.waiting.popleft()
+            if req.swapped_out:
+                blocks = self.kv.table(req)[: self.kv.blocks_for(req.num_computed_tokens)]
+                out.swap_in[req.request_id] = list(blocks)
+                self.swap_used_blocks.pop(req.request_id, None)
+                req.swapped_out = False
+            else:
+                req.num_computed_tokens = len(computed) * self.kv.block_size
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = time.time()
+                    req.metrics.num_cached_tokens = req.num_computed_tokens
+                    self.kv.record_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n, self.kv.table(req)))
+            budget -= n
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.copies = self.kv.take_pending_copies()
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        req.metrics.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        n_blocks = self.kv.blocks_for(req.num_computed_tokens)
+        free_swap = self.swap_capacity_blocks - sum(self.swap_used_blocks.values())
+        if (self.cache_config.preemption_mode == "swap" and 0 < n_blocks <= free_swap):
+            out.swap_out[req.request_id] = list(self.kv.table(req)[:n_blocks])
+            self.swap_used_blocks[req.request_id] = n_blocks
+            req.swapped_out = True
+        else:
+            req.num_computed_tokens = 0
+        self.kv.free(req)
+        out.preempted.append(req.request_id)
+        self.waiting.appendleft(req)
+
+    # -- after the forward -----------------------------------------------------------------
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark ``req`` finished and give its blocks back (it may be running or waiting)."""
+        req.status = status
+        req.metrics.finished_time = time.time()
+        self.kv.free(req)
+        self.swap_used_blocks.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Put ``child`` right after ``parent`` in the running list, sharing its blocks."""
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1 + child.index - 1, child)

@@ -1,0 +1,71 @@
+"""Per-step and whole-run statistics of the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepStats:
+    step: int
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int
+    num_prompt_tokens: int  # of the batched tokens, those that were prompt (prefill) tokens
+    num_generated_tokens: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int  # blocks holding a reusable prefix (in use or free)
+    kv_slots_allocated: int
+    kv_slots_filled: int
+    prefix_hit_rate: float  # cumulative, over prompt tokens looked up
+    num_preemptions: int  # cumulative
+    step_time: float
+
+    @property
+    def kv_waste(self) -> float:
+        """Allocated token slots not holding a token, over allocated slots."""
+        a = self.kv_slots_allocated
+        return 0.0 if a == 0 else 1.0 - self.kv_slots_filled / a
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_requests_finished: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
+    generation_tokens: int = 0
+    busy_time: float = 0.0  # seconds spent inside step()
+    slots_allocated_sum: int = 0  # summed over steps, for the time-averaged KV waste
+    slots_filled_sum: int = 0
+    peak_kv_blocks_used: int = 0
+    last: StepStats | None = None
+
+    def record(self, s: StepStats) -> None:
+        self.num_steps += 1
+        self.prompt_tokens += s.num_prompt_tokens
+        self.generation_tokens += s.num_generated_tokens
+        self.busy_time += s.step_time
+        self.slots_allocated_sum += s.kv_slots_allocated
+        self.slots_filled_sum += s.kv_slots_filled
+        self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, s.kv_blocks_used)
+        self.last = s
+
+    @property
+    def mean_kv_waste(self) -> float:
+        a = self.slots_allocated_sum
+        return 0.0 if a == 0 else 1.0 - self.slots_filled_sum / a
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return self.generation_tokens / self.busy_time if self.busy_time else 0.0
+
+    def summary(self) -> str:
+        last = self.last
+        hit = last.prefix_hit_rate if last else 0.0
+        pre = last.num_preemptions if last else 0
+        return (f"{self.num_requests_finished} requests, {self.num_steps} steps, "
+                f"{self.prompt_tokens} prompt + {self.generation_tokens} generated tokens in "
+                f"{self.busy_time:.2f}s ({(self.prompt_tokens + self.generation_tokens) / max(self.busy_time, 1e-9):.1f} tok/s, "
+                f"{self.generation_tokens_per_s:.1f} generated tok/s) | prefix-cache hit rate {hit:.1%} | "
+                f"preemptions {pre} | KV waste {self.mean_kv_waste:.2%} (time-averaged) | "
+                f"peak KV blocks {self.peak_kv_blocks_used}")

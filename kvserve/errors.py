@@ -1,0 +1,21 @@
+"""Errors kvserve raises for bad input. All are ValueErrors, so callers can catch them broadly."""
+
+
+class InvalidRequestError(ValueError):
+    """A request or parameter is out of range. ``field`` names the offending parameter."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelLoadError(ValueError):
+    """A model path, file or config that kvserve cannot load; the message names the file."""
+
+
+class ConfigError(ValueError):
+    """An engine option that is out of range; the message names the option."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option

