@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -43,6 +44,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError("prompts", f"must be a string, a dict, a list of token ids or a list of "
+                                      f"those, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

@@ -42,6 +42,10 @@ class SamplingParams:
             bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                bad(name, "a number")
         if not self.temperature >= 0:  # also rejects NaN
             bad("temperature", ">= 0")
         if not 0 < self.top_p <= 1:

@@ -40,11 +40,10 @@ def find_stop(req: Request, num_new_chars: int) -> str | None:
     if not stops or num_new_chars == 0:
         return None
     text = req.output_text
-    longest = max(len(s) for s in stops)
-    window_start = max(0, len(text) - num_new_chars - longest + 1)
     best = None
     for s in stops:
-        idx = text.find(s, window_start)
+        # Only a match that ends in the new text counts: older text was checked before.
+        idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, s)
     if best is None:

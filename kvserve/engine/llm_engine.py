@@ -94,7 +94,7 @@ class LLMEngine:
         if n == 0:
             raise InvalidRequestError("prompt", "must not be empty")
         vocab = self.arch.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        if any(type(t) is not int or not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"has {n} tokens; max_model_len is {self.max_model_len}, "

@@ -66,6 +66,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
         # Drop a token when the tokens before it already cover top_p; the first always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
         drop[:, 0] = False
+        drop &= (top_p < 1).unsqueeze(1)  # a cumsum rounding past 1.0 must not touch p == 1 rows
         logits = logits.masked_fill(drop.scatter(1, order, drop), neg)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)

@@ -26,11 +26,11 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_table: list[int]
+    samples: bool = False  # the step reaches the end of the known tokens, so a token is sampled
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self):
+        r = self.request
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclass
@@ -120,7 +120,9 @@ class Scheduler:
                     # A prompt over the budget still runs alone rather than never.
                 else:
                     n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, computed, reserve_blocks=self.watermark_blocks):
+            # The watermark keeps room for running requests to grow; alone, a request may use it all.
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.kv.allocate_slots(req, n, computed, reserve_blocks=reserve):
                 break
             self.waiting.popleft()
             if req.swapped_out:

@@ -112,7 +112,7 @@ def iter_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor
         shape = tuple(int(x) for x in reversed(t.shape))
         if data.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: tensor {t.name!r} is truncated ({data.size} values, expected {shape})")
-        w = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+        w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
         if arch.family == "llama" and rest_is(t.name, "attn_q.weight"):
             w = _unpermute(w, arch.num_heads)
         elif arch.family == "llama" and rest_is(t.name, "attn_k.weight"):

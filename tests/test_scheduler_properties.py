@@ -1,0 +1,515 @@
+"""Property-based tests of Scheduler + KVCacheManager, with no model.
+
+A ``Sim`` drives the scheduler exactly as ``LLMEngine.step`` does (advance
+``num_computed_tokens``, sample a token when ``ScheduledRequest.samples``, fork ``n > 1`` requests,
+finish at ``max_tokens``) and plays the model runner against a *shadow KV cache*: every slot
+records which token prefix its KV was computed from. Swap-out, copy-on-write and swap-in are
+applied in the runner's order, every scheduled token is written, and then every position a
+scheduled request attends to must hold exactly that request's prefix. So prefix-cache hits,
+copy on write, swapping and preemption are checked for what they are for: the right KV.
+
+After every operation the bookkeeping invariants are checked too (reference counts, hashes, no
+leaked block, queues consistent), and at the end every request must finish within a bounded
+number of steps, in arrival order of admission, leaving the pool empty.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
+from kvserve.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 4096
+
+
+def prefix_keys(tokens: list[int]) -> list[int]:
+    """keys[p] identifies tokens[:p + 1], what the KV at position p is computed from."""
+    keys, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        keys.append(h)
+    return keys
+
+
+class Sim:
+    """Scheduler + KVCacheManager + a shadow KV cache, stepped like LLMEngine.step."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, mode: str = "recompute",
+                 swap_blocks: int = 0, budget: int = 2048, max_num_seqs: int = 256,
+                 chunked: bool = True, caching: bool = True, watermark: float = 0.0,
+                 seed: int = 0, vocab: int = 50):
+        cache = CacheConfig(block_size=block_size, preemption_mode=mode, watermark=watermark,
+                            enable_prefix_caching=caching, swap_space=swap_blocks * 1024)
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                enable_chunked_prefill=chunked)
+        self.bs = block_size
+        self.kv = KVCacheManager(num_blocks, block_size, caching, hash_extra=b"test")
+        self.sched = Scheduler(sched, cache, self.kv, MAX_MODEL_LEN,
+                               swap_capacity_blocks=swap_blocks if mode == "swap" else 0)
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.live: list[Request] = []  # unfinished requests, children included
+        self.order: dict[str, int] = {}  # group id -> arrival sequence number
+        self.first_step: dict[str, int] = {}  # group id -> step of first scheduling
+        self.finished: list[Request] = []
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)  # shadow KV
+        self.swapped: dict[str, list[list[int | None]]] = {}  # shadow CPU swap space
+        self.steps = 0
+        self.num_copies = 0
+        self.max_preempted_in_a_row = 0
+        self.check()
+
+    # -- requests --------------------------------------------------------------------------
+    def fits(self, prompt_len: int, max_tokens: int, n: int) -> bool:
+        """LLMEngine.validate's capacity check."""
+        return self.sched.blocks_to_finish(prompt_len, max_tokens, n) <= self.kv.pool.num_blocks
+
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1, prompt_logprobs: bool = False) -> Request | None:
+        if not self.fits(len(prompt), max_tokens, n):
+            return None  # LLMEngine.validate would reject it
+        rid = f"r{len(self.order)}"
+        params = SamplingParams(n=n, max_tokens=max_tokens, prompt_logprobs=0 if prompt_logprobs else None)
+        req = Request(rid, list(prompt), params, max_model_len=MAX_MODEL_LEN)
+        self.order[rid] = len(self.order)
+        self.sched.add_request(req)
+        self.live.append(req)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.sched.finish(req, status)
+        self.swapped.pop(req.request_id, None)  # runner.drop_request
+        self.live.remove(req)
+        self.finished.append(req)
+        assert req.request_id not in self.kv.tables
+        assert req.request_id not in self.sched.swap_used_blocks
+
+    def abort(self, req: Request) -> None:
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def slot(self, table: list[int], p: int) -> int:
+        return table[p // self.bs] * self.bs + p % self.bs
+
+    # -- one step --------------------------------------------------------------------------
+    def step(self, on_schedule=None):
+        """One engine step; ``on_schedule(out)`` sees the output before the model "runs"."""
+        sched, kv, bs = self.sched, self.kv, self.bs
+        oldest_running = sched.running[0] if sched.running else None
+        unfinished_before = sched.num_unfinished
+        out = sched.schedule()
+        self.steps += 1
+        if on_schedule is not None:
+            on_schedule(out)
+        scheduled = [s.request for s in out.scheduled]
+
+        # -- the output itself ---------------------------------------------------------------
+        assert len({id(r) for r in scheduled}) == len(scheduled), "a request scheduled twice"
+        if unfinished_before:
+            assert out.scheduled, "unfinished requests but an empty step: no progress"
+        if oldest_running is not None and oldest_running.request_id not in out.preempted:
+            assert oldest_running in scheduled, "the oldest running request was skipped"
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        if sched.config.enable_chunked_prefill or len(out.scheduled) > 1:
+            assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        if out.preempted:
+            assert not out.swap_in, "admitted a swapped request in a step that preempted"
+        for rid in out.swap_out:
+            assert sched.cache_config.preemption_mode == "swap" and rid in out.preempted
+        for s in out.scheduled:
+            r = s.request
+            assert r in sched.running and r.status == RequestStatus.RUNNING
+            assert s.num_new_tokens >= 1
+            assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
+            assert s.block_table == kv.table(r)
+            assert len(s.block_table) == kv.blocks_for(r.num_computed_tokens + s.num_new_tokens)
+            if r.group_id not in self.first_step:
+                self.first_step[r.group_id] = self.steps
+        for rid in out.preempted:
+            assert rid not in {r.request_id for r in scheduled}
+        dsts = [d for _, d in out.copies]
+        assert len(set(dsts)) == len(dsts)
+        assert not set(dsts) & {s for s, _ in out.copies}
+        self.num_copies += len(out.copies)
+
+        # -- the shadow runner: swap out, copy on write, swap in, write, then read -----------
+        for rid, blocks in out.swap_out.items():
+            self.swapped[rid] = [self.slots[b * bs:(b + 1) * bs] for b in blocks]
+        if out.copies:
+            data = [self.slots[s * bs:(s + 1) * bs] for s, _ in out.copies]
+            for (_, d), content in zip(out.copies, data):
+                self.slots[d * bs:(d + 1) * bs] = content
+        for rid, blocks in out.swap_in.items():
+            saved = self.swapped.pop(rid)
+            assert len(saved) == len(blocks)
+            for b, content in zip(blocks, saved):
+                self.slots[b * bs:(b + 1) * bs] = content
+        assert set(self.swapped) == {r.request_id for r in sched.waiting if r.swapped_out}
+
+        writes: dict[int, int] = {}
+        keys = {}
+        for s in out.scheduled:
+            r = s.request
+            keys[r.request_id] = k = prefix_keys(r.all_token_ids)
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
+                slot = self.slot(s.block_table, p)
+                assert writes.setdefault(slot, k[p]) == k[p], (
+                    f"two requests write different KV into block {slot // bs} in one step")
+        for slot, key in writes.items():
+            self.slots[slot] = key
+        for s in out.scheduled:
+            r = s.request
+            k = keys[r.request_id]
+            for p in range(r.num_computed_tokens + s.num_new_tokens):
+                got = self.slots[self.slot(s.block_table, p)]
+                assert got == k[p], (
+                    f"{r.request_id} reads wrong KV at position {p} (block {s.block_table[p // bs]})")
+
+        # -- LLMEngine._update: advance, sample, fork, finish --------------------------------
+        for s in out.scheduled:
+            r = s.request
+            samples = s.samples
+            r.num_computed_tokens += s.num_new_tokens
+            if not samples:
+                continue
+            siblings = [r]
+            if r.pending_forks:
+                for i in range(1, r.pending_forks + 1):
+                    child = r.fork(i)
+                    sched.fork(r, child)
+                    self.live.append(child)
+                    siblings.append(child)
+                r.pending_forks = 0
+            for x in siblings:
+                x.append_token(self.rng.randrange(self.vocab))
+                if x.num_output_tokens >= x.max_tokens:
+                    self._finish(x, RequestStatus.FINISHED_LENGTH)
+        self.check()
+        return out
+
+    def run_to_completion(self, max_steps: int | None = None) -> int:
+        if max_steps is None:
+            max_steps = self.step_bound()
+        start = self.steps
+        while self.sched.num_unfinished:
+            assert self.steps - start < max_steps, (
+                f"starvation: {self.sched.num_unfinished} requests unfinished after {max_steps} steps "
+                f"(running={self.sched.running}, waiting={list(self.sched.waiting)})")
+            self.step()
+        self.check_drained()
+        return self.steps - start
+
+    def step_bound(self) -> int:
+        """Generous: each step moves the oldest running request forward, which is never
+        preempted, so each request needs at most its prompt plus its outputs, per sibling."""
+        total = 0
+        for r in self.live:
+            per = r.num_tokens + r.max_tokens + 2
+            total += per * (1 + r.pending_forks)
+        return 2 * total + 20
+
+    # -- invariants ------------------------------------------------------------------------
+    def check(self) -> None:
+        sched, kv, pool = self.sched, self.kv, self.kv.pool
+        kv.check_invariants(self.live)
+        running, waiting = sched.running, list(sched.waiting)
+        assert len({id(r) for r in running + waiting}) == len(running) + len(waiting)
+        assert {id(r) for r in running + waiting} == {id(r) for r in self.live}, \
+            "a live request is in neither queue, or a finished one in a queue"
+        for r in running:
+            assert r.status == RequestStatus.RUNNING and not r.swapped_out
+            assert r.request_id in kv.tables, f"running {r} has no block table"
+            assert len(kv.tables[r.request_id]) == kv.blocks_for(r.num_computed_tokens)
+            assert r.num_computed_tokens < r.num_tokens
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.request_id not in kv.tables, f"waiting {r} holds blocks"
+            if r.swapped_out:
+                assert sched.swap_used_blocks[r.request_id] == kv.blocks_for(r.num_computed_tokens) > 0
+            else:
+                assert r.request_id not in sched.swap_used_blocks
+                assert r.num_computed_tokens == 0
+        assert sum(sched.swap_used_blocks.values()) <= sched.swap_capacity_blocks
+        assert set(sched.swap_used_blocks) == {r.request_id for r in waiting if r.swapped_out}
+        # Every used block is in some table, every table block is used: nothing leaked.
+        distinct = {b for t in kv.tables.values() for b in t}
+        assert pool.num_used_blocks == len(distinct), "leaked (or double-owned) blocks"
+        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+        # Within a table a block appears once.
+        for rid, t in kv.tables.items():
+            assert len(set(t)) == len(t), rid
+        # Running then waiting: arrival order (children right after their group).
+        key = [(self.order[r.group_id], r.index) for r in running + waiting]
+        assert key == sorted(key), "queues out of arrival order"
+
+    def check_drained(self) -> None:
+        assert not self.live and self.sched.num_unfinished == 0
+        assert self.kv.pool.num_used_blocks == 0, "blocks leaked after every request finished"
+        assert not self.kv.tables and not self.kv._num_hashed
+        assert not self.sched.swap_used_blocks and not self.swapped
+        assert not self.kv.pending_copies
+        # FCFS: groups were first scheduled in arrival order.
+        firsts = [self.first_step[g] for g in sorted(self.first_step, key=self.order.get)]
+        assert firsts == sorted(firsts), "a later request was admitted before an earlier one"
+
+
+# -- the state machine ------------------------------------------------------------------------
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([4, 16]),
+        num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 40)),
+        mode=st.sampled_from(["recompute", "swap"]),
+        swap_blocks=st.one_of(st.integers(0, 8), st.just(64)),
+        budget=st.sampled_from([7, 16, 64, 2048]),
+        max_num_seqs=st.sampled_from([2, 3, 256]),
+        chunked=st.booleans(),
+        caching=st.sampled_from([True, True, True, False]),
+        vocab=st.sampled_from([2, 50]),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def setup(self, **kw):
+        self.sim = Sim(**kw)
+        self.prompts: list[list[int]] = []
+
+    @rule(data=st.data(),
+          length=st.integers(1, 80),
+          max_tokens=st.one_of(st.integers(1, 8), st.integers(1, 48)),
+          n=st.integers(1, 3),
+          share=st.sampled_from(["new", "new", "prefix", "same"]),
+          prompt_logprobs=st.sampled_from([False, False, False, False, True]))
+    def add(self, data, length, max_tokens, n, share, prompt_logprobs):
+        sim = self.sim
+        rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="prompt_seed"))
+        if share != "new" and self.prompts:
+            base = data.draw(st.sampled_from(self.prompts), label="base")
+            if share == "same":
+                prompt = list(base)
+            else:
+                keep = data.draw(st.integers(1, len(base)), label="keep")
+                prompt = base[:keep] + [rng.randrange(sim.vocab) for _ in range(max(0, length - keep))]
+        else:
+            prompt = [rng.randrange(sim.vocab) for _ in range(length)]
+        if sim.add(prompt, max_tokens, n, prompt_logprobs) is not None:
+            self.prompts.append(prompt)
+
+    @rule()
+    def step(self):
+        self.sim.step()
+
+    @rule(k=st.integers(1, 6))
+    def steps(self, k):
+        for _ in range(k):
+            if not self.sim.sched.num_unfinished:
+                break
+            self.sim.step()
+
+    @precondition(lambda self: self.sim.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        req = data.draw(st.sampled_from(self.sim.live), label="victim")
+        self.sim.abort(req)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.sim.kv.pool.reset_prefix_cache()
+
+    @invariant()
+    def invariants_hold(self):
+        self.sim.check()
+
+    def teardown(self):
+        # Everything still live must finish within a bounded number of steps, leaking nothing.
+        if hasattr(self, "sim"):
+            self.sim.run_to_completion()
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.filter_too_much])
+
+
+# -- run-to-completion over random workloads -----------------------------------------------------
+workload = st.lists(
+    st.tuples(st.integers(1, 80), st.integers(1, 40), st.integers(1, 3), st.integers(0, 3)),
+    min_size=1, max_size=10)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=workload,
+       block_size=st.sampled_from([4, 16]),
+       num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 40)),
+       mode=st.sampled_from(["recompute", "swap"]),
+       swap_blocks=st.one_of(st.integers(0, 8), st.just(64)),
+       budget=st.sampled_from([16, 64, 2048]),
+       chunked=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_all_requests_finish_fcfs_without_leaks(reqs, block_size, num_blocks, mode, swap_blocks,
+                                                budget, chunked, seed):
+    sim = Sim(num_blocks=num_blocks, block_size=block_size, mode=mode, swap_blocks=swap_blocks,
+              budget=budget, chunked=chunked, seed=seed)
+    rng = random.Random(seed)
+    shared = [rng.randrange(50) for _ in range(80)]
+    added = []
+    for length, max_tokens, n, prefix_kind in reqs:
+        # prefix_kind 0: fresh prompt; 1..3: share a common prefix of 16 * kind tokens.
+        prompt = [rng.randrange(50) for _ in range(length)]
+        if prefix_kind:
+            prompt = shared[:16 * prefix_kind] + prompt
+            prompt = prompt[:80]
+        r = sim.add(prompt, max_tokens, n)
+        if r is not None:
+            added.append(r)
+    sim.run_to_completion()
+    for r in added:
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.num_output_tokens == r.max_tokens
+    for r in sim.finished:
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+    assert len(sim.finished) == sum(r.params.n for r in added), "lost a fork"
+
+
+# -- specific scenarios ---------------------------------------------------------------------------
+def test_fork_shares_prompt_blocks_then_copy_on_write():
+    bs = 4
+    sim = Sim(num_blocks=16, block_size=bs)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + a partial one
+    assert len(prompt) % bs != 0
+    parent = sim.add(prompt, max_tokens=4, n=3)
+    out = sim.step()  # the whole prompt; samples 3 tokens and forks
+    assert [s.request for s in out.scheduled] == [parent] and not out.copies
+    group = [r for r in sim.live if r.group_id == parent.request_id]
+    assert [r.index for r in group] == [0, 1, 2]
+    tables = [list(sim.kv.table(r)) for r in group]
+    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
+    for b in tables[0]:
+        assert sim.kv.pool.blocks[b].ref_cnt == 3, "the children share the prompt's blocks"
+    shared_last = tables[0][-1]
+    used_before = sim.kv.pool.num_used_blocks
+
+    out = sim.step()  # first decode step: each sibling writes position 10, in the shared block
+    assert [s.request for s in out.scheduled] == group
+    assert out.copies, "no copy on write recorded"
+    assert len(out.copies) == 2  # the last sibling to write keeps the original
+    assert all(src == shared_last for src, _ in out.copies)
+    lasts = [sim.kv.table(r)[-1] for r in group]
+    assert len(set(lasts)) == 3, "each sibling gets a private last block"
+    assert {d for _, d in out.copies} | {shared_last} == set(lasts)
+    for b in lasts:
+        assert sim.kv.pool.blocks[b].ref_cnt == 1
+    for b in tables[0][:-1]:
+        assert sim.kv.pool.blocks[b].ref_cnt == 3, "full prompt blocks stay shared"
+    assert sim.kv.pool.num_used_blocks == used_before + 2
+    sim.run_to_completion()
+
+
+@pytest.mark.parametrize("finish_first", [False, True])
+def test_prefix_cache_hit_across_steps(finish_first):
+    bs = 16
+    sim = Sim(num_blocks=32, block_size=bs)
+    prompt = [random.Random(7).randrange(1000) for _ in range(64)]
+    a = sim.add(prompt, max_tokens=8)
+    sim.step()  # a's prompt, all 64 tokens, registers its 4 full blocks
+    assert a.num_computed_tokens == 64
+    if finish_first:
+        sim.run_to_completion()  # a's blocks go back to the pool, still cached
+        assert sim.kv.pool.num_used_blocks == 0 and sim.kv.pool.num_cached_blocks >= 4
+    hits_before = sim.kv.prefix_hits
+    b = sim.add(prompt, max_tokens=2)
+    seen = {}
+
+    def on_schedule(out):
+        sb = next(s for s in out.scheduled if s.request is b)
+        seen.update(computed=b.num_computed_tokens, new=sb.num_new_tokens, samples=sb.samples)
+        if not finish_first:
+            assert sim.kv.table(b)[:3] == sim.kv.table(a)[:3], "b shares a's cached blocks"
+            assert sim.kv.table(b)[3] != sim.kv.table(a)[3]
+            for blk in sim.kv.table(b)[:3]:
+                assert sim.kv.pool.blocks[blk].ref_cnt == 2
+
+    sim.step(on_schedule)
+    # 3 full blocks from the cache; the 4th is recomputed so the step has logits to sample.
+    assert seen == {"computed": 48, "new": 16, "samples": True}
+    assert b.num_computed_tokens == 64 and b.num_output_tokens == 1
+    assert sim.kv.prefix_hits - hits_before == 48
+    assert sim.kv.prefix_queries == 128
+    assert b.metrics.num_cached_tokens == 48
+    sim.run_to_completion()
+
+
+def test_preemption_happens_in_both_modes():
+    """The small pools of the property tests do preempt (so those tests exercise it)."""
+    for mode in ("recompute", "swap"):
+        sim = Sim(num_blocks=8, block_size=4, mode=mode, swap_blocks=16, seed=1)
+        for i in range(4):
+            sim.add([i + 1] * 5, max_tokens=20)
+        sim.run_to_completion()
+        assert sim.sched.num_preemptions > 0, mode
+        assert all(r.num_output_tokens == 20 for r in sim.finished)
+
+
+def test_swap_keeps_progress():
+    sim = Sim(num_blocks=8, block_size=4, mode="swap", swap_blocks=16, seed=3)
+    reqs = [sim.add([i + 1] * 6, max_tokens=20) for i in range(3)]
+    swapped_seen = False
+    while sim.sched.num_unfinished:
+        out = sim.step()
+        for rid in out.swap_out:
+            r = next(x for x in reqs if x.request_id == rid)
+            assert r.swapped_out and r.num_computed_tokens > 0
+            swapped_seen = True
+    assert swapped_seen
+    sim.check_drained()
+
+
+# -- the admission watermark must not strand a request the engine accepted -------------------------
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=workload,
+       block_size=st.sampled_from([4, 16]),
+       num_blocks=st.integers(8, 40),
+       watermark=st.sampled_from([0.05, 0.1, 0.2]),
+       mode=st.sampled_from(["recompute", "swap"]),
+       budget=st.sampled_from([16, 64, 2048]),
+       chunked=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_all_requests_finish_with_watermark(reqs, block_size, num_blocks, watermark, mode, budget,
+                                            chunked, seed):
+    """Same as above with a non-zero watermark (the default 0.01 is 0 blocks below 100 blocks).
+    Every request LLMEngine.validate accepts (blocks_to_finish <= num_blocks) must finish."""
+    sim = Sim(num_blocks=num_blocks, block_size=block_size, mode=mode, swap_blocks=64,
+              budget=budget, chunked=chunked, watermark=watermark, seed=seed)
+    rng = random.Random(seed)
+    for length, max_tokens, n, _ in reqs:
+        sim.add([rng.randrange(50) for _ in range(length)], max_tokens, n)
+    sim.run_to_completion()
+
+
+@pytest.mark.parametrize("chunked,budget", [(False, 2048), (True, 8192)])
+def test_accepted_prompt_is_admitted_default_watermark(chunked, budget):
+    """A 3184-token prompt on a 200-block pool (block_size 16): blocks_to_finish = 200, so
+    LLMEngine.validate accepts it, but admission asks for 199 blocks + the 2-block watermark
+    (0.01 * 200) and the request waits forever on an empty pool."""
+    sim = Sim(num_blocks=200, block_size=16, watermark=0.01, chunked=chunked, budget=budget)
+    assert sim.add(list(range(3184)), max_tokens=16) is not None
+    assert sim.sched.blocks_to_finish(3184, 16, 1) == 200
+    sim.run_to_completion(max_steps=50)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_request_is_readmitted_default_watermark(mode):
+    """Default watermark (0.01 -> 1 block of 100). r1 (396-token prompt, max_tokens 4,
+    blocks_to_finish 100) is admitted and prefilled, then preempts itself when it needs its
+    100th block while r0 holds one. Its recompute / swap-in needs 100 blocks + 1 of watermark,
+    which never fits, even once r0 has finished and the pool is empty."""
+    sim = Sim(num_blocks=100, block_size=4, watermark=0.01, budget=393, mode=mode, swap_blocks=200)
+    sim.add([7], max_tokens=3)
+    r1 = sim.add(list(range(1, 397)), max_tokens=4)
+    assert r1 is not None and sim.sched.blocks_to_finish(396, 4, 1) == 100
+    sim.run_to_completion(max_steps=50)
+    assert r1.num_output_tokens == 4
