@@ -492,9 +492,9 @@ def test_all_requests_finish_with_watermark(reqs, block_size, num_blocks, waterm
 
 @pytest.mark.parametrize("chunked,budget", [(False, 2048), (True, 8192)])
 def test_accepted_prompt_is_admitted_default_watermark(chunked, budget):
-    """A 3184-token prompt on a 200-block pool (block_size 16): blocks_to_finish = 200, so
-    LLMEngine.validate accepts it, but admission asks for 199 blocks + the 2-block watermark
-    (0.01 * 200) and the request waits forever on an empty pool."""
+    """Regression: a 3184-token prompt on a 200-block pool (block_size 16) has
+    blocks_to_finish = 200, so LLMEngine.validate accepts it; admission used to ask for its 199
+    blocks + the 2-block watermark (0.01 * 200) even on an empty pool, so it waited forever."""
     sim = Sim(num_blocks=200, block_size=16, watermark=0.01, chunked=chunked, budget=budget)
     assert sim.add(list(range(3184)), max_tokens=16) is not None
     assert sim.sched.blocks_to_finish(3184, 16, 1) == 200
@@ -503,10 +503,10 @@ def test_accepted_prompt_is_admitted_default_watermark(chunked, budget):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_request_is_readmitted_default_watermark(mode):
-    """Default watermark (0.01 -> 1 block of 100). r1 (396-token prompt, max_tokens 4,
-    blocks_to_finish 100) is admitted and prefilled, then preempts itself when it needs its
-    100th block while r0 holds one. Its recompute / swap-in needs 100 blocks + 1 of watermark,
-    which never fits, even once r0 has finished and the pool is empty."""
+    """Regression, default watermark (0.01 -> 1 block of 100). r1 (396-token prompt,
+    max_tokens 4, blocks_to_finish 100) is admitted and prefilled, then preempts itself when it
+    needs its 100th block while r0 holds one. Its recompute / swap-in needs 100 blocks, which
+    used to be asked for with 1 watermark block on top: never granted, even on an empty pool."""
     sim = Sim(num_blocks=100, block_size=4, watermark=0.01, budget=393, mode=mode, swap_blocks=200)
     sim.add([7], max_tokens=3)
     r1 = sim.add(list(range(1, 397)), max_tokens=4)

