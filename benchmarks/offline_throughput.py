@@ -5,9 +5,12 @@ lengths uniform in [--min-prompt, --max-prompt] and output lengths uniform in
 [--min-output, --max-output] (EOS ignored, so every request produces exactly its length).
 
 kvserve gets all requests at once (continuous batching, each request stops at its own length).
-transformers' ``generate`` gets them in batches of ``--hf-batch-size`` (left-padded), each batch
-running to its longest output, its best use for a mixed offline batch. Useful output tokens
-(what the requests asked for) over wall time is compared. Prints a table; writes JSON.
+transformers' ``generate`` runs them two ways: one request at a time (what ``generate`` does with
+concurrent requests when nothing batches them) and in static batches of ``--hf-batch-size``
+(left-padded, each batch running to its longest output: its best use for a mixed offline
+batch). Both use transformers' own Llama holding exactly kvserve's weights, dense, in the same
+dtype. Useful output tokens (what the requests asked for) over wall time is compared. Prints a
+table; writes JSON.
 
     python benchmarks/offline_throughput.py                      # default model, CPU
     python benchmarks/offline_throughput.py --model dummy:llama-3-8b --device cuda --num-prompts 256
@@ -78,29 +81,59 @@ def run_transformers(model, prompts, outputs, batch_size: int, device) -> float:
     return time.perf_counter() - t0
 
 
-def load_transformers(model: str | None, llm: LLM, dtype, device):
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-    from kvserve.models.loader import default_model_path
-    path = model or default_model_path()
-    if path.startswith("dummy:"):  # same shape, random weights: speed depends on shape only
-        a = llm.engine.arch
-        cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                          num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
-                          num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
-                          max_position_embeddings=a.max_position_embeddings,
-                          tie_word_embeddings=a.tie_word_embeddings)
-        with torch.device(device):
-            return LlamaForCausalLM(cfg).to(dtype).eval()
-    if path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=dtype).to(device).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+def load_transformers(llm: LLM, dtype, device):
+    """transformers' own LlamaForCausalLM holding exactly kvserve's weights, dense.
+
+    (transformers can load the GGUF itself, but then keeps the 4-bit weights packed and
+    dequantizes inside every matmul; dense weights are its fastest configuration.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    a = llm.engine.arch
+    if a.family != "llama":
+        raise SystemExit("the transformers baseline here is built for Llama-family shapes")
+    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                      num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+                      num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+                      rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
+                      max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings)
+    with torch.device(device):
+        hf = LlamaForCausalLM(cfg).to(dtype)
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    state = {}
+    for name, t in llm.engine.runner.model.state_dict().items():
+        base = "model." + name if not name.startswith("lm_head") else name
+        if ".qkv_proj." in name:
+            for part, sl in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, None))):
+                state[base.replace("qkv_proj", part)] = t[sl]
+        elif ".gate_up_proj." in name:
+            i = a.intermediate_size
+            state[base.replace("gate_up_proj", "gate_proj")] = t[:i]
+            state[base.replace("gate_up_proj", "up_proj")] = t[i:]
+        else:
+            state[base] = t
+    if a.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf.eval()
+
+
+def check_same_model(llm: LLM, hf, prompt: list[int], device) -> None:
+    """The baseline must be the same model: greedy continuations agree."""
+    ours = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    agree = sum(a == b for a, b in zip(ours, ref))
+    print(f"baseline check: {agree}/8 greedy tokens equal (kvserve {ours}, transformers {ref})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="both engines run in this dtype")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="kvserve's concurrency (requests in flight)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=512)
@@ -109,10 +142,11 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-sequential", action="store_true", help="skip the one-at-a-time transformers run")
     ap.add_argument("--json-out", default="benchmarks/results/offline_throughput.json")
     args = ap.parse_args()
 
-    llm = LLM(args.model, device=args.device, show_progress=False)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, show_progress=False)
     device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
     prompts, outputs = make_workload(args, llm.engine.arch.vocab_size, llm.get_tokenizer())
     n_out = sum(outputs)
@@ -123,27 +157,35 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "model": args.model or "SmolLM2-135M-Instruct (default)",
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "dtype": str(dtype), "num_prompts": args.num_prompts, "prompt_tokens": sum(map(len, prompts)),
+        "dtype": str(dtype), "num_prompts": args.num_prompts, "max_num_seqs": args.max_num_seqs, "prompt_tokens": sum(map(len, prompts)),
         "output_tokens": n_out, "kvserve_s": t_kv, "kvserve_out_tok_s": n_out / t_kv,
         "kv_waste_mean": llm.stats.mean_kv_waste,
     }
     if not args.skip_transformers:
-        hf = load_transformers(args.model, llm, dtype, device)
+        hf = load_transformers(llm, dtype, device)
+        check_same_model(llm, hf, prompts[0], device)
         run_transformers(hf, prompts[:2], [4, 4], 2, device)
-        t_hf = run_transformers(hf, prompts, outputs, args.hf_batch_size, device)
-        result.update(transformers_s=t_hf, transformers_out_tok_s=n_out / t_hf, speedup=t_hf / t_kv,
-                      hf_batch_size=args.hf_batch_size)
+        for label, bsz in (("sequential", 1), ("batched", args.hf_batch_size)):
+            if label == "sequential" and args.skip_sequential:
+                continue
+            t_hf = run_transformers(hf, prompts, outputs, bsz, device)
+            result[f"transformers_{label}_s"] = t_hf
+            result[f"transformers_{label}_out_tok_s"] = n_out / t_hf
+            result[f"speedup_vs_{label}"] = t_hf / t_kv
+        result["hf_batch_size"] = args.hf_batch_size
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\nworkload: {args.num_prompts} prompts, {result['prompt_tokens']} prompt tokens, {n_out} output "
+    print(f"\nworkload: {args.num_prompts} prompts, kvserve {args.max_num_seqs} in flight, {result['prompt_tokens']} prompt tokens, {n_out} output "
           f"tokens ({args.min_output}-{args.max_output} each), {result['device']}, {dtype}")
     print(f"{'engine':<28}{'time (s)':>10}{'output tok/s':>14}")
-    print(f"{'kvserve':<28}{t_kv:>10.2f}{n_out / t_kv:>14.1f}")
-    if "transformers_s" in result:
-        print(f"{'transformers generate (b=' + str(args.hf_batch_size) + ')':<28}"
-              f"{result['transformers_s']:>10.2f}{result['transformers_out_tok_s']:>14.1f}")
-        print(f"kvserve / transformers = {result['speedup']:.2f}x")
+    print(f"{'kvserve':<34}{t_kv:>10.2f}{n_out / t_kv:>14.1f}")
+    for label, name in (("sequential", "transformers generate, 1 at a time"),
+                        ("batched", f"transformers generate, batch {args.hf_batch_size}")):
+        if f"transformers_{label}_s" in result:
+            print(f"{name:<34}{result[f'transformers_{label}_s']:>10.2f}"
+                  f"{result[f'transformers_{label}_out_tok_s']:>14.1f}   kvserve is "
+                  f"{result[f'speedup_vs_{label}']:.2f}x")
     print(f"kvserve KV waste (time-averaged): {result['kv_waste_mean']:.2%}")
 
 

@@ -138,9 +138,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_tables=tables.to(self.device),
-            seq_lens=seq_lens, query_lens=qlens, query_start=query_start, block_size=bs,
-            decode_seqs=[i for i, q in enumerate(qlens) if q == 1],
-            prefill_seqs=[i for i, q in enumerate(qlens) if q != 1])
+            seq_lens=seq_lens, query_lens=qlens, query_start=query_start, block_size=bs)
         self.backend.prepare(meta, self.device)
         return meta, torch.tensor(positions, dtype=torch.long, device=self.device)
 

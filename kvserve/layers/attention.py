@@ -28,12 +28,8 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence this step
     query_start: list[int]  # B + 1 offsets into the token axis
     block_size: int
-    decode_seqs: list[int]  # sequences with exactly one new token
-    prefill_seqs: list[int]  # the others
-    # Derived tensors for batched decode, built once per step and shared by all layers.
-    decode_token_idx: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] bool
-    decode_tables: torch.Tensor | None = None
+    # Per sequence, its own blocks (no padding), built once per step and shared by all layers.
+    seq_tables: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -62,60 +58,45 @@ def get_forward_context() -> ForwardContext:
 
 
 class TorchPagedAttention:
-    """Reference backend: plain PyTorch, any device. Decode sequences are batched into one
-    masked SDPA call; each prompt chunk gets its own call with a causal mask offset by its
-    cached context."""
+    """Reference backend: plain PyTorch, any device."""
 
     name = "torch"
 
     @staticmethod
     def prepare(meta: AttentionMetadata, device: torch.device) -> None:
-        if not meta.decode_seqs:
-            return
-        idx = meta.decode_seqs
-        meta.decode_token_idx = torch.tensor([meta.query_start[i] for i in idx], device=device)
-        lens = torch.tensor([meta.seq_lens[i] for i in idx], device=device)
-        max_len = int(max(meta.seq_lens[i] for i in idx))
-        n_blocks = -(-max_len // meta.block_size)
-        meta.decode_tables = meta.block_tables[torch.tensor(idx, device=device), :n_blocks]
-        pos = torch.arange(n_blocks * meta.block_size, device=device)
-        meta.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        bs = meta.block_size
+        meta.seq_tables = [meta.block_tables[i, : -(-L // bs)] for i, L in enumerate(meta.seq_lens)]
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, bs, KVH, D]. Returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, bs, KVH, D]. Returns [T, H, D].
+
+        One SDPA call per sequence over exactly its keys, gathered with index_select: on the
+        CPU this beats one padded, masked call for the batch (masks force a slow path)."""
         nb, bs, kvh, d = k_cache.shape
         k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
-        if meta.decode_seqs:
-            tables = meta.decode_tables
-            b = tables.shape[0]
-            keys = k_cache[tables].reshape(b, -1, kvh, d).transpose(1, 2)
-            vals = v_cache[tables].reshape(b, -1, kvh, d).transpose(1, 2)
-            qd = q[meta.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, keys.to(q.dtype), vals.to(q.dtype),
-                                               attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-            out[meta.decode_token_idx] = o.squeeze(2)
-        for i in meta.prefill_seqs:
+        # On the CPU the half-precision SDPA kernels are several times slower than float32
+        # (and less exact): gather K/V straight into float32 there.
+        acc = torch.float32 if q.device.type == "cpu" else q.dtype
+        q = q.to(acc)
+        for i, table in enumerate(meta.seq_tables):
             s, e = meta.query_start[i], meta.query_start[i + 1]
             L, ql = meta.seq_lens[i], e - s
-            n_blocks = -(-L // bs)
-            table = meta.block_tables[i, :n_blocks]
-            keys = k_cache[table].reshape(-1, kvh, d)[:L].transpose(0, 1).unsqueeze(0)
-            vals = v_cache[table].reshape(-1, kvh, d)[:L].transpose(0, 1).unsqueeze(0)
+            keys = k_cache.index_select(0, table).view(-1, kvh, d)[:L].transpose(0, 1).unsqueeze(0)
+            vals = v_cache.index_select(0, table).view(-1, kvh, d)[:L].transpose(0, 1).unsqueeze(0)
+            keys, vals = keys.to(acc), vals.to(acc)
             qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
-            if ql == L:
-                o = F.scaled_dot_product_attention(qs, keys.to(q.dtype), vals.to(q.dtype),
-                                                   is_causal=True, scale=scale, enable_gqa=True)
-            else:
+            if ql == 1 or ql == L:  # one query sees every key; or a whole prompt, plainly causal
+                o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=ql > 1, scale=scale, enable_gqa=True)
+            else:  # a chunk after cached context: causal, offset by the context
                 qpos = torch.arange(L - ql, L, device=q.device)
                 mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qs, keys.to(q.dtype), vals.to(q.dtype),
-                                                   attn_mask=mask, scale=scale, enable_gqa=True)
-            out[s:e] = o.squeeze(0).transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[s:e] = o.squeeze(0).transpose(0, 1).to(out.dtype)
         return out
 
 

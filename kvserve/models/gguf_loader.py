@@ -26,7 +26,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def _reader(path: str):
+def open_reader(path: str):
     import gguf
     try:
         return gguf.GGUFReader(path)
@@ -42,8 +42,7 @@ def _field(reader, key: str, default=None):
     return v
 
 
-def read_arch(path: str) -> ModelArch:
-    r = _reader(path)
+def read_arch(r, path: str) -> ModelArch:
     arch = _field(r, "general.architecture")
     if arch not in _FAMILIES:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_FAMILIES)}")
@@ -81,18 +80,13 @@ def read_arch(path: str) -> ModelArch:
     return ModelArch.from_hf_config(cfg, path)
 
 
-def count_tensors(path: str) -> int:
-    return len(_reader(path).tensors)
-
-
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's interleaving of each head's rotary halves in attn_q / attn_k rows."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(r, path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
-    r = _reader(path)
     for t in r.tensors:
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)

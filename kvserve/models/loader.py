@@ -29,6 +29,7 @@ class ModelSource:
     kind: str  # "gguf" | "hf" | "dummy"
     path: str  # file, directory, or preset name
     arch: ModelArch
+    handle: object = None  # an open reader (GGUF), parsed once: its metadata takes seconds to read
 
     @property
     def name(self) -> str:
@@ -72,13 +73,14 @@ def resolve(model: str | None) -> ModelSource:
             raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
         return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path))
     from kvserve.models import gguf_loader
-    return ModelSource("gguf", model, gguf_loader.read_arch(model))
+    reader = gguf_loader.open_reader(model)
+    return ModelSource("gguf", model, gguf_loader.read_arch(reader, model), reader)
 
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     if src.kind == "gguf":
         from kvserve.models import gguf_loader
-        yield from gguf_loader.iter_weights(src.path, src.arch)
+        yield from gguf_loader.iter_weights(src.handle, src.path, src.arch)
     elif src.kind == "hf":
         yield from _iter_safetensors(src.path)
     else:
@@ -103,8 +105,7 @@ def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
 def count_weights(src: ModelSource) -> int | None:
     """How many tensors a source holds, for the progress bar (None when unknown)."""
     if src.kind == "gguf":
-        from kvserve.models import gguf_loader
-        return gguf_loader.count_tensors(src.path)
+        return len(src.handle.tensors)
     return None
 
 

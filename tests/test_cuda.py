@@ -1,0 +1,64 @@
+"""The same engine on CUDA (skipped without a GPU): parity with transformers on random small
+models in float32, and KV sizing by profiling free memory in bfloat16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _random_model(tmp_path, kind):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    common = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if kind == "llama":
+        cfg, cls = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+                               rope_theta=500000.0, **common), LlamaForCausalLM
+    else:
+        cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.08 if p.dim() > 1 else 0.3)
+    path = tmp_path / kind
+    model.save_pretrained(path, safe_serialization=True)
+    return model.cuda(), str(path)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cuda_parity_float32(tmp_path, kind):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, path = _random_model(tmp_path, kind)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 2000, (n,), generator=gen).tolist() for n in (1, 17, 200, 700, 1500)]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            want.append(out[0, len(p):].tolist())
+    llm = LLM(path, device="cuda", dtype="float32", show_progress=False, kv_cache_memory="1GiB",
+              max_num_batched_tokens=512)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+    for p, o, w in zip(prompts, outs, want):
+        assert o.outputs[0].token_ids == w, f"{kind}: prompt of {len(p)} tokens"
+    assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_cuda_kv_sized_from_free_memory():
+    llm = LLM("dummy:smollm2-135m", device="cuda", show_progress=False, gpu_memory_utilization=0.5)
+    free, total = torch.cuda.mem_get_info()
+    kv_bytes = llm.engine.runner.kv_cache.nbytes
+    assert llm.engine.runner.dtype == torch.bfloat16
+    # Half of the card minus weights and activations: most of it becomes KV pages.
+    assert 0.3 * total < kv_bytes < 0.5 * total
+    outs = llm.generate([{"prompt_token_ids": list(range(1, 100))}] * 4,
+                        SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
