@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="both engines run in this dtype")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="kvserve's concurrency (requests in flight)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45,
+                    help="kvserve's share of the GPU: the transformers peer runs in the same process")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=512)
@@ -146,7 +148,8 @@ def main() -> None:
     ap.add_argument("--json-out", default="benchmarks/results/offline_throughput.json")
     args = ap.parse_args()
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, show_progress=False)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, show_progress=False)
     device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
     prompts, outputs = make_workload(args, llm.engine.arch.vocab_size, llm.get_tokenizer())
     n_out = sum(outputs)
