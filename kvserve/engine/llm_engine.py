@@ -131,6 +131,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            # Admission checks make this unreachable; fail loudly rather than spin forever.
+            raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting requests fit nowhere "
+                               f"({self.kv.pool.num_free_blocks} free blocks)")
         results = self.runner.execute(out) if not out.is_empty else []
         touched: dict[str, None] = {}
         n_prompt = n_gen = 0

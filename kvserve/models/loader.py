@@ -71,6 +71,18 @@ def resolve(model: str | None) -> ModelSource:
                 cfg = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+        gen_path = os.path.join(model, "generation_config.json")
+        if os.path.exists(gen_path):  # chat models list their end-of-turn tokens here
+            try:
+                with open(gen_path) as f:
+                    gen_eos = json.load(f).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                gen_eos = None
+            if gen_eos is not None:
+                eos = cfg.get("eos_token_id")
+                merged = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+                merged |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+                cfg = {**cfg, "eos_token_id": sorted(merged)}
         return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path))
     from kvserve.models import gguf_loader
     reader = gguf_loader.open_reader(model)
