@@ -1,4 +1,5 @@
-"""Command line: ``kvserve generate`` (offline batch) and ``kvserve chat`` (interactive, streamed)."""
+"""Command line: ``kvserve generate`` (offline batch), ``kvserve chat`` (interactive, streamed) and
+``kvserve serve`` (the OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
@@ -125,6 +126,11 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from kvserve.server.launcher import serve
+    return serve(args, lambda a: _make_llm(a).engine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged, memory-first LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -142,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     _sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
+    s.add_argument("--api-key", default=None, help="require this bearer key (default: env KVSERVE_API_KEY; "
+                   "none: open)")
+    s.add_argument("--max-request-bytes", default="1MiB", help="larger bodies get 413 (bytes or 1MiB, 64KiB)")
+    s.add_argument("--max-waiting", type=int, default=1024, help="new requests get 429 while this many wait")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

@@ -1,0 +1,231 @@
+"""AsyncEngine: LLMEngine behind asyncio, with the step loop on its own thread.
+
+    event loop (server)                         engine thread (owns LLMEngine)
+    add_request: tokenize + validate  ──cmd──►  drain commands ─► engine.step() ─► outputs
+    RequestStream (asyncio.Queue)     ◄──────   loop.call_soon_threadsafe(queue.put_nowait, out)
+
+Invariants:
+- Only the engine thread touches the LLMEngine's mutable state (scheduler, KV, runner). The
+  event loop only tokenizes and validates (read-only) and reads `snapshot`, which the engine
+  thread replaces whole (never mutates) after every drain and every step.
+- Commands are drained before each step, so an abort frees the request's KV blocks before the
+  next step runs: within one step of the client going away.
+- Every stream ends with a finished output or an exception; after a fault in step() every open
+  stream gets EngineDeadError and new requests are refused, so no waiter hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.errors import InvalidRequestError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on the command queue before rechecking
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an exception in step(); the server maps this to 500."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state as of the last drain or step, for metrics and admission (429)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    prefix_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    kv_waste: float = 0.0
+    prompt_tokens: int = 0  # cumulative, computed (prefix-cache hits excluded)
+    generation_tokens: int = 0  # cumulative
+
+
+class RequestStream:
+    """Outputs of one request, in order. Iterating it to the end, or leaving early (break,
+    cancellation, close()), always leaves the engine without the request."""
+
+    def __init__(self, request_id: str, owner: AsyncEngine):
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # event-loop thread only
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                # Outputs are cumulative: when the consumer lags, only the newest one matters.
+                while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+                    item = self._queue.get_nowait()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+        self._owner._streams.pop(self.request_id, None)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # event-loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._pending_adds = 0  # enqueued, not yet drained; += on the loop, -= via call_soon_threadsafe
+        self.error: BaseException | None = None
+        self.snapshot = EngineSnapshot()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending_adds + self.snapshot.num_waiting
+
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running event loop that will consume."""
+        self._loop = asyncio.get_running_loop()
+        self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort what is left, stop the thread. In-flight streams end with EngineDeadError."""
+        self._stop.set()
+        self._cmds.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for s in list(self._streams.values()):
+            s.put(EngineDeadError("the server is shutting down"))
+
+    # -- requests (event-loop thread) --------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+        """Validate now (InvalidRequestError raises here, in the caller's thread), then enqueue."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        text, ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate(ids, params)
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._pending_adds += 1
+        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params, time.time()))
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        async for out in self.add_request(request_id, prompt, params):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            block = not eng.has_unfinished_requests()
+            if not self._drain(block):
+                continue
+            try:
+                outputs = eng.step() if eng.has_unfinished_requests() else []
+            except BaseException as e:  # noqa: BLE001 - any fault ends the engine; streams must hear
+                log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+                self.error = e
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+                return
+            self._take_snapshot()
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+        for rid in list(eng.groups):
+            eng.abort_request(rid)
+        self._take_snapshot()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; block briefly for the first one when idle. False: nothing to do."""
+        try:
+            cmd = self._cmds.get(timeout=_IDLE_WAIT_S) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return not block
+        drained = 0
+        while True:
+            drained += self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+        self._take_snapshot()
+        if drained:
+            self._loop.call_soon_threadsafe(self._added, drained)
+        return True
+
+    def _apply(self, cmd: tuple) -> int:
+        if cmd[0] == "abort":
+            self.engine.abort_request(cmd[1])
+        elif cmd[0] == "add":
+            _, rid, prompt, params, arrival = cmd
+            try:
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine does not
+                self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
+            return 1
+        return 0
+
+    def _take_snapshot(self) -> None:
+        eng = self.engine
+        pool, last = eng.kv.pool, eng.stats.last
+        self.snapshot = EngineSnapshot(
+            num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks, kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_cached=pool.num_cached_blocks,
+            prefix_hit_rate=last.prefix_hit_rate if last else 0.0,
+            num_preemptions=last.num_preemptions if last else 0, kv_waste=last.kv_waste if last else 0.0,
+            prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens)
+
+    # -- callbacks run on the event loop -----------------------------------------------------
+    def _added(self, n: int) -> None:
+        self._pending_adds -= n
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            s = self._streams.get(out.request_id)
+            if s is not None:
+                s.put(out)
+
+    def _deliver_error(self, request_id: str, e: BaseException) -> None:
+        s = self._streams.get(request_id)
+        if s is not None:
+            s.put(e)
+
+    def _fail_all(self, cause: BaseException) -> None:
+        err = EngineDeadError(f"engine step failed: {cause!r}")
+        err.__cause__ = cause
+        for s in list(self._streams.values()):
+            s.put(err)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: ``build_app(AsyncEngine, ...)``; ``kvserve serve`` runs it."""

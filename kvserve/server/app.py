@@ -1,0 +1,132 @@
+"""build_app(): the FastAPI app over one AsyncEngine.
+
+    request ─► _Gate (ASGI: status counting, 401 key, 413 size) ─► route ─► ServerState checks
+            (404 model, 429 queue) ─► chat / completions ─► AsyncEngine
+
+/health and /metrics bypass the key so probes and scrapers need no secret.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.errors import InvalidRequestError
+from kvserve.server import chat, completions
+from kvserve.server.errors import error_response, install_handlers
+from kvserve.server.metrics import Metrics
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest)
+from kvserve.server.state import ServerConfig, ServerState
+
+_OPEN_PATHS = ("/health", "/metrics")
+# Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+              "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize"}
+
+
+class _Gate:
+    """Pure ASGI (so it also sees streamed responses): auth, body size, per-endpoint status counts."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        cfg, endpoint = self.state.config, _ENDPOINTS.get(scope["path"], "other")
+        status = [0]
+
+        async def send_counting(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        headers = dict(scope["headers"])
+        try:
+            if cfg.api_key is not None:
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                given = auth[7:] if auth.lower().startswith("bearer ") else ""
+                if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+                    msg = "Incorrect API key provided." if given else "Missing API key (Authorization: Bearer ...)."
+                    return await error_response(401, msg, code="invalid_api_key")(scope, receive, send_counting)
+            size = headers.get(b"content-length")
+            if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
+                return await error_response(413, f"The request body has {int(size)} bytes; the limit is "
+                                            f"{cfg.max_request_bytes}.")(scope, receive, send_counting)
+            await self.app(scope, receive, send_counting)
+        finally:
+            self.state.metrics.count(endpoint, status[0] or "no_response")
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20, max_waiting: int = 1024) -> FastAPI:
+    cfg = ServerConfig(served_model_name, api_key, max_request_bytes, max_waiting)
+    state = ServerState(engine, cfg, Metrics(engine))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.kvserve = state
+    install_handlers(app)
+    created = int(time.time())
+    eng = engine.engine
+
+    @app.post("/v1/completions")
+    async def v1_completions(req: CompletionRequest, raw: Request):
+        return await completions.create(state, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat(req: ChatCompletionRequest, raw: Request):
+        return await chat.create(state, req, raw)
+
+    @app.get("/v1/models")
+    async def v1_models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "kvserve", "max_model_len": eng.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.healthy:
+            return {"status": "ok"}
+        why = f"engine failed: {engine.error!r}" if engine.error else "engine not running"
+        return error_response(503, why, code="unhealthy")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def tokenizer():
+        if eng.tokenizer is None:
+            raise InvalidRequestError("model", "this model has no tokenizer")
+        return eng.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        state.check_model(req.model)
+        if req.messages is not None:
+            ids = chat.template_ids(tokenizer(), req.messages)
+        else:
+            ids = tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        state.check_model(req.model)
+        vocab = eng.arch.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise InvalidRequestError("tokens", f"token ids must be in [0, {vocab})")
+        return {"prompt": tokenizer().decode(req.tokens)}
+
+    app.add_middleware(_Gate, state=state)
+    return app

@@ -1,0 +1,90 @@
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + i."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server import streams as st
+from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from kvserve.server.state import ServerState
+
+ENDPOINT = "completions"
+
+
+def _logprobs(c: CompletionOutput, start: int, end: int, k: int | None, offset: int) -> CompletionLogprobs | None:
+    if k is None:
+        return None
+    lp = CompletionLogprobs()
+    for tok, v, top in st.position_logprobs(c, start, end, k):
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(v)
+        lp.top_logprobs.append(dict(top))
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp
+
+
+async def create(state: ServerState, req: CompletionRequest, raw: Request):
+    state.check_model(req.model)
+    state.check_capacity()
+    params = req.sampling_params(req.max_tokens, req.logprobs)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = st.start(state.engine, rid, req.prompts(), params)
+    if req.stream:
+        return StreamingResponse(_stream(state, req, rid, streams), media_type="text/event-stream")
+    try:
+        outs = await st.collect(streams, raw)
+    except st.ClientGone:
+        state.metrics.count(ENDPOINT, "client_disconnected")
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    choices = []
+    for i, o in enumerate(outs):
+        state.metrics.observe_finished(o)
+        for c in o.outputs:
+            choices.append(CompletionChoice(index=i * params.n + c.index, text=c.text,
+                                            logprobs=_logprobs(c, 0, len(c.token_ids), req.logprobs, 0),
+                                            finish_reason=c.finish_reason))
+    return CompletionResponse(id=rid, model=req.model, choices=choices, usage=st.usage(outs))
+
+
+async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams) -> AsyncIterator[str]:
+    n = req.n
+    created = int(time.time())
+    sent_chars: dict[int, int] = {}
+    sent_toks: dict[int, int] = {}
+    done: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in st.merge(streams):
+            for c in out.outputs:
+                idx = i * n + c.index
+                if idx in done:
+                    continue
+                a, b = sent_chars.get(idx, 0), sent_toks.get(idx, 0)
+                text = c.text[a:]
+                if not text and not c.finished:
+                    continue  # tokens held back (partial UTF-8): wait for the character
+                ntok = len(c.token_ids)
+                choice = CompletionChoice(index=idx, text=text, finish_reason=c.finish_reason,
+                                          logprobs=_logprobs(c, b, ntok, req.logprobs, a))
+                sent_chars[idx], sent_toks[idx] = len(c.text), ntok
+                if c.finished:
+                    done.add(idx)
+                yield st.sse(CompletionResponse(id=rid, created=created, model=req.model, choices=[choice]))
+            if out.finished:
+                finals[i] = out
+                state.metrics.observe_finished(out)
+        if req.include_usage:
+            outs = [finals[i] for i in sorted(finals)]
+            yield st.sse(CompletionResponse(id=rid, created=created, model=req.model, choices=[],
+                                            usage=st.usage(outs)))
+        yield st.DONE
+    except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, then close
+        state.metrics.count(ENDPOINT, "stream_error")
+        yield st.sse_error(e)
+        yield st.DONE

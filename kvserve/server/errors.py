@@ -1,0 +1,102 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, and their handlers.
+
+Every failure the app can produce goes through `error_response`, so clients (the openai package
+maps status codes to exception classes) see one format: 400 for bad values (never FastAPI's 422),
+401 key, 404 model, 413 body size, 429 queue full, 500 engine fault, 503 not ready.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def to_api_error(e: BaseException) -> APIError:
+    """The APIError a failure maps to; engine faults are logged here with their cause."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), e.field)
+    if isinstance(e, EngineDeadError):
+        log.error("request failed: %s", e, exc_info=e.__cause__ or e)
+        return APIError(500, str(e), code="engine_error")
+    log.error("unexpected error", exc_info=e)
+    return APIError(500, f"internal error: {e!r}", code="internal_error")
+
+
+def sse_error(e: BaseException) -> str:
+    a = to_api_error(e)
+    return f"data: {json.dumps(error_body(a.status, a.message, a.param, a.code))}\n\n"
+
+
+def _validation_message(err: dict) -> tuple[str, str | None]:
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # Union members show up as loc parts like "str" / "list[int]"; the field name is the first part.
+    param = loc[0] if loc else None
+    if err.get("type") == "extra_forbidden":
+        name = loc[-1] if loc else "?"
+        return f"Unsupported parameter: {'.'.join(loc)!r} is not supported by this server", name
+    if err.get("type") == "json_invalid":
+        return f"The body is not valid JSON: {err.get('msg')}", None
+    where = ".".join(loc) or "body"
+    return f"{where}: {err.get('msg')} (got {err.get('input')!r})"[:1000], param
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError):
+        return error_response(400, str(e), e.field)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError):
+        a = to_api_error(e)
+        return error_response(a.status, a.message, a.param, a.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        errs = e.errors()
+        extra = [x for x in errs if x.get("type") == "extra_forbidden"]
+        msg, param = _validation_message((extra or errs or [{}])[0])
+        return error_response(400, msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, e: Exception):
+        a = to_api_error(e)
+        return error_response(a.status, a.message, a.param, a.code)

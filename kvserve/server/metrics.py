@@ -1,0 +1,79 @@
+"""Prometheus metrics: request outcomes and latencies (observed by the server), engine state
+(read from AsyncEngine.snapshot at scrape time). One registry per app, so tests can build several."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.outputs import RequestOutput
+
+disable_created_metrics()  # the *_created series only add noise to every scrape
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class _EngineCollector:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        s = e.snapshot
+        gauges = [
+            ("kvserve_num_requests_running", "requests in the running batch", s.num_running),
+            ("kvserve_num_requests_waiting", "requests queued, not yet scheduled", e.num_waiting),
+            ("kvserve_kv_blocks_used", "KV blocks referenced by live requests", s.kv_blocks_used),
+            ("kvserve_kv_blocks_free", "KV blocks free (cached-but-unreferenced included)", s.kv_blocks_free),
+            ("kvserve_kv_blocks_cached", "KV blocks holding a reusable prefix", s.kv_blocks_cached),
+            ("kvserve_prefix_cache_hit_rate", "prefix-cache hits over prompt tokens looked up", s.prefix_hit_rate),
+            ("kvserve_kv_waste", "allocated KV slots not holding a token, last step", s.kv_waste),
+            ("kvserve_engine_healthy", "1 while the engine loop runs without a fault", 1.0 if e.healthy else 0.0),
+        ]
+        for name, doc, v in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], v)
+            yield g
+        counters = [
+            ("kvserve_num_preemptions", "requests preempted", s.num_preemptions),
+            ("kvserve_prompt_tokens", "prompt tokens computed (prefix-cache hits excluded)", s.prompt_tokens),
+            ("kvserve_generation_tokens", "tokens generated", s.generation_tokens),
+            ("kvserve_engine_errors", "faults in the engine loop", 0 if e.error is None else 1),
+        ]
+        for name, doc, v in counters:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], v)
+            yield c
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvserve_requests", "HTTP API requests by endpoint and outcome",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kvserve_time_per_output_token_seconds", "decode time per token after the first",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
+
+    def count(self, endpoint: str, status: str | int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None:
+            return
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+            n = max(len(c.token_ids) for c in out.outputs)
+            if n > 1 and m.first_token_time is not None and m.finished_time is not None:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
