@@ -1,5 +1,6 @@
 """Command line: ``kvserve generate`` (offline batch), ``kvserve chat`` (interactive, streamed) and
-``kvserve serve`` (the OpenAI-compatible server)."""
+``kvserve serve`` (the OpenAI-compatible server) and ``kvserve bench serve`` (a load generator
+for any OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
@@ -131,6 +132,50 @@ def cmd_serve(args) -> int:
     return serve(args, lambda a: _make_llm(a).engine)
 
 
+def cmd_bench_serve(args) -> int:
+    from kvserve.bench.serve import main as bench_main
+    try:
+        return bench_main(args)
+    except ValueError as e:  # BenchConfig validation
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _bench_args(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    s = b.add_parser("serve", help="load-test an OpenAI-compatible server (kvserve or any peer)")
+    s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    s.add_argument("--model", required=True, help="the model name the server expects")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--dataset", default="random", choices=["random", "multiturn"])
+    s.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="for the random dataset (multiturn always uses chat)")
+    s.add_argument("--num-requests", type=int, default=100, help="requests (turns, for multiturn) per pass")
+    s.add_argument("--concurrency", type=int, default=None, help="at most this many sessions in flight")
+    s.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (default inf: all at once)")
+    s.add_argument("--request-rates", default=None, help="sweep: comma-separated rates, one pass each")
+    s.add_argument("--input-len-min", type=int, default=128, help="prompt words/ids ~ U[min, max]")
+    s.add_argument("--input-len-max", type=int, default=512)
+    s.add_argument("--output-len-min", type=int, default=64, help="output tokens ~ U[min, max] (exact with ignore_eos)")
+    s.add_argument("--output-len-max", type=int, default=256)
+    s.add_argument("--prompt-format", default="words", choices=["words", "token-ids"],
+                   help="token-ids: random ids in [--token-id-min, --token-id-max), for models without a tokenizer")
+    s.add_argument("--token-id-min", type=int, default=1)
+    s.add_argument("--token-id-max", type=int, default=500)
+    s.add_argument("--num-turns", type=int, default=3, help="multiturn: user turns per conversation")
+    s.add_argument("--system-prompt-len", type=int, default=256, help="multiturn: words in the shared system prompt")
+    s.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (a server that refuses it)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--slo-ttft-ms", type=float, default=None)
+    s.add_argument("--slo-tpot-ms", type=float, default=None)
+    s.add_argument("--json-out", default=None)
+    s.add_argument("--plot-dir", default=None)
+    s.set_defaults(func=cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged, memory-first LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -161,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
+    _bench_args(sub)
     return p
 
 

@@ -106,7 +106,10 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._pending_adds + self.snapshot.num_waiting
+        """Requests that will wait for a running slot: not-yet-drained adds count only beyond
+        the slots free as of the last snapshot (the next step admits those at once)."""
+        free_slots = max(0, self.engine.config.scheduler.max_num_seqs - self.snapshot.num_running)
+        return max(0, self._pending_adds - free_slots) + self.snapshot.num_waiting
 
     def start(self) -> None:
         """Start the engine thread; call from inside the running event loop that will consume."""

@@ -3,21 +3,27 @@
     request ─► _Gate (ASGI: status counting, 401 key, 413 size) ─► route ─► ServerState checks
             (404 model, 429 queue) ─► chat / completions ─► AsyncEngine
 
-/health and /metrics bypass the key so probes and scrapers need no secret.
+/health and /metrics bypass the key so probes and scrapers need no secret. Given a function that
+builds the engine instead of an engine, the app loads it on a thread at startup (loading.py) and
+answers 503 meanwhile: /health {"status": "loading"}, API paths an OpenAI-shaped error.
 """
 from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.server import chat, completions
 from kvserve.server.errors import error_response, install_handlers
+from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest)
@@ -58,29 +64,42 @@ class _Gate:
             if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
                 return await error_response(413, f"The request body has {int(size)} bytes; the limit is "
                                             f"{cfg.max_request_bytes}.")(scope, receive, send_counting)
+            if not self.state.ready:
+                return await error_response(503, "The model is still loading; retry shortly.", code="model_loading",
+                                            headers={"Retry-After": "1"})(scope, receive, send_counting)
             await self.app(scope, receive, send_counting)
         finally:
             self.state.metrics.count(endpoint, status[0] or "no_response")
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20, max_waiting: int = 1024) -> FastAPI:
+def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | None = None,
+              api_key: str | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
+              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
+    on a thread at startup. `served_model_name` None: the engine's model name. `on_load_error` is
+    called on the event loop if that function raises (the launcher shuts the server down)."""
     cfg = ServerConfig(served_model_name, api_key, max_request_bytes, max_waiting)
-    state = ServerState(engine, cfg, Metrics(engine))
+    ready = engine if isinstance(engine, AsyncEngine) else None
+    state = ServerState(ready, cfg, Metrics(lambda: state.engine))
+    if ready is not None and not served_model_name:
+        state.config = replace(cfg, served_model_name=ready.engine.model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.start()
+        if ready is not None:
+            ready.start()
+        else:
+            start_loading(state, engine, on_load_error)
         try:
             yield
         finally:
-            engine.shutdown()
+            if state.engine is not None:
+                state.engine.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
     install_handlers(app)
     created = int(time.time())
-    eng = engine.engine
 
     @app.post("/v1/completions")
     async def v1_completions(req: CompletionRequest, raw: Request):
@@ -92,14 +111,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/v1/models")
     async def v1_models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "kvserve", "max_model_len": eng.max_model_len}]}
+        return {"object": "list", "data": [{"id": state.config.served_model_name, "object": "model",
+                                            "created": created, "owned_by": "kvserve",
+                                            "max_model_len": state.engine.engine.max_model_len}]}
 
     @app.get("/health")
     async def health():
-        if engine.healthy:
+        if state.load_error is not None:
+            return error_response(503, f"the model failed to load: {state.load_error!r}", code="load_failed")
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        ae = state.engine
+        if ae.healthy:
             return {"status": "ok"}
-        why = f"engine failed: {engine.error!r}" if engine.error else "engine not running"
+        why = f"engine failed: {ae.error!r}" if ae.error else "engine not running"
         return error_response(503, why, code="unhealthy")
 
     @app.get("/metrics")
@@ -107,6 +132,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def tokenizer():
+        eng = state.engine.engine
         if eng.tokenizer is None:
             raise InvalidRequestError("model", "this model has no tokenizer")
         return eng.tokenizer
@@ -118,12 +144,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             ids = chat.template_ids(tokenizer(), req.messages)
         else:
             ids = tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         state.check_model(req.model)
-        vocab = eng.arch.vocab_size
+        vocab = state.engine.engine.arch.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise InvalidRequestError("tokens", f"token ids must be in [0, {vocab})")
         return {"prompt": tokenizer().decode(req.tokens)}

@@ -59,6 +59,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams)
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
+    has_text = state.engine.engine.detokenizer is not None
     try:
         async for i, out in st.merge(streams):
             for c in out.outputs:
@@ -66,10 +67,12 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams)
                 if idx in done:
                     continue
                 a, b = sent_chars.get(idx, 0), sent_toks.get(idx, 0)
-                text = c.text[a:]
-                if not text and not c.finished:
-                    continue  # tokens held back (partial UTF-8): wait for the character
-                ntok = len(c.token_ids)
+                text, ntok = c.text[a:], len(c.token_ids)
+                # No new text: tokens held back (partial UTF-8) wait for their character; a model
+                # without a tokenizer never has text, so each new token gets its (empty) chunk,
+                # which keeps time-to-first-token measurable by clients (`kvserve bench serve`).
+                if not text and not c.finished and (has_text or ntok == b):
+                    continue
                 choice = CompletionChoice(index=idx, text=text, finish_reason=c.finish_reason,
                                           logprobs=_logprobs(c, b, ntok, req.logprobs, a))
                 sent_chars[idx], sent_toks[idx] = len(c.text), ntok

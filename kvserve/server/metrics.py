@@ -2,6 +2,8 @@
 (read from AsyncEngine.snapshot at scrape time). One registry per app, so tests can build several."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -15,11 +17,18 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    """Engine gauges at scrape time; while the model loads (no engine yet) only `healthy` = 0."""
+
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None]):
+        self.get_engine = get_engine
 
     def collect(self):
-        e = self.engine
+        e = self.get_engine()
+        if e is None:
+            g = GaugeMetricFamily("kvserve_engine_healthy", "1 while the engine loop runs without a fault")
+            g.add_metric([], 0.0)
+            yield g
+            return
         s = e.snapshot
         gauges = [
             ("kvserve_num_requests_running", "requests in the running batch", s.num_running),
@@ -48,7 +57,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None]):
         self.registry = CollectorRegistry()
         self.requests = Counter("kvserve_requests", "HTTP API requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=self.registry)
@@ -58,7 +67,7 @@ class Metrics:
                               buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(get_engine))
 
     def count(self, endpoint: str, status: str | int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
