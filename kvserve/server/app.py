@@ -64,12 +64,37 @@ class _Gate:
             if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
                 return await error_response(413, f"The request body has {int(size)} bytes; the limit is "
                                             f"{cfg.max_request_bytes}.")(scope, receive, send_counting)
+            if size is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                # No Content-Length (chunked upload): read up to the limit before routing.
+                body, more = b"", True
+                while more:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        return  # the client went away mid-upload
+                    body += msg.get("body", b"")
+                    more = msg.get("more_body", False)
+                    if len(body) > cfg.max_request_bytes:
+                        return await error_response(413, f"The request body is over the limit of "
+                                                    f"{cfg.max_request_bytes} bytes.")(scope, receive, send_counting)
+                receive = _replay(body, receive)
             if not self.state.ready:
                 return await error_response(503, "The model is still loading; retry shortly.", code="model_loading",
                                             headers={"Retry-After": "1"})(scope, receive, send_counting)
             await self.app(scope, receive, send_counting)
         finally:
             self.state.metrics.count(endpoint, status[0] or "no_response")
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that yields the already-read body once, then the client's own messages."""
+    sent = [False]
+
+    async def replay():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
 
 
 def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | None = None,

@@ -80,6 +80,18 @@ def test_auth_and_size(server):
     r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": MODEL, "prompt": [1] * 10000, "max_tokens": 1})
     assert r.status_code == 413 and "20000" in r.json()["error"]["message"]
+
+    def chunks():  # a chunked upload has no Content-Length: the limit still holds
+        yield b'{"model": "tiny", "prompt": ['
+        for _ in range(3000):
+            yield b"1, 1, 1, 1, "
+        yield b'1], "max_tokens": 1}'
+    r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, content=chunks())
+    assert r.status_code == 413 and "20000" in r.json()["error"]["message"]
+    small = iter([b'{"model": "tiny", "prompt": [1, 2], ', b'"max_tokens": 2, "ignore_eos": true}'])
+    r = httpx.post(f"{server.url}/v1/completions", content=small,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    content=b"{not json")
     assert r.status_code == 400 and "error" in r.json()
