@@ -55,7 +55,9 @@ def _chunk_text(chunk: dict, chat: bool) -> tuple[bool, str]:
     text = ((c.get("delta") or {}).get("content") if chat else c.get("text")) or ""
     if chat and not text:
         return False, ""  # the role delta, or a finish-only chunk
-    return bool(text) or c.get("finish_reason") is None, text
+    # Completions: every choice chunk carries tokens, text or not (a model without a tokenizer
+    # has none, and a lagging stream may deliver its first tokens together with the finish).
+    return True, text
 
 
 async def send(client: httpx.AsyncClient, path: str, body: dict, result: RequestResult) -> RequestResult:
