@@ -103,7 +103,7 @@ class BlockPool:
         self.cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
-        for h, bid in list(self.cached.items()):
+        for bid in self.cached.values():
             self.blocks[bid].block_hash = None
         self.cached.clear()
 
