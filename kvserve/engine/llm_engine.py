@@ -135,7 +135,12 @@ class LLMEngine:
             # Admission checks make this unreachable; fail loudly rather than spin forever.
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting requests fit nowhere "
                                f"({self.kv.pool.num_free_blocks} free blocks)")
-        results = self.runner.execute(out) if not out.is_empty else []
+        try:
+            results = self.runner.execute(out) if not out.is_empty else []
+        except BaseException:
+            # Blocks hash-registered for this step never got their KV: nothing may hit them.
+            self.kv.pool.reset_prefix_cache()
+            raise
         touched: dict[str, None] = {}
         n_prompt = n_gen = 0
         for s, res in zip(out.scheduled, results):
