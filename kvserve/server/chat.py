@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.errors import InvalidRequestError
 from kvserve.server import streams as st
+from kvserve.server.errors import sse_error
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                      DeltaMessage)
@@ -90,5 +91,5 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
         yield st.DONE
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, then close
         state.metrics.count(ENDPOINT, "stream_error")
-        yield st.sse_error(e)
+        yield sse_error(e)
         yield st.DONE

@@ -10,6 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import streams as st
+from kvserve.server.errors import sse_error
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from kvserve.server.state import ServerState
 
@@ -89,5 +90,5 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams)
         yield st.DONE
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, then close
         state.metrics.count(ENDPOINT, "stream_error")
-        yield st.sse_error(e)
+        yield sse_error(e)
         yield st.DONE
