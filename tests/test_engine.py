@@ -128,3 +128,19 @@ def test_mixed_workload_kv_waste_and_stats():
     assert 0.0 < s.mean_kv_waste < 0.04, s.mean_kv_waste
     assert s.last.kv_blocks_used == 0 and s.last.num_running == 0 and s.last.num_waiting == 0
     assert "tok/s" in s.summary()
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(llm):
+    p = _ids(llm, "What is the capital of France?")
+    base = llm.generate(p, SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)[0].outputs[0].text
+    words = base.split()
+    stop = " ".join(words[3:5])  # two words: spans several tokens
+    eng = llm.engine
+    eng.add_request("stream-stop", p, SamplingParams(max_tokens=30, temperature=0, stop=[stop]))
+    texts = []
+    while eng.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in eng.step()]
+    final = texts[-1]
+    assert final == base[:base.index(stop)]
+    for t in texts:  # every intermediate text is a prefix of the final one: nothing taken back
+        assert final.startswith(t), (t, final)

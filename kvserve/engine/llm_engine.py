@@ -220,7 +220,7 @@ class LLMEngine:
         reqs = sorted(self.groups[group_id], key=lambda r: r.index)
         first = reqs[0]
         finished = all(r.is_finished for r in reqs) and len(reqs) == first.params.n
-        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
+        outs = [CompletionOutput(index=r.index, text=self._visible_text(r), token_ids=list(r.output_token_ids),
                                  cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
                                  logprobs=r.logprobs, finish_reason=r.status.finish_reason,
                                  stop_reason=r.stop_reason)
@@ -229,6 +229,16 @@ class LLMEngine:
                              prompt_token_ids=first.all_token_ids[:first.num_prompt_tokens],
                              prompt_logprobs=first.prompt_logprobs, outputs=outs, finished=finished,
                              metrics=first.metrics)
+
+    @staticmethod
+    def _visible_text(r: Request) -> str:
+        """While running, hold back the tail that could still start a stop string, so a streamed
+        text never shows part of a stop string that is cut off once it completes."""
+        stops = r.params.stop_strings
+        if r.is_finished or not stops or r.params.include_stop_str_in_output:
+            return r.output_text
+        hold = max(len(s) for s in stops) - 1
+        return r.output_text[:max(0, len(r.output_text) - hold)]
 
     def _step_stats(self, n_batched: int, n_prompt: int, n_gen: int, dt: float) -> StepStats:
         pool = self.kv.pool
