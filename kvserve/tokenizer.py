@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 from kvserve import envs
 from kvserve.errors import ModelLoadError
@@ -51,7 +52,10 @@ def _from_gguf(path: str):
         tmp = f"{cached}.tmp{os.getpid()}"
         tok.save_pretrained(tmp)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
-        os.replace(tmp, cached) if not os.path.exists(cached) else None
+        if os.path.exists(cached):  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, cached)
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tok

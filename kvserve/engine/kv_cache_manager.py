@@ -76,10 +76,14 @@ class KVCacheManager:
         return self._blocks_needed(req, num_new_tokens, computed) + reserve_blocks <= (
             self.pool.num_free_blocks - sum(1 for b in computed if self.pool.blocks[b].ref_cnt == 0))
 
+    def _tokens_after(self, req: Request, num_new_tokens: int, computed: list[int]) -> int:
+        """Tokens the request's table must hold after this step (cached blocks count as computed)."""
+        start = len(computed) * self.block_size if computed else req.num_computed_tokens
+        return start + num_new_tokens
+
     def _blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int]) -> int:
         table = self.tables.get(req.request_id, ())
-        start = len(computed) * self.block_size if computed else req.num_computed_tokens
-        need = self.blocks_for(start + num_new_tokens) - len(table) - len(computed)
+        need = self.blocks_for(self._tokens_after(req, num_new_tokens, computed)) - len(table) - len(computed)
         if self._needs_cow(req, table):
             need += 1
         return max(need, 0)
@@ -105,8 +109,7 @@ class KVCacheManager:
             self.pending_copies.append((table[-1], new))
             self.pool.free([table[-1]])
             table[-1] = new
-        start = len(computed) * self.block_size if computed else req.num_computed_tokens
-        total = start + num_new_tokens
+        total = self._tokens_after(req, num_new_tokens, computed)
         extra = self.blocks_for(total) - len(table)
         if extra > 0:
             table.extend(self.pool.allocate(extra))

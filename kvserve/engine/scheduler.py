@@ -67,11 +67,9 @@ class Scheduler:
 
     def blocks_to_finish(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
         """Blocks a request needs at its largest: its prompt plus n completions."""
-        bs = self.kv.block_size
-        prompt_blocks = -(-num_prompt_tokens // bs)
-        full_prompt_blocks = num_prompt_tokens // bs
-        per_child = -(-(num_prompt_tokens + max_tokens) // bs) - full_prompt_blocks
-        return prompt_blocks + n * per_child
+        full_prompt_blocks = num_prompt_tokens // self.kv.block_size
+        per_child = self.kv.blocks_for(num_prompt_tokens + max_tokens) - full_prompt_blocks
+        return self.kv.blocks_for(num_prompt_tokens) + n * per_child
 
     @property
     def num_unfinished(self) -> int:
