@@ -30,6 +30,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", default="4GiB")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -56,7 +59,8 @@ def _make_llm(args):
                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               enable_chunked_prefill=not args.no_chunked_prefill)
+               enable_chunked_prefill=not args.no_chunked_prefill,
+               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
 
 
 def _params(args, n: int = 1):

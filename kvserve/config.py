@@ -86,7 +86,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = True
+    # auto: Triton kernels on CUDA, the PyTorch reference elsewhere.
+    attention_backend: str = "auto"
+    # CUDA graphs for decode steps of up to this many sequences (None: max_num_seqs, capped
+    # at 512); enforce_eager turns them off.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int | None = None
 
     def __post_init__(self):
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError("attention_backend", f"must be one of auto, torch, triton; got {self.attention_backend!r}")
+        if self.cuda_graph_max_batch is not None and not 1 <= self.cuda_graph_max_batch <= 1024:
+            raise ConfigError("cuda_graph_max_batch", f"must be in [1, 1024], got {self.cuda_graph_max_batch}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")

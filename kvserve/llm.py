@@ -17,7 +17,9 @@ class LLM:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space: int | str = "4GiB", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_chunked_prefill: bool = True, show_progress: bool = True):
+                 enable_chunked_prefill: bool = True, show_progress: bool = True,
+                 attention_backend: str = "auto", enforce_eager: bool = False,
+                 cuda_graph_max_batch: int | None = None):
         cache = CacheConfig(
             block_size=block_size,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -26,7 +28,9 @@ class LLM:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
-                                   cache=cache, scheduler=sched, show_progress=show_progress)
+                                   cache=cache, scheduler=sched, show_progress=show_progress,
+                                   attention_backend=attention_backend, enforce_eager=enforce_eager,
+                                   cuda_graph_max_batch=cuda_graph_max_batch)
         self.engine = LLMEngine(self.config)
         self._counter = 0
 

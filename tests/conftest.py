@@ -7,6 +7,10 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
+# Without a GPU, Triton kernels run in its interpreter (tests/kernels call them on CPU tensors).
+# Set before anything imports triton: the decorator reads it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,11 @@ def _make(tmp_path, kind: str):
     return model, str(path)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_random_qwen_matches_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind,backend", [("qwen2", "torch"), ("qwen3", "torch"), ("qwen2", "triton"),
+                                          ("qwen3", "triton")])
+def test_random_qwen_matches_transformers(tmp_path, kind, backend):
+    """``triton``: the engine's Triton backend (fused RoPE + KV write, paged prefill over chunks
+    and decode kernels), in Triton's interpreter when there is no GPU."""
     model, path = _make(tmp_path, kind)
     if kind == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
@@ -44,7 +47,9 @@ def test_random_qwen_matches_transformers(tmp_path, kind):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 7, 33, 120, 300)]
     want = [hf_greedy(model, p, N_NEW, eos_token_id=None) for p in prompts]
-    llm = LLM(path, show_progress=False, kv_cache_memory="64MiB", block_size=8, max_num_batched_tokens=128)
+    llm = LLM(path, show_progress=False, kv_cache_memory="64MiB", block_size=8, max_num_batched_tokens=128,
+              attention_backend=backend)
+    assert llm.engine.runner.backend.name == backend
     assert llm.engine.arch.family == kind
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -6,8 +6,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvserve import kernels
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import Request
@@ -74,9 +76,17 @@ class ModelRunner:
                 self.model.load_weights(weights)
         self.model.eval()
         self.load_time = time.perf_counter() - t0
-        self.backend = get_backend("torch")
+        name = config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" and kernels.has_triton() else "torch"
+        if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
+            from kvserve.errors import ConfigError
+            raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
+                              f"tests), got {self.device}; use torch or auto")
+        self.backend = get_backend(name)
         self.sampler = Sampler(self.device, config.seed)
         self.kv_cache: KVCache | None = None
+        self.graphs = None  # DecodeGraphs, captured after the KV cache exists
 
     # -- KV cache sizing ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -103,7 +113,7 @@ class ModelRunner:
         seqs = [(0, s, list(range(i * per, (i + 1) * per))) for i, s in enumerate(sizes)]
         ids = torch.zeros(n_tokens, dtype=torch.long, device=self.device)
         meta, positions = self._build_metadata(seqs)
-        with torch.inference_mode(), forward_context(ForwardContext(meta, tmp.layers)):
+        with torch.inference_mode(), forward_context(ForwardContext(meta, tmp.layers, self.backend)):
             hidden = self.model(ids, positions)
             self.model.compute_logits(hidden[-n_seqs:])
         torch.cuda.synchronize()
@@ -120,27 +130,51 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, swap_blocks: int) -> None:
         self.kv_cache = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device, swap_blocks)
+        if self.device.type == "cuda" and self.backend.name == "triton" and not self.config.enforce_eager:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        from kvserve.engine.cuda_graphs import DecodeGraphs
+        max_batch = self.config.cuda_graph_max_batch or min(512, self.config.scheduler.max_num_seqs)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
+                                   max_blocks, self.block_size, self.arch.num_kv_heads)
+        self.graphs.capture()
+        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch} captured in "
+               f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
+        log.info(msg)
+        if self.config.show_progress:
+            print(msg, flush=True)
 
     # -- one step -------------------------------------------------------------------------
-    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]]):
-        """seqs: (num_computed, num_new, block_table) per sequence, in batch order."""
+    def _host_metadata(self, seqs: list[tuple[int, int, list[int]]]):
+        """seqs: (num_computed, num_new, block_table) per sequence, in batch order. Returns numpy
+        arrays: positions, slots, seq_lens, query_start, tables [B, max_blocks] int32."""
         bs = self.block_size
-        positions, slots, query_start, seq_lens = [], [], [0], []
-        for start, n, table in seqs:
-            for p in range(start, start + n):
-                slots.append(table[p // bs] * bs + p % bs)
-            positions.extend(range(start, start + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-        max_blocks = max(len(t) for _, _, t in seqs)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
-        qlens = [n for _, n, _ in seqs]
+        B = len(seqs)
+        qlens = np.fromiter((n for _, n, _ in seqs), dtype=np.int64, count=B)
+        starts = np.fromiter((c for c, _, _ in seqs), dtype=np.int64, count=B)
+        width = max(len(t) for _, _, t in seqs)
+        tables = np.zeros((B, width), dtype=np.int32)
+        for i, (_, _, t) in enumerate(seqs):
+            tables[i, :len(t)] = t
+        query_start = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(qlens, out=query_start[1:])
+        row = np.repeat(np.arange(B), qlens)
+        positions = starts[row] + (np.arange(int(query_start[-1])) - query_start[row])
+        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        return positions, slots, starts + qlens, query_start, tables
+
+    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]]):
+        positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=tables.to(self.device),
-            seq_lens=seq_lens, query_lens=qlens, query_start=query_start, block_size=bs)
-        self.backend.prepare(meta, self.device)
-        return meta, torch.tensor(positions, dtype=torch.long, device=self.device)
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            seq_lens=seq_lens.tolist(), query_lens=[n for _, n, _ in seqs],
+            query_start=query_start.tolist(), block_size=self.block_size)
+        self.backend.prepare(meta, dev)
+        return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
@@ -156,11 +190,8 @@ class ModelRunner:
         for s in sched:
             r = s.request
             ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens])
-        meta, positions = self._build_metadata(
-            [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched])
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(meta, kv.layers)):
-            hidden = self.model(input_ids, positions)
+        seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
+        hidden, query_start = self._forward(ids, seqs)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -171,7 +202,7 @@ class ModelRunner:
                 r = s.request
                 n_draws = r.pending_forks + 1
                 for j in range(n_draws):
-                    sample_rows.append(meta.query_start[i + 1] - 1)
+                    sample_rows.append(query_start[i + 1] - 1)
                     rows.append(self._sampling_row(r, j))
                     sample_of.append(i)
         if sample_rows:
@@ -183,8 +214,22 @@ class ModelRunner:
         for i, s in enumerate(sched):
             r = s.request
             if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
-                results[i].prompt_logprobs = self._prompt_logprobs(r, s, hidden, meta.query_start[i])
+                results[i].prompt_logprobs = self._prompt_logprobs(r, s, hidden, query_start[i])
         return results
+
+    def _forward(self, ids: list[int], seqs) -> tuple[torch.Tensor, list[int]]:
+        """The model over the step's tokens: a captured graph for a decode step that fits one,
+        else eagerly. Returns hidden states [T, hidden] and the query offsets."""
+        g = self.graphs
+        if g is not None and len(ids) == len(seqs) and g.fits(len(seqs), max(len(t) for _, _, t in seqs)):
+            positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
+            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, tables)
+            return hidden, query_start.tolist()
+        meta, positions = self._build_metadata(seqs)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend)):
+            hidden = self.model(input_ids, positions)
+        return hidden, meta.query_start
 
     def _sampling_row(self, r: Request, draw: int) -> SamplingRow:
         p = r.params

@@ -51,16 +51,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            min_p: torch.Tensor) -> torch.Tensor:
+                            min_p: torch.Tensor, max_k: int | None = None, any_top_p: bool | None = None,
+                            any_min_p: bool | None = None) -> torch.Tensor:
     """Mask (to -inf) what top-k, top-p and min-p exclude. top_k <= 0 / top_p == 1 / min_p == 0
-    leave a row alone. ``logits`` are already divided by the temperature."""
+    leave a row alone. ``logits`` are already divided by the temperature. The caller may pass
+    what it knows on the host (the largest top-k below the vocabulary, 0 if none; whether any row
+    uses top-p / min-p) so that no device value has to be read back."""
     vocab = logits.shape[-1]
     neg = torch.finfo(logits.dtype).min
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    if bool((k < vocab).any()):
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    if max_k is None:
+        max_k = int(k.max()) if bool((k < vocab).any()) else 0
+    if any_top_p is None:
+        any_top_p = bool((top_p < 1).any())
+    if any_min_p is None:
+        any_min_p = bool((min_p > 0).any())
+    if max_k:
+        kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, neg)
-    if bool((top_p < 1).any()):
+    if any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens before it already cover top_p; the first always stays.
@@ -68,7 +77,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
         drop[:, 0] = False
         drop &= (top_p < 1).unsqueeze(1)  # a cumsum rounding past 1.0 must not touch p == 1 rows
         logits = logits.masked_fill(drop.scatter(1, order, drop), neg)
-    if bool((min_p > 0).any()):
+    if any_min_p:
         probs = logits.softmax(dim=-1)
         thresh = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < thresh, neg)
@@ -95,19 +104,23 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device)
+            dev = logits.device
+            temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows]).to(dev, non_blocking=True)
+            ks = [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows]
             scaled = apply_top_k_top_p_min_p(
                 logits / temps.unsqueeze(1),
-                torch.tensor([r.top_k for r in rows], device=logits.device),
-                torch.tensor([r.top_p for r in rows], device=logits.device),
-                torch.tensor([r.min_p for r in rows], device=logits.device))
+                torch.tensor([r.top_k for r in rows]).to(dev, non_blocking=True),
+                torch.tensor([r.top_p for r in rows]).to(dev, non_blocking=True),
+                torch.tensor([r.min_p for r in rows]).to(dev, non_blocking=True),
+                max_k=max(ks) if min(ks) < vocab else 0,
+                any_top_p=any(r.top_p < 1 for r in rows), any_min_p=any(r.min_p > 0 for r in rows))
             probs = scaled.softmax(dim=-1)
             q = torch.empty_like(probs).exponential_(generator=self.generator)
             for i, r in enumerate(rows):
                 if r.generator is not None and not greedy[i]:
                     q[i] = torch.empty(vocab).exponential_(generator=r.generator).to(q.device)
             sampled = (probs / q).argmax(dim=-1)
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
+            tokens = torch.where(torch.tensor(greedy).to(dev, non_blocking=True), logits.argmax(dim=-1), sampled)
         token_list = tokens.tolist()
         lps: list = [None] * n
         if raw_logprobs is not None:

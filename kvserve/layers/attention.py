@@ -7,8 +7,9 @@ Tokens of all sequences are packed along one axis:
     query_start   0                  5            6            7
     seq_lens      ctx0 + 5           ctx1 + 1     ctx2 + 1       (keys after this step)
 
-Each layer first writes the step's K/V into the cache at ``slot_mapping``, then every query
-attends causally to its sequence's keys, all read back through the block table.
+Each layer first rotates q/k and writes the step's K/V into the cache at ``slot_mapping``,
+then every query attends causally to its sequence's keys, all read back through the block table.
+A backend takes q, k, v before RoPE so that it can fuse the rotation with the cache write.
 """
 from __future__ import annotations
 
@@ -23,19 +24,28 @@ import torch.nn.functional as F
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
     seq_lens: list[int]  # keys per sequence after this step
     query_lens: list[int]  # new tokens per sequence this step
     query_start: list[int]  # B + 1 offsets into the token axis
     block_size: int
-    # Per sequence, its own blocks (no padding), built once per step and shared by all layers.
-    seq_tables: list[torch.Tensor] | None = None
+    # Built by the backend's prepare(), once per step, shared by all layers.
+    seq_tables: list[torch.Tensor] | None = None  # torch: each sequence's own blocks
+    seq_lens_t: torch.Tensor | None = None  # triton: [B] int32 on the device
+    cu_q: torch.Tensor | None = None  # triton: [B + 1] int32 on the device
+    max_query_len: int = 0
+    num_splits: int = 1  # triton decode: context splits per sequence
 
 
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [blocks, bs, kvh, d]
+    backend: type = None  # the attention backend class for this step
+
+    def __post_init__(self):
+        if self.backend is None:
+            self.backend = TorchPagedAttention
 
 
 _CTX: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("kvserve_fwd", default=None)
@@ -68,13 +78,15 @@ class TorchPagedAttention:
         meta.seq_tables = [meta.block_tables[i, : -(-L // bs)] for i, L in enumerate(meta.seq_lens)]
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, bs, KVH, D]. Returns [T, H, D].
+        """q: [T, H, D]; k, v: [T, KVH, D] before RoPE; caches: [num_blocks, bs, KVH, D].
+        Returns [T, H, D].
 
         One SDPA call per sequence over exactly its keys, gathered with index_select: on the
         CPU this beats one padded, masked call for the batch (masks force a slow path)."""
+        q, k = rope(positions, q, k)
         nb, bs, kvh, d = k_cache.shape
         k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -100,11 +112,11 @@ class TorchPagedAttention:
         return out
 
 
-_BACKENDS = {"torch": TorchPagedAttention}
-
-
 def get_backend(name: str = "torch"):
     """Backends load lazily by name so the CPU path never imports what it cannot run."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
+    if name == "torch":
+        return TorchPagedAttention
+    if name == "triton":
+        from kvserve.layers.triton_attention import TritonPagedAttention
+        return TritonPagedAttention
+    raise ValueError(f"unknown attention backend {name!r}; available: torch, triton")

@@ -1,9 +1,14 @@
 import torch
 from torch import nn
 
+from kvserve import kernels
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; ``forward(x, residual)`` fuses the residual add first."""
+    """RMSNorm computed in float32; ``forward(x, residual)`` fuses the residual add first.
+
+    On CUDA one Triton kernel does both and updates ``residual`` in place; elsewhere plain
+    PyTorch with the same rounding points."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -17,6 +22,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() == 2 and kernels.available(x):
+            from kvserve.kernels.rmsnorm import rmsnorm
+            y = rmsnorm(x, self.weight, self.eps, residual)
+            return y if residual is None else (y, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -13,7 +13,7 @@ from torch import nn
 
 from kvserve.errors import ModelLoadError
 from kvserve.layers.activation import silu_and_mul
-from kvserve.layers.attention import get_backend, get_forward_context
+from kvserve.layers.attention import get_forward_context
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.arch import ModelArch
@@ -32,7 +32,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rope = rope
         self.scale = self.head_dim ** -0.5
-        self.backend = get_backend("torch")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -42,10 +41,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = self.backend.forward(q, k, v, k_cache, v_cache, ctx.attn, self.scale)
+        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache, ctx.attn, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

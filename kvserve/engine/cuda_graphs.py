@@ -1,0 +1,110 @@
+"""CUDA graphs for decode steps.
+
+A decode step (every sequence brings one token) launches hundreds of small kernels; at small
+batches the CPU issuing them, not the GPU, sets the pace. At start-up the model's forward is
+captured once per batch-size bucket over static input buffers; a step copies its inputs into
+the buffers and replays the graph of the smallest bucket that holds it. Rows past the real
+batch are padding: slot -1 (nothing written to the cache) and length 0 (attention yields
+zeros), and their outputs are ignored.
+
+The attention split count is a function of the bucket size, so one graph serves every context
+length up to the table width it was captured with (``max_model_len``). Steps that do not fit
+(a bigger batch, prefill) run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kvserve.kernels.decode_attention import num_splits
+from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch}
+    sizes |= set(range(16, max_batch + 1, 16))
+    sizes.add(max_batch)
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_layers, backend, device: torch.device, max_batch: int, max_blocks: int,
+                 block_size: int, num_kv_heads: int):
+        self.model, self.kv_layers, self.backend = model, kv_layers, backend
+        self.device, self.block_size, self.num_kv_heads = device, block_size, num_kv_heads
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        with torch.device(device):
+            self.input_ids = torch.zeros(max_batch, dtype=torch.long)
+            self.positions = torch.zeros(max_batch, dtype=torch.long)
+            self.slots = torch.full((max_batch,), -1, dtype=torch.long)
+            self.seq_lens = torch.zeros(max_batch, dtype=torch.int32)
+            self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32)
+            self.cu_q = torch.arange(max_batch + 1, dtype=torch.int32)
+        # One pinned staging row per step: ids, positions, slots, lens -> one host-to-device copy.
+        self._stage = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
+        self._stage_dev = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        meta = AttentionMetadata(slot_mapping=self.slots[:bs], block_tables=self.tables[:bs],
+                                 seq_lens=[0] * bs, query_lens=[1] * bs, query_start=list(range(bs + 1)),
+                                 block_size=self.block_size)
+        meta.seq_lens_t, meta.cu_q = self.seq_lens[:bs], self.cu_q[:bs + 1]
+        meta.max_query_len = 1
+        meta.num_splits = num_splits(bs, self.num_kv_heads, self.device)
+        return meta
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        with forward_context(ForwardContext(self._meta(bs), self.kv_layers, self.backend)):
+            return self.model(self.input_ids[:bs], self.positions[:bs])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        pool = None
+        for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
+            self._forward(bs)  # compile the kernels and warm the allocator outside the capture
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._forward(bs)
+            pool = g.pool()
+            self.graphs[bs], self.outputs[bs] = g, out
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
+
+    def fits(self, batch: int, width: int) -> bool:
+        return batch <= self.max_batch and width <= self.max_blocks
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+            tables: np.ndarray) -> torch.Tensor:
+        """Replay the graph for ``len(ids)`` decode rows; returns their hidden states (a view of
+        the graph's output buffer, valid until the next replay)."""
+        n = len(ids)
+        bs = next(b for b in self.buckets if b >= n)
+        st = self._stage.numpy()
+        st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids, positions, slots, seq_lens
+        st[2, n:bs], st[3, n:bs] = -1, 0  # padding rows: write nothing, attend to nothing
+        st[0, n:bs] = st[1, n:bs] = 0
+        dev = self._stage_dev[:, :bs]
+        dev.copy_(self._stage[:, :bs], non_blocking=True)
+        self.input_ids[:bs].copy_(dev[0])
+        self.positions[:bs].copy_(dev[1])
+        self.slots[:bs].copy_(dev[2])
+        self.seq_lens[:bs].copy_(dev[3])
+        w = tables.shape[1]
+        self.tables[:n, :w].copy_(torch.from_numpy(tables), non_blocking=False)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

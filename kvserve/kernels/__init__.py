@@ -1,0 +1,37 @@
+"""Triton kernels for the CUDA fast path. One kernel per file: the kernel, its launcher and a
+plain-PyTorch reference that the tests (``tests/kernels``) compare it with.
+
+The CPU never runs these in production; CI runs them under ``TRITON_INTERPRET=1`` on small
+shapes. ``available(t)`` says whether a tensor's device takes the Triton path.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(t: torch.Tensor) -> bool:
+    """The engine takes the Triton path for CUDA tensors. (Tests call the kernels on CPU
+    tensors under the interpreter directly; the CPU engine never does.)"""
+    return t.is_cuda and has_triton()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 operands get exact products (``ieee``), not Triton's default tf32: the fp32 path
+    exists to be exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,181 @@
+"""Paged decode attention, flash-decoding style: one query token per sequence.
+
+Grid ``(batch, kv_heads, num_splits)``. A program owns one KV head of one sequence and one
+slice of its context: it reads each K/V page of that slice once for all the query heads that
+share the KV head (GQA: the group is the M side of the dot), keeps an online softmax, and writes
+a partial output and its log-sum-exp. A second kernel merges the splits. With one split the
+first kernel writes the output directly.
+
+Splitting the context lets a small batch with long contexts fill the GPU; the split count is a
+function of the batch size alone (``num_splits``), so a CUDA graph captured for a batch size
+serves every context length. A sequence of length 0 (graph padding) yields zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels import dot_precision
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(Q, KC, VC, BT, SEQ_LENS, O, OP, LSEP,
+                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
+                         stride_vb, stride_vs, stride_vh, stride_bt,
+                         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                         scale_log2,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    n_chunks = tl.cdiv(seq_len, BLOCK_N)
+    per = tl.cdiv(n_chunks, NUM_SPLITS)
+    start = split * per * BLOCK_N
+    end = tl.minimum(start + per * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    for s in range(start, end, BLOCK_N):
+        n = s + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+        within = (n % PAGE).to(tl.int64)
+        kmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(KC + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=kmask, other=0.0)
+        v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=kmask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=omask)
+    else:
+        tl.store(OP + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
+                 out, mask=omask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSEP + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(OP, LSEP, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                         stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < NUM_SPLITS
+    lse = tl.load(LSEP + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+    parts = tl.load(OP + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_NUM_SMS: int | None = None
+
+
+def num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice; a function of the batch only (graph-safe)."""
+    global _NUM_SMS
+    if device.type == "cuda":
+        if _NUM_SMS is None:
+            _NUM_SMS = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _NUM_SMS
+    else:
+        sms = 4
+    return max(1, min(32, math.ceil(2 * sms / max(1, batch * num_kv_heads))))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           splits: int | None = None, out: torch.Tensor | None = None,
+                           block_n: int | None = None) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_blocks, page, KVH, D]; block_tables: [B, max_pages] int;
+    seq_lens: [B] int (keys per sequence, this step's token included). Returns [B, H, D]."""
+    B, H, D = q.shape
+    nb, page, KVH, Dk = k_cache.shape
+    assert Dk == D and H % KVH == 0 and q.stride(-1) == 1
+    group = H // KVH
+    if splits is None:
+        splits = num_splits(B, KVH, q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    if B == 0:
+        return out
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_G = max(16, triton.next_power_of_2(group))
+    if block_n is None:
+        block_n = max(16, min(64, page * 4)) if D <= 128 else 32
+    if splits > 1:
+        op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    else:
+        op, lsep = out, seq_lens  # unused placeholders
+    _decode_split_kernel[(B, KVH, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, op, lsep,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        op.stride(0) if splits > 1 else 0, op.stride(1) if splits > 1 else 0,
+        op.stride(2) if splits > 1 else 0,
+        lsep.stride(0) if splits > 1 else 0, lsep.stride(1) if splits > 1 else 0,
+        scale * _LOG2E,
+        GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
+        NUM_SPLITS=splits, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+    if splits > 1:
+        _decode_merge_kernel[(B, H)](
+            op, lsep, out, op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4)
+    return out
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Plain PyTorch in float64: gather each sequence's keys through its table; zeros for len 0."""
+    B, H, D = q.shape
+    page, KVH = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(B, H, D, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        if L == 0:
+            continue
+        n = torch.arange(L, device=q.device)
+        pages = block_tables[b, n // page].long()
+        k = k_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)  # [L, H, D]
+        v = v_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)
+        att = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", att.softmax(-1), v)
+    return out

@@ -1,0 +1,150 @@
+"""Paged prefill attention for a variable-length batch: FlashAttention-style tiles with an
+online softmax, causal, reading every key through the block table.
+
+Sequence ``b`` brings ``q_len = cu_q[b+1] - cu_q[b]`` new tokens and has ``seq_len`` keys after
+this step (its K/V already written to the cache); the new tokens sit at positions
+``seq_len - q_len ..`` and each sees every key up to its own position. So one kernel serves a
+plain prompt, a prompt chunk after earlier chunks (chunked prefill) and a prompt whose prefix
+came from the prefix cache. Decode rows (q_len 1) may ride along in a mixed batch.
+
+Grid ``(query tiles, batch, heads)``. Key tiles that lie wholly before the tile's first query
+run without a mask; only the diagonal tiles are masked.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels import dot_precision
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
+                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+                    scale_log2,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PREC: tl.constexpr):
+    mt = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    if mt * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(SEQ_LENS + b)
+    ctx = seq_len - q_len
+    kvh = h // GROUP
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    tok = (q_start + rows).to(tl.int64)
+    q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    qpos = ctx + rows
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+
+    first_q = ctx + mt * BLOCK_M
+    kv_end = tl.minimum(seq_len, first_q + BLOCK_M)
+    unmasked_end = (first_q // BLOCK_N) * BLOCK_N  # key tiles every query of the tile sees whole
+    for s in range(0, unmasked_end, BLOCK_N):
+        n = s + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + n // PAGE).to(tl.int64)
+        within = (n % PAGE).to(tl.int64)
+        k = tl.load(KC + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=dmask[None, :], other=0.0)
+        v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=dmask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+        n = s + tl.arange(0, BLOCK_N)
+        nmask = n < kv_end
+        page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+        within = (n % PAGE).to(tl.int64)
+        kmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(KC + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=kmask, other=0.0)
+        v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=kmask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        qk = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding rows see no key at all
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_q: torch.Tensor, seq_lens: torch.Tensor,
+                            max_query_len: int, scale: float, out: torch.Tensor | None = None,
+                            block_m: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] packed by ``cu_q`` ([B + 1] int32); seq_lens: [B] int32 (keys after this
+    step). Returns [T, H, D]."""
+    T, H, D = q.shape
+    nb, page, KVH, _ = k_cache.shape
+    B = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0:
+        return out
+    on_gpu = q.is_cuda
+    if block_m is None:
+        block_m = 128 if on_gpu and max_query_len > 64 else (64 if on_gpu else 16)
+    if block_n is None:
+        block_n = 64 if on_gpu else 16
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 3 if on_gpu else 1
+    grid = (triton.cdiv(max_query_len, block_m), B, H)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_q, seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_tables.stride(0), scale * _LOG2E,
+        GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale):
+    """Plain PyTorch in float64, one sequence at a time."""
+    T, H, D = q.shape
+    page, KVH = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(T, H, D, dtype=torch.float64, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        s, e, L = int(cu_q[b]), int(cu_q[b + 1]), int(seq_lens[b])
+        ql = e - s
+        if ql == 0:
+            continue
+        n = torch.arange(L, device=q.device)
+        pages = block_tables[b, n // page].long()
+        k = k_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)
+        v = v_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)
+        att = torch.einsum("qhd,lhd->hql", q[s:e].double(), k) * scale
+        qpos = torch.arange(L - ql, L, device=q.device)
+        att = att.masked_fill(n[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[s:e] = torch.einsum("hql,lhd->qhd", att.softmax(-1), v)
+    return out

@@ -1,0 +1,61 @@
+"""Triton attention backend (CUDA): fused RoPE + KV write, then per step the fastest correct
+kernel: paged flash-decoding when every sequence brings one token, SDPA (cuDNN/flash) for a
+single plain prompt with nothing cached, the paged varlen prefill kernel otherwise (batched
+prompts, chunked prefill, prefix-cache hits, mixed prefill + decode)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.decode_attention import num_splits, paged_decode_attention
+from kvserve.kernels.prefill_attention import paged_prefill_attention
+from kvserve.kernels.rope_kv_write import rope_kv_write
+from kvserve.layers.attention import AttentionMetadata
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    _SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+except ImportError:  # pragma: no cover - old torch
+    sdpa_kernel = None
+
+
+class TritonPagedAttention:
+    name = "triton"
+
+    @staticmethod
+    def prepare(meta: AttentionMetadata, device: torch.device) -> None:
+        meta.seq_lens_t = torch.tensor(meta.seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+        meta.cu_q = torch.tensor(meta.query_start, dtype=torch.int32).to(device, non_blocking=True)
+        meta.max_query_len = max(meta.query_lens) if meta.query_lens else 0
+        meta.num_splits = 0  # 0: chosen in forward from the batch and KV head count
+
+    @staticmethod
+    def forward(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        B = len(meta.seq_lens)
+        plain_prompt = B == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1 if meta.seq_lens else False
+        rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
+                      rotate_k_inplace=plain_prompt)
+        if meta.max_query_len == 1:
+            splits = meta.num_splits or num_splits(B, k_cache.shape[2], q.device)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
+                                          splits=splits)
+        if plain_prompt and sdpa_kernel is not None:
+            return _sdpa_causal(q, k, v, scale)
+        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q, meta.seq_lens_t,
+                                       meta.max_query_len, scale)
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One prompt with no cached context: the library's fastest causal kernel on contiguous
+    K/V. K/V heads are expanded for GQA (cuDNN takes no grouped heads); at prefill sizes that
+    copy is small against the attention's arithmetic."""
+    H, KVH = q.shape[1], k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
+    vt = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
+    with sdpa_kernel(_SDPA_ORDER, set_priority=True):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    return o.squeeze(0).transpose(0, 1)
