@@ -44,13 +44,13 @@ def test_cuda_parity_float32(tmp_path, kind):
     with torch.no_grad():
         for p in prompts:
             seq = list(p)
-            for _ in range(32):
+            for _ in range(64):
                 seq.append(int(hf(torch.tensor([seq], device="cuda")).logits[0, -1].argmax()))
             want.append(seq[len(p):])
     llm = LLM(path, device="cuda", dtype="float32", show_progress=False, kv_cache_memory="1GiB",
               max_num_batched_tokens=512)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+                        SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), use_tqdm=False)
     for p, o, w in zip(prompts, outs, want):
         assert o.outputs[0].token_ids == w, f"{kind}: prompt of {len(p)} tokens"
     assert llm.engine.kv.pool.num_used_blocks == 0

@@ -82,7 +82,8 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HALF=half, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), BLOCK_HALF=triton.next_power_of_2(half),
-        WRITE_K=rotate_k_inplace, num_warps=4)
+        WRITE_K=rotate_k_inplace, num_warps=4,
+        enable_fp_fusion=False)  # no FMA contraction: each product is rounded, as in the reference
 
 
 def rope_kv_write_ref(q, k, v, positions, slot_mapping, cos, sin, k_cache, v_cache):

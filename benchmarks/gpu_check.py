@@ -1,0 +1,469 @@
+"""One call on the GPU: kernel tests at real sizes, parity, then the fast-path benchmarks.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_check.py --out $OUT            # everything
+    PYTHONPATH=$PWD python benchmarks/gpu_check.py --out $OUT --quick    # no transformers generate peers
+
+Sections (each writes into one JSON; a failing section is recorded and the rest still run):
+  tests      pytest tests/kernels tests/test_cuda.py on the GPU (real-size kernel cases run there)
+  kernels    paged decode attention (batch 64 x 4k, GQA 32/8) against contiguous SDPA; paged
+             prefill attention (8k causal) against SDPA's cuDNN and flash backends
+  parity     Llama-3-8B shape, dummy bf16 weights: kvserve's logits against transformers' forward
+             on the same weights (prefill and decode rows)
+  decode     batch-1 decode, 512-token and ~8k-token prompts, 256 new tokens: tok/s and MBU;
+             transformers eager generate in the same run
+  launches   kernels per decode step (PyTorch profiler) for kvserve eager and transformers eager;
+             decode step time with and without CUDA graphs
+  prefill    one 8,192-token prompt: whole-model MFU; transformers' forward in the same run
+  offline    256 requests (prompts U[128, 1024], 256 new each, ignore_eos) against the workload's
+             roofline and transformers' generate_batch; then 1,024 requests (kvserve only)
+Ceilings from ../shared/GPU.md: 4.25 TB/s copy, 793 TFLOP/s bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+HBM = 4.25e12
+PEAK = 793e12
+RESULTS: dict = {"date": time.strftime("%Y-%m-%d"), "sections": {}}
+TABLE: list[str] = []
+
+
+def section(name):
+    def wrap(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            print(f"\n=== {name} ===", flush=True)
+            try:
+                RESULTS["sections"][name] = fn(*a, **k) or {}
+            except Exception as e:  # record and go on: one broken section must not hide the rest
+                traceback.print_exc()
+                RESULTS["sections"][name] = {"error": repr(e)}
+                TABLE.append(f"{name}: FAILED {e!r}"[:200])
+            RESULTS["sections"].setdefault(name, {})["seconds"] = round(time.perf_counter() - t0, 1)
+        return run
+    return wrap
+
+
+def bench(fn, reps: int = 50) -> float:
+    """Median seconds, CUDA events, after warm-up."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=reps * 4, return_mode="median") / 1e3
+
+
+@section("tests")
+def run_tests(paths):
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                       capture_output=True, text=True)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
+    print("\n".join(tail))
+    TABLE.append(f"tests (kernels + cuda): rc={p.returncode} {tail[-1] if tail else ''}")
+    return {"rc": p.returncode, "tail": tail}
+
+
+@section("kernels")
+def run_kernels():
+    from kvserve.kernels.decode_attention import num_splits, paged_decode_attention, paged_decode_attention_ref
+    from kvserve.kernels.prefill_attention import paged_prefill_attention
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+    # -- decode: 64 x 4k, 32 q heads / 8 kv heads, head 128, pages of 16 -------------------
+    B, ctx, H, KVH, D, page = 64, 4096, 32, 8, 128, 16
+    per = ctx // page
+    nb = B * per + 7
+    kc = torch.randn(nb, page, KVH, D, device=dev, dtype=dt, generator=g)
+    vc = torch.randn(nb, page, KVH, D, device=dev, dtype=dt, generator=g)
+    tables = torch.randperm(nb, device=dev, generator=g)[:B * per].view(B, per).to(torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(B, H, D, device=dev, dtype=dt, generator=g)
+    kv_bytes = 2 * B * ctx * KVH * D * 2
+    o = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+    ref = paged_decode_attention_ref(q[:2], kc, vc, tables[:2], lens[:2], D ** -0.5)
+    err = ((o[:2].double() - ref).norm() / ref.norm()).item()
+    variants = {}
+    for splits in sorted({1, 2, 4, num_splits(B, KVH, dev)}):
+        for bn in (32, 64, 128):
+            try:
+                t = bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, splits=splits, block_n=bn))
+                variants[f"splits={splits},block_n={bn}"] = kv_bytes / t / 1e12
+            except Exception as e:
+                variants[f"splits={splits},block_n={bn}"] = repr(e)[:80]
+    t_default = bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5))
+    # contiguous SDPA peer over the same amount of K/V
+    kq = kc[tables.long()].view(B, ctx, KVH, D).transpose(1, 2).contiguous()
+    vq = vc[tables.long()].view(B, ctx, KVH, D).transpose(1, 2).contiguous()
+    qq = q.view(B, H, 1, D)
+    t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kq, vq, enable_gqa=True))
+    out["decode"] = {"rel_err_vs_fp64": err, "tb_s": kv_bytes / t_default / 1e12, "ms": t_default * 1e3,
+                     "sdpa_contiguous_tb_s": kv_bytes / t_sdpa / 1e12, "variants_tb_s": variants}
+    TABLE.append(f"decode attn 64x4k GQA 32/8: {kv_bytes / t_default / 1e12:.2f} TB/s (SDPA contiguous "
+                 f"{kv_bytes / t_sdpa / 1e12:.2f}; ratio {t_sdpa / t_default:.2f}), rel err {err:.1e}")
+    print(json.dumps(out["decode"], indent=1))
+    # -- prefill: one 8k causal prompt through the paged kernel --------------------------
+    T = 8192
+    nb = T // page
+    kc = torch.randn(nb, page, KVH, D, device=dev, dtype=dt, generator=g)
+    vc = torch.randn(nb, page, KVH, D, device=dev, dtype=dt, generator=g)
+    table = torch.randperm(nb, device=dev, generator=g).view(1, nb).to(torch.int32)
+    q = torch.randn(T, H, D, device=dev, dtype=dt, generator=g)
+    cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    sl = torch.tensor([T], dtype=torch.int32, device=dev)
+    flops = 2 * 2 * T * T * D * H / 2  # QK^T and PV, causal half
+    pv = {}
+    for cfg in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 4)):
+        bm, bn, w, st = cfg
+        try:
+            t = bench(lambda: paged_prefill_attention(q, kc, vc, table, cu, sl, T, D ** -0.5, block_m=bm,
+                                                      block_n=bn, num_warps=w, num_stages=st), reps=10)
+            pv[f"bm={bm},bn={bn},w={w},s={st}"] = flops / t / 1e12
+        except Exception as e:
+            pv[f"bm={bm},bn={bn},w={w},s={st}"] = repr(e)[:80]
+    t_ours = bench(lambda: paged_prefill_attention(q, kc, vc, table, cu, sl, T, D ** -0.5), reps=10)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    order = table[0].long()
+    kk = kc[order].view(T, KVH, D).transpose(0, 1).repeat_interleave(H // KVH, 0)[None].contiguous()
+    vv = vc[order].view(T, KVH, D).transpose(0, 1).repeat_interleave(H // KVH, 0)[None].contiguous()
+    qq = q.transpose(0, 1)[None].contiguous()
+    peers = {}
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                t = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True), reps=10)
+            peers[name] = flops / t / 1e12
+        except Exception as e:
+            peers[name] = repr(e)[:80]
+    o = paged_prefill_attention(q, kc, vc, table, cu, sl, T, D ** -0.5)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        r = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)[0].transpose(0, 1)
+    perr = ((o.float() - r.float()).norm() / r.float().norm()).item()
+    out["prefill"] = {"tflops": flops / t_ours / 1e12, "variants_tflops": pv, "sdpa_tflops": peers,
+                      "rel_diff_vs_sdpa_flash": perr}
+    TABLE.append(f"prefill attn 8k causal (paged): {flops / t_ours / 1e12:.0f} TFLOP/s; SDPA cudnn "
+                 f"{peers.get('cudnn')}, flash {peers.get('flash')}; rel diff {perr:.1e}")
+    print(json.dumps(out["prefill"], indent=1))
+    return out
+
+
+def make_llm(args, **kw):
+    return LLM("dummy:llama-3-8b", device="cuda", dtype="bfloat16", kv_cache_memory=args.kv_memory,
+               max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=9216, show_progress=True, **kw)
+
+
+def hf_peer(llm):
+    from benchmarks.offline_throughput import load_transformers
+    return load_transformers(llm, torch.bfloat16, torch.device("cuda"))
+
+
+def run_requests(llm, prompts, max_tokens) -> dict:
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    base = f"r{time.monotonic_ns()}-"
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{base}{i}", {"prompt_token_ids": p}, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = None
+    steps = 0
+    toks = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            toks[o.request_id] = o.outputs[0].token_ids
+        steps += 1
+        if first is None and any(toks.values()):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    n = sum(len(t) for t in toks.values())
+    return {"seconds": end - t0, "ttft": first - t0, "decode_seconds": end - first, "output_tokens": n,
+            "steps": steps, "tokens": [toks[f"{base}{i}"] for i in range(len(prompts))]}
+
+
+@section("parity")
+def run_parity(llm, hf):
+    """Logits of kvserve and transformers on the same bf16 weights: prefill rows (a batch of
+    prompts through the paged prefill kernel, and a single prompt through SDPA) and decode rows
+    (graph replays), compared by relative error and top-1 agreement."""
+    runner = llm.engine.runner
+    captured = []
+    orig = runner.model.compute_logits
+
+    def grab(h):
+        lg = orig(h)
+        captured.append(lg.detach().clone())
+        return lg
+    runner.model.compute_logits = grab
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128000) for _ in range(n)] for n in (37, 300, 900)]
+    try:
+        res_single = run_requests(llm, prompts[:1], 8)
+        n_single = len(captured)
+        res_batch = run_requests(llm, prompts, 8)
+    finally:
+        runner.model.compute_logits = orig
+    # Per captured step: rows in batch order. Rebuild each row's sequence and ask transformers.
+    errs, top1, rows = [], 0, 0
+    single_rows = [lg[0] for lg in captured[:n_single]]
+    batch_rows = [[lg[i] for lg in captured[n_single:]] for i in range(3)]
+    checks = [(prompts[0], res_single["tokens"][0], single_rows)]
+    checks += [(prompts[i], res_batch["tokens"][i], batch_rows[i]) for i in range(3)]
+    with torch.no_grad():
+        for prompt, toks, lrows in checks:
+            seq = torch.tensor([prompt + toks], device="cuda")
+            ref = hf(seq).logits[0].float()
+            for j, lg in enumerate(lrows[:len(toks)]):
+                r = ref[len(prompt) - 1 + j]
+                errs.append(((lg - r).norm() / r.norm()).item())
+                top1 += int(lg.argmax() == r.argmax())
+                rows += 1
+    out = {"rows": rows, "max_rel_err": max(errs), "mean_rel_err": sum(errs) / len(errs), "top1_agree": top1 / rows}
+    TABLE.append(f"parity 8B bf16 vs transformers: logits rel err max {out['max_rel_err']:.2e} mean "
+                 f"{out['mean_rel_err']:.2e}, top-1 agree {top1}/{rows}")
+    print(out)
+    return out
+
+
+@section("decode")
+def run_decode(llm, hf, args):
+    a = llm.engine.arch
+    # Bytes a decode step must read: every weight but the embedding table (one row of it).
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weight_bytes -= a.vocab_size * a.hidden_size * 2
+    kv_per_tok = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
+    rng = random.Random(1)
+    out = {"weight_bytes": weight_bytes}
+    for plen in (512, 8192 - 256):
+        prompt = [rng.randrange(128000) for _ in range(plen)]
+        run_requests(llm, [prompt[:64]], 4)  # warm
+        r = run_requests(llm, [prompt], 256)
+        tps = 255 / r["decode_seconds"]
+        mean_ctx = plen + 128
+        mbu = (weight_bytes + kv_per_tok * mean_ctx) * tps / HBM
+        out[f"ctx{plen}"] = {"tok_s": tps, "mbu": mbu, "ttft": r["ttft"]}
+        line = f"batch-1 decode, {plen}-token prompt: {tps:.1f} tok/s, MBU {mbu:.1%}"
+        if hf is not None and not args.quick and plen == 512:
+            ids = torch.tensor([prompt], device="cuda")
+            with torch.no_grad():
+                hf.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hf.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+            hf_tps = 256 / (time.perf_counter() - t0)
+            out[f"ctx{plen}"]["transformers_generate_tok_s"] = hf_tps
+            line += f"; transformers eager generate {hf_tps:.1f} tok/s (ratio {tps / hf_tps:.2f}x)"
+        TABLE.append(line)
+        print(line, flush=True)
+    return out
+
+
+@section("launches")
+def run_launches(llm, hf):
+    from torch.profiler import ProfilerActivity, profile
+    eng, runner = llm.engine, llm.engine.runner
+    rng = random.Random(2)
+    prompt = [rng.randrange(128000) for _ in range(512)]
+
+    def decode_steps(n_steps: int, graphs) -> float:
+        saved = runner.graphs
+        runner.graphs = graphs
+        try:
+            eng.add_request(f"launch-{graphs is None}", {"prompt_token_ids": prompt},
+                            SamplingParams(max_tokens=n_steps + 1, temperature=0, ignore_eos=True))
+            eng.step()  # prefill
+            eng.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n_steps - 1):
+                eng.step()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / (n_steps - 1)
+        finally:
+            runner.graphs = saved
+        while eng.has_unfinished_requests():
+            eng.step()
+        return dt
+
+    def count_kernels(fn) -> int:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+    t_graph = decode_steps(64, runner.graphs)
+    t_eager = decode_steps(64, None)
+    # one eager decode step of kvserve, profiled
+    saved = runner.graphs
+    runner.graphs = None
+    eng.add_request("prof", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    eng.step()
+    eng.step()
+    n_ours = count_kernels(eng.step)
+    runner.graphs = saved
+    while eng.has_unfinished_requests():
+        eng.step()
+    n_hf = None
+    if hf is not None:
+        from transformers import DynamicCache
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            cache = DynamicCache()
+            o = hf(ids, past_key_values=cache, use_cache=True)
+            nxt = o.logits[:, -1:].argmax(-1)
+            hf(nxt, past_key_values=cache, use_cache=True)
+            n_hf = count_kernels(lambda: hf(nxt, past_key_values=cache, use_cache=True))
+    out = {"step_ms_graphs": t_graph * 1e3, "step_ms_eager": t_eager * 1e3, "kernels_per_step_kvserve_eager": n_ours,
+           "kernels_per_step_transformers_eager": n_hf}
+    TABLE.append(f"decode step batch 1: {t_graph * 1e3:.2f} ms with CUDA graphs, {t_eager * 1e3:.2f} ms eager; "
+                 f"kernels/step kvserve {n_ours}, transformers {n_hf}")
+    print(out)
+    return out
+
+
+@section("prefill")
+def run_prefill(llm, hf):
+    a = llm.engine.arch
+    # Every token goes through the decoder layers; only the last row through the LM head.
+    params = sum(p.numel() for p in llm.engine.runner.model.parameters()) - 2 * a.vocab_size * a.hidden_size
+    T = 8192
+    rng = random.Random(3)
+    prompt = [rng.randrange(128000) for _ in range(T)]
+    flops = (2 * params * T + 2 * a.vocab_size * a.hidden_size
+             + 2 * 2 * a.num_layers * a.num_heads * a.head_dim * T * T / 2)
+    run_requests(llm, [prompt], 1)  # warm (compile)
+    ts = []
+    for _ in range(3):
+        r = run_requests(llm, [prompt], 1)
+        ts.append(r["seconds"])
+    t = sorted(ts)[1]
+    out = {"seconds": t, "mfu": flops / t / PEAK, "flops": flops}
+    line = f"prefill 8192 tokens: {t * 1e3:.0f} ms, MFU {flops / t / PEAK:.1%}"
+    if hf is not None:
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            hf(ids[:, :512])
+            tt = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hf(ids, logits_to_keep=1)
+                torch.cuda.synchronize()
+                tt.append(time.perf_counter() - t0)
+        th = sorted(tt)[1]
+        out["transformers_seconds"] = th
+        out["transformers_mfu"] = flops / th / PEAK
+        line += f"; transformers forward {th * 1e3:.0f} ms (MFU {flops / th / PEAK:.1%}, ratio {th / t:.2f}x)"
+    TABLE.append(line)
+    print(line)
+    return out
+
+
+def roofline_seconds(a, weight_bytes, n_params, prompts, n_out, concurrency):
+    """Prefill FLOPs / 793 TFLOP/s + decode bytes / 4.25 TB/s, with requests decoding
+    ``concurrency`` at a time (weights read once per step; each request's KV once per step)."""
+    kv_tok = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
+    flops = sum(2 * n_params * p + 2 * a.num_layers * a.num_heads * a.head_dim * p * p for p in prompts)
+    waves = -(-len(prompts) // concurrency)
+    decode_bytes = waves * n_out * weight_bytes + sum(kv_tok * (p * n_out + n_out * n_out / 2) for p in prompts)
+    return flops / PEAK + decode_bytes / HBM
+
+
+@section("offline")
+def run_offline(llm, hf, args):
+    a = llm.engine.arch
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - a.vocab_size * a.hidden_size * 2
+    n_params = sum(p.numel() for p in model.parameters()) - a.vocab_size * a.hidden_size
+    out = {}
+    for n_req in ((256,) if args.quick else (256, 1024)):
+        rng = random.Random(10 + n_req)
+        prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
+        run_requests(llm, prompts[:4], 8)
+        r = run_requests(llm, prompts, 256)
+        roof = roofline_seconds(a, weight_bytes, n_params, [len(p) for p in prompts], 256, 256)
+        tps = r["output_tokens"] / r["seconds"]
+        res = {"seconds": r["seconds"], "out_tok_s": tps, "roofline_s": roof, "of_roofline": roof / r["seconds"],
+               "steps": r["steps"]}
+        line = (f"offline {n_req} req: {r['seconds']:.1f} s, {tps:.0f} out tok/s, roofline {roof:.1f} s "
+                f"({roof / r['seconds']:.0%} of roofline)")
+        if hf is not None and not args.quick and n_req == 256:
+            try:
+                res.update(run_generate_batch(hf, prompts, 256))
+                line += (f"; transformers generate_batch {res['transformers_out_tok_s']:.0f} tok/s "
+                         f"(ratio {tps / res['transformers_out_tok_s']:.1f}x)")
+            except Exception as e:
+                traceback.print_exc()
+                res["transformers_error"] = repr(e)
+        out[str(n_req)] = res
+        TABLE.append(line)
+        print(line, flush=True)
+    return out
+
+
+def run_generate_batch(hf, prompts, n_new):
+    from transformers import GenerationConfig
+    cfg = GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generate_batch(inputs=prompts[:4], generation_config=cfg)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = hf.generate_batch(inputs=prompts, generation_config=cfg)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(o.generated_tokens) for o in res.values())
+    return {"transformers_seconds": dt, "transformers_out_tokens": n, "transformers_out_tok_s": n / dt}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="skip transformers generate peers and the 1,024 run")
+    ap.add_argument("--only", default="tests,kernels,parity,decode,launches,prefill,offline")
+    ap.add_argument("--kv-memory", default="40GiB")
+    ap.add_argument("--tests", default="tests/kernels,tests/test_cuda.py", help="pytest paths, comma-separated")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    RESULTS["gpu"] = torch.cuda.get_device_name()
+    RESULTS["torch"] = torch.__version__
+    import triton
+    RESULTS["triton"] = triton.__version__
+    if "tests" in only:
+        run_tests(args.tests.split(","))
+    if "kernels" in only:
+        run_kernels()
+    if only & {"parity", "decode", "launches", "prefill", "offline"}:
+        t0 = time.perf_counter()
+        llm = make_llm(args)
+        RESULTS["engine_start_s"] = time.perf_counter() - t0
+        g = llm.engine.runner.graphs
+        if g is not None:
+            RESULTS["graphs"] = {"buckets": g.buckets, "capture_s": g.capture_seconds, "mib": g.memory_bytes / 2**20}
+        hf = hf_peer(llm)
+        if "parity" in only:
+            run_parity(llm, hf)
+        if "decode" in only:
+            run_decode(llm, hf, args)
+        if "launches" in only:
+            run_launches(llm, hf)
+        if "prefill" in only:
+            run_prefill(llm, hf)
+        if "offline" in only:
+            run_offline(llm, hf, args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    print("\n" + "\n".join(TABLE))
+
+
+if __name__ == "__main__":
+    main()

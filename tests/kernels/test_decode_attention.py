@@ -1,0 +1,139 @@
+"""Paged decode attention (``kvserve/kernels/decode_attention.py``) against its float64 reference.
+
+Random non-zero q/K/V, ragged context lengths (0, 1, page and tile multiples and not), GQA
+ratios 1/3/4/8, page sizes 1/4/8/16, block tables that are random permutations of the pool, one
+split and several (more splits than key tiles too, so some splits are empty), and ``out``
+poisoned with NaN. Slots no sequence owns are NaN (see ``build_paged_kv``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels.decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # interpreter internals
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]  # -inf - -inf, masked
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real-size case: needs CUDA")
+# The interpreter keeps bfloat16 as raw uint16 and its tl.dot multiplies those bits as integers
+# (relative error ~1e9), so bfloat16 attention is checked on CUDA only.
+bf16_cuda_only = pytest.mark.skipif(not torch.cuda.is_available(),
+                                    reason="bfloat16 tl.dot is wrong in Triton's interpreter; CUDA only")
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=bf16_cuda_only)]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DTYPE_NO = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # seeds differ per dtype
+
+# (q heads, kv heads, head_dim, page): GQA ratios 1, 3, 4, 8; pages 1, 4, 8, 16; one head_dim
+# that is not a power of two (48: masked lanes of BLOCK_D = 64).
+SHAPES = [(2, 2, 32, 1), (9, 3, 16, 4), (4, 1, 48, 8), (8, 1, 64, 16)]
+# Context lengths: ragged, empty (graph padding), a single key, a multiple of every page and
+# key tile size (64), and the longest spanning 7 key tiles of 16.
+SEQ_LENS = [37, 0, 1, 100, 64]
+
+
+def _run(gen, device, paged_kv, H, KVH, D, page, dtype, seq_lens, splits, block_n=None):
+    k_cache, v_cache, bt = paged_kv(gen, seq_lens, page, KVH, D, dtype, device)
+    q = (torch.randn(len(seq_lens), H, D, generator=gen) * 1.5).to(dtype).to(device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+    got = paged_decode_attention(q, k_cache, v_cache, bt, sl, D ** -0.5, splits=splits, out=out,
+                                 block_n=block_n)
+    assert got is out
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, D ** -0.5)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [1, 5])  # 5: some splits of the short sequences are empty
+@pytest.mark.parametrize("H,KVH,D,page", SHAPES)
+def test_decode_matches_reference(device, paged_kv, rel, H, KVH, D, page, splits, dtype):
+    gen = torch.Generator().manual_seed(H * 1000 + page * 10 + splits + 100_000 * DTYPE_NO[dtype])
+    out, ref = _run(gen, device, paged_kv, H, KVH, D, page, dtype, SEQ_LENS, splits)
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL[dtype]
+    for b, L in enumerate(SEQ_LENS):  # each sequence on its own, so no long one hides a short one
+        if L:
+            assert rel(out[b], ref[b]) < TOL[dtype], (b, L)
+        else:
+            assert (out[b] == 0).all()
+
+
+@pytest.mark.parametrize("splits", [None, 2, 32])
+def test_decode_default_and_many_splits(device, paged_kv, rel, splits):
+    """splits=None picks num_splits(batch); 32 splits on one tile leaves 31 of them empty."""
+    gen = torch.Generator().manual_seed(11 + (splits or 0))
+    seq_lens = [3, 0, 29]
+    out, ref = _run(gen, device, paged_kv, 4, 1, 32, 4, torch.float32, seq_lens, splits)
+    assert rel(out, ref) < 1e-5
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("page,block_n", [(16, 16), (32, 16), (4, 32), (2, 64)])
+def test_decode_block_n_vs_page(device, paged_kv, rel, page, block_n):
+    """Key tiles of one page, smaller than a page, and spanning several pages."""
+    gen = torch.Generator().manual_seed(page * 100 + block_n)
+    seq_lens = [70, 0, 2]
+    for splits in (1, 3):
+        out, ref = _run(gen, device, paged_kv, 4, 1, 32, page, torch.float32, seq_lens, splits, block_n)
+        assert rel(out, ref) < 1e-5, splits
+        assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_strided_q_and_out(device, paged_kv, rel, splits):
+    """q as the model passes it (a view into the packed qkv rows), out a view into a larger
+    buffer: the launcher must use the strides, and write nothing outside the view."""
+    gen = torch.Generator().manual_seed(5 + splits)
+    H, KVH, D, page = 8, 2, 32, 8
+    seq_lens = [45, 9, 0]
+    k_cache, v_cache, bt = paged_kv(gen, seq_lens, page, KVH, D, torch.float32, device)
+    qkv = torch.randn(len(seq_lens), (H + 2 * KVH) * D, generator=gen).to(device)
+    q = qkv.split([H * D, KVH * D, KVH * D], dim=-1)[0].view(-1, H, D)
+    assert not q.is_contiguous()
+    buf = torch.full((len(seq_lens), H + 2, D), float("nan"), device=device)
+    out = buf[:, 1:H + 1]
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    paged_decode_attention(q, k_cache, v_cache, bt, sl, D ** -0.5, splits=splits, out=out)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, D ** -0.5)
+    assert rel(out, ref) < 1e-5
+    assert (out[2] == 0).all()
+    assert buf[:, 0].isnan().all() and buf[:, H + 1].isnan().all()
+
+
+def test_decode_empty_batch(device):
+    q = torch.empty(0, 4, 16, device=device)
+    kc = torch.zeros(2, 4, 2, 16, device=device)
+    out = paged_decode_attention(q, kc, kc, torch.zeros(0, 1, dtype=torch.int32, device=device),
+                                 torch.zeros(0, dtype=torch.int32, device=device), 0.25)
+    assert out.shape == (0, 4, 16)
+
+
+# Real sizes (CUDA only): head_dim 128, 32 q / 8 kv heads, pages of 16, contexts of thousands.
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("splits", [None, 1, 16])
+def test_decode_real_size(device, paged_kv, rel, dtype, splits):
+    gen = torch.Generator().manual_seed(1234 + (splits or 0))
+    seq_lens = [4097, 1, 0, 2048, 1000, 3333, 16, 777]
+    out, ref = _run(gen, device, paged_kv, 32, 8, 128, 16, dtype, seq_lens, splits)
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL[dtype]
+    assert (out[2] == 0).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("H,KVH,D,page", [(64, 8, 128, 16), (28, 4, 128, 32), (16, 16, 64, 16), (32, 8, 256, 16)])
+def test_decode_real_size_shapes(device, paged_kv, rel, H, KVH, D, page):
+    """Other real head layouts (GQA 8 and 7, MHA, head_dim 256 takes block_n 32), big batch."""
+    gen = torch.Generator().manual_seed(H * 1000 + D)
+    seq_lens = torch.randint(0, 3000, (48,), generator=gen).tolist()
+    seq_lens[5] = 0
+    out, ref = _run(gen, device, paged_kv, H, KVH, D, page, torch.bfloat16, seq_lens, None)
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
+    assert (out[5] == 0).all()
