@@ -93,7 +93,7 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req")
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(only_finished=True):
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:

@@ -154,15 +154,20 @@ class KVCacheManager:
         """(slots allocated to requests, slots of those holding a token or one being written)."""
         bs = self.block_size
         filled: dict[int, int] = {}
-        for req in requests:
+        tails = []
+        for req in requests:  # called every step: full blocks go in at C speed, tails after
             table = self.tables.get(req.request_id)
             if not table:
                 continue
             n = min(req.num_tokens, len(table) * bs)
-            for i, bid in enumerate(table):
-                f = min(bs, max(0, n - i * bs))
-                if f > filled.get(bid, -1):
-                    filled[bid] = f
+            full = n // bs
+            filled.update(dict.fromkeys(table[:full], bs))
+            if full < len(table):
+                tails.append((table[full], n - full * bs))
+                tails.extend((bid, 0) for bid in table[full + 1:])
+        for bid, f in tails:  # a block shared with another table may be fuller there
+            if f > filled.get(bid, -1):
+                filled[bid] = f
         return len(filled) * bs, sum(filled.values())
 
     def check_invariants(self, live: list[Request]) -> None:

@@ -128,7 +128,10 @@ class LLMEngine:
             self.runner.drop_request(req.request_id)
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """One scheduling step. Returns an output for every request that moved (for streaming),
+        or with ``only_finished`` just for those that finished (offline batches: building the
+        rest is wasted host time)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
@@ -136,7 +139,10 @@ class LLMEngine:
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting requests fit nowhere "
                                f"({self.kv.pool.num_free_blocks} free blocks)")
         try:
-            results = self.runner.execute(out) if not out.is_empty else []
+            finish = self.runner.launch(out) if not out.is_empty else None
+            # While the device computes: the KV usage of this step's state, for the stats.
+            kv_usage = self.kv.kv_waste(self.scheduler.running)
+            results = finish() if finish is not None else []
         except BaseException:
             # Blocks hash-registered for this step never got their KV: nothing may hit them.
             self.kv.pool.reset_prefix_cache()
@@ -154,13 +160,16 @@ class LLMEngine:
                 n_gen += len(res.token_ids)
                 self._append_tokens(req, res)
             touched[req.group_id] = None
+        if only_finished:
+            touched = {g: None for g in touched if self._group_finished(g)}
         outputs = [self._make_output(g) for g in touched]
         for o in outputs:
             if o.finished:
                 self.stats.num_requests_finished += 1
                 for r in self.groups.pop(o.request_id):
                     self.runner.drop_request(r.request_id)
-        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, time.perf_counter() - t0))
+        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, time.perf_counter() - t0,
+                                           kv_usage))
         return outputs
 
     def _append_tokens(self, req: Request, res: StepResult) -> None:
@@ -216,6 +225,10 @@ class LLMEngine:
         for tok, lp, rank, top in res.prompt_logprobs:
             req.prompt_logprobs.append(self._logprob_dict(tok, lp, rank, top))
 
+    def _group_finished(self, group_id: str) -> bool:
+        reqs = self.groups[group_id]
+        return all(r.is_finished for r in reqs) and len(reqs) == reqs[0].params.n
+
     def _make_output(self, group_id: str) -> RequestOutput:
         reqs = sorted(self.groups[group_id], key=lambda r: r.index)
         first = reqs[0]
@@ -240,9 +253,10 @@ class LLMEngine:
         hold = max(len(s) for s in stops) - 1
         return r.output_text[:max(0, len(r.output_text) - hold)]
 
-    def _step_stats(self, n_batched: int, n_prompt: int, n_gen: int, dt: float) -> StepStats:
+    def _step_stats(self, n_batched: int, n_prompt: int, n_gen: int, dt: float,
+                    kv_usage: tuple[int, int]) -> StepStats:
         pool = self.kv.pool
-        alloc, filled = self.kv.kv_waste(self.scheduler.running)
+        alloc, filled = kv_usage
         q = self.kv.prefix_queries
         return StepStats(
             step=self.stats.num_steps, num_running=len(self.scheduler.running),

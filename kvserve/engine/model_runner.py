@@ -50,6 +50,31 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+class GpuTimer:
+    """Device time of each step's forward + sampling, from CUDA events (for benchmarks: set
+    ``runner.gpu_timer = GpuTimer()``). ``seconds`` over the wall time says how much of a run the
+    GPU was busy; the rest is host overhead the GPU waited for."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.steps = 0
+        self._ev = None
+
+    def start(self):
+        self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._ev[0].record()
+
+    def stop(self):
+        self._ev[1].record()
+
+    def collect(self):
+        if self._ev is not None:
+            self._ev[1].synchronize()
+            self.seconds += self._ev[0].elapsed_time(self._ev[1]) / 1e3
+            self.steps += 1
+            self._ev = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int):
         self.config = config
@@ -87,6 +112,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
+        self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
     # -- KV cache sizing ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -178,6 +204,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        return self.launch(out)()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput):
+        """Queue the step's GPU work and return a callable that waits for it and returns the
+        per-request results. Between the two the host is free (the engine does its bookkeeping
+        there while the device computes)."""
         kv = self.kv_cache
         for rid, blocks in out.swap_out.items():
             kv.swap_out(rid, blocks)
@@ -191,11 +224,12 @@ class ModelRunner:
             r = s.request
             ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens])
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
+        if self.gpu_timer is not None:
+            self.gpu_timer.start()
         hidden, query_start = self._forward(ids, seqs)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
-        results = [StepResult([], [], []) for _ in sched]
         sample_rows, rows, sample_of = [], [], []
         for i, s in enumerate(sched):
             if s.samples:
@@ -205,17 +239,32 @@ class ModelRunner:
                     sample_rows.append(query_start[i + 1] - 1)
                     rows.append(self._sampling_row(r, j))
                     sample_of.append(i)
+        pending = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            so = self.sampler(logits, rows)
-            for k, i in enumerate(sample_of):
-                results[i].token_ids.append(so.token_ids[k])
-                results[i].logprobs.append(so.logprobs[k])
-        for i, s in enumerate(sched):
-            r = s.request
-            if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
-                results[i].prompt_logprobs = self._prompt_logprobs(r, s, hidden, query_start[i])
-        return results
+            if len(sample_rows) == hidden.shape[0] and sample_rows[-1] == len(sample_rows) - 1:
+                picked = hidden  # a decode step: every row is sampled, in order
+            else:
+                picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
+            pending = self.sampler.launch(self.model.compute_logits(picked), rows)
+        if self.gpu_timer is not None:
+            self.gpu_timer.stop()
+
+        @torch.inference_mode()
+        def finish() -> list[StepResult]:
+            results = [StepResult([], [], []) for _ in sched]
+            if pending is not None:
+                so = self.sampler.finish(pending)
+                for k, i in enumerate(sample_of):
+                    results[i].token_ids.append(so.token_ids[k])
+                    results[i].logprobs.append(so.logprobs[k])
+            for i, s in enumerate(sched):
+                r = s.request
+                if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
+                    results[i].prompt_logprobs = self._prompt_logprobs(r, s, hidden, query_start[i])
+            if self.gpu_timer is not None:
+                self.gpu_timer.collect()
+            return results
+        return finish
 
     def _forward(self, ids: list[int], seqs) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,

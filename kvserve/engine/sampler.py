@@ -90,6 +90,11 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.finish(self.launch(logits, rows))
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        """Queue the sampling on the logits' device; ``finish`` reads the ids back (the step's
+        one host synchronisation)."""
         logits = logits.float()
         n, vocab = logits.shape
         want_lp = [r.num_logprobs is not None for r in rows]
@@ -121,6 +126,11 @@ class Sampler:
                     q[i] = torch.empty(vocab).exponential_(generator=r.generator).to(q.device)
             sampled = (probs / q).argmax(dim=-1)
             tokens = torch.where(torch.tensor(greedy).to(dev, non_blocking=True), logits.argmax(dim=-1), sampled)
+        return tokens, raw_logprobs, rows
+
+    def finish(self, pending) -> SamplerOutput:
+        tokens, raw_logprobs, rows = pending
+        n = len(rows)
         token_list = tokens.tolist()
         lps: list = [None] * n
         if raw_logprobs is not None:

@@ -15,14 +15,17 @@ from kvserve.server.app import build_app
 
 def test_fault_mid_stream_sends_error_event_then_done():
     engine = LLM("dummy:tiny", kv_cache_memory="16MiB", show_progress=False).engine
-    real, calls = engine.runner.execute, [0]
+    real, calls = engine.runner.launch, [0]
 
-    def flaky(out):  # a few good steps, then the device "fails"
+    def flaky(out):  # a few good steps, then the device "fails" (surfacing when results are read)
         calls[0] += 1
+        finish = real(out)
         if calls[0] > 3:
-            raise RuntimeError("injected device fault")
-        return real(out)
-    engine.runner.execute = flaky
+            def fail():
+                raise RuntimeError("injected device fault")
+            return fail
+        return finish
+    engine.runner.launch = flaky
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     ae = AsyncEngine(engine)
