@@ -226,9 +226,11 @@ def run_parity(llm, hf):
     checks += [(prompts[i], res_batch["tokens"][i], batch_rows[i]) for i in range(3)]
     hf32 = copy.deepcopy(hf).float()
     e_ours_hf, e_ours_32, e_hf_32, top1, top1_hf, rows = [], [], [], 0, 0, 0
+    per_check = []
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     with torch.no_grad():
         for prompt, toks, lrows in checks:
+            per_check.append(len(e_ours_32))
             seq = torch.tensor([prompt + toks], device="cuda")
             ref = hf(seq).logits[0].float()
             ref32 = hf32(seq).logits[0].float()
@@ -243,6 +245,11 @@ def run_parity(llm, hf):
     del hf32
     torch.cuda.empty_cache()
     mean = lambda v: sum(v) / len(v)  # noqa: E731
+    bounds = per_check + [len(e_ours_32)]
+    names = ["single prompt (SDPA prefill)", "batch row 0 (prefix hit)", "batch row 1", "batch row 2"]
+    for name, a, b in zip(names, bounds, bounds[1:]):
+        print(f"  {name}: kvserve vs fp32 mean {mean(e_ours_32[a:b]):.3e}, transformers bf16 vs fp32 "
+              f"{mean(e_hf_32[a:b]):.3e}; first row {e_ours_32[a]:.3e}")
     out = {"rows": rows, "kvserve_vs_hf_bf16_mean": mean(e_ours_hf), "kvserve_vs_fp32_mean": mean(e_ours_32),
            "kvserve_vs_fp32_max": max(e_ours_32), "hf_bf16_vs_fp32_mean": mean(e_hf_32),
            "hf_bf16_vs_fp32_max": max(e_hf_32), "top1_kvserve_vs_fp32": top1 / rows, "top1_hf_bf16_vs_fp32": top1_hf / rows}
@@ -252,6 +259,64 @@ def run_parity(llm, hf):
                  f"{top1}/{rows}, transformers bf16 {top1_hf}/{rows}")
     print(out)
     return out
+@section("backends")
+def run_backends(llm):
+    """The Triton backend against the PyTorch reference backend in the same engine (same weights,
+    same batch: a prefix-cache hit, a 300- and a 900-token prompt), logits per row; and every
+    Triton attention call of the batch's prefill step against the reference on the same inputs."""
+    from kvserve.layers.attention import TorchPagedAttention, get_backend
+    from kvserve.layers.triton_attention import TritonPagedAttention
+    runner = llm.engine.runner
+    rng = random.Random(7)
+    prompts = [[rng.randrange(128000) for _ in range(n)] for n in (37, 300, 900)]
+    orig_logits, orig_fwd = runner.model.compute_logits, TritonPagedAttention.forward
+    layer_errs = []
+
+    def checked(positions, q, k, v, rope, kc, vc, meta, scale):
+        if meta.max_query_len > 1 and len(meta.seq_lens) > 1:
+            q0, k0, v0 = q.clone(), k.clone(), v.clone()
+            o = orig_fwd(positions, q, k, v, rope, kc, vc, meta, scale)
+            meta.seq_tables = [meta.block_tables[i, : -(-L // meta.block_size)] for i, L in enumerate(meta.seq_lens)]
+            r = TorchPagedAttention.forward(positions, q0, k0, v0, rope, kc.clone(), vc.clone(), meta, scale)
+            per = []
+            for i in range(len(meta.seq_lens)):
+                a, b = meta.query_start[i], meta.query_start[i + 1]
+                per.append(round(((o[a:b].float() - r[a:b].float()).norm() / r[a:b].float().norm()).item(), 5))
+            layer_errs.append(per)
+            return o
+        return orig_fwd(positions, q, k, v, rope, kc, vc, meta, scale)
+
+    def run(name):
+        captured = []
+        runner.model.compute_logits = lambda h: captured.append(orig_logits(h).clone()) or captured[-1]
+        saved_backend, saved_graphs = runner.backend, runner.graphs
+        runner.backend = get_backend(name)
+        if name == "torch":
+            runner.graphs = None
+        llm.engine.kv.pool.reset_prefix_cache()
+        try:
+            run_requests(llm, prompts[:1], 4)
+            run_requests(llm, prompts, 4)
+        finally:
+            runner.model.compute_logits = orig_logits
+            runner.backend, runner.graphs = saved_backend, saved_graphs
+        return captured[4:]  # the batch's steps
+
+    ref = run("torch")
+    TritonPagedAttention.forward = staticmethod(checked)
+    try:
+        got = run("triton")
+    finally:
+        TritonPagedAttention.forward = staticmethod(orig_fwd)
+    rows = [[round(((g[i] - r[i]).norm() / r[i].norm()).item(), 4) for g, r in zip(got, ref)] for i in range(3)]
+    print("logits rel err triton vs torch backend, per row per step:", rows)
+    print("prefill attention rel err per layer (per sequence):", layer_errs[:4], "... max",
+          max(max(e) for e in layer_errs) if layer_errs else None)
+    TABLE.append(f"backends 8B bf16: logits rel err triton vs torch per row (prefill step) "
+                 f"{[r[0] for r in rows]}; attention per-call max {max(max(e) for e in layer_errs) if layer_errs else None}")
+    return {"rows": rows, "layer_errs": layer_errs}
+
+
 @section("decode")
 def run_decode(llm, hf, args):
     a = llm.engine.arch
@@ -466,14 +531,16 @@ def main():
         run_tests(args.tests.split(","))
     if "kernels" in only:
         run_kernels()
-    if only & {"parity", "decode", "launches", "prefill", "offline"}:
+    if only & {"backends", "parity", "decode", "launches", "prefill", "offline"}:
         t0 = time.perf_counter()
         llm = make_llm(args)
         RESULTS["engine_start_s"] = time.perf_counter() - t0
         g = llm.engine.runner.graphs
         if g is not None:
             RESULTS["graphs"] = {"buckets": g.buckets, "capture_s": g.capture_seconds, "mib": g.memory_bytes / 2**20}
-        hf = hf_peer(llm)
+        hf = hf_peer(llm) if only & {"parity", "decode", "launches", "prefill", "offline"} else None
+        if "backends" in only:
+            run_backends(llm)
         if "parity" in only:
             run_parity(llm, hf)
         if "decode" in only:

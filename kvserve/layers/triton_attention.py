@@ -53,9 +53,11 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     K/V. K/V heads are expanded for GQA (cuDNN takes no grouped heads); at prefill sizes that
     copy is small against the attention's arithmetic."""
     H, KVH = q.shape[1], k.shape[1]
-    qt = q.transpose(0, 1).unsqueeze(0)
-    kt = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
-    vt = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0)
+    # Dense [1, H, T, D] copies: q/k/v arrive as strided views of the packed qkv projection,
+    # and the fused kernels behind SDPA are only trusted on plain layouts.
+    qt = q.transpose(0, 1).unsqueeze(0).contiguous()
+    kt = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0).contiguous()
+    vt = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0).contiguous()
     with sdpa_kernel(_SDPA_ORDER, set_priority=True):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     return o.squeeze(0).transpose(0, 1)

@@ -160,3 +160,27 @@ def test_prefill_real_size_shapes(device, paged_kv, H, KVH, D, page):
     batch = [(0, 1100), (700, 300), (2, 1), (129, 77), (3000, 1)]
     out, ref, cu = _run(gen, device, paged_kv, H, KVH, D, page, torch.bfloat16, batch)
     _check(out, ref, cu, 1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's fused GPU backends: needs CUDA")
+@pytest.mark.parametrize("T", [1, 37, 300, 1000, 4096])
+@pytest.mark.parametrize("strided", [False, True])
+def test_sdpa_plain_prompt_path(T, strided):
+    """The backend's plain-prompt path (SDPA, cuDNN first) on the layouts the model hands it:
+    q/k/v as views of one packed qkv tensor. Reference: float64 causal attention."""
+    from kvserve.layers.triton_attention import _sdpa_causal
+    H, KVH, D = 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+    if not strided:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = _sdpa_causal(q, k, v, D ** -0.5)
+    kk = k.double().repeat_interleave(H // KVH, dim=1)
+    vv = v.double().repeat_interleave(H // KVH, dim=1)
+    att = torch.einsum("qhd,khd->hqk", q.double(), kk) * D ** -0.5
+    att = att.masked_fill(torch.ones(T, T, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", att.softmax(-1), vv)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"T={T} strided={strided}: rel err {err:.3e}"
