@@ -166,7 +166,15 @@ def make_llm(args, **kw):
 
 def hf_peer(llm):
     from benchmarks.offline_throughput import load_transformers
-    return load_transformers(llm, torch.bfloat16, torch.device("cuda"))
+    try:
+        hf = load_transformers(llm, torch.bfloat16, torch.device("cuda"))
+    except ValueError as e:  # a peer that is not the same model is no peer
+        print(f"transformers peer unusable: {e}")
+        TABLE.append(f"transformers peer unusable: {e}"[:300])
+        return None
+    RESULTS["transformers_rope"] = str(getattr(hf.config, "rope_parameters", None))
+    print("transformers peer rope:", RESULTS["transformers_rope"])
+    return hf
 
 
 def run_requests(llm, prompts, max_tokens) -> dict:
@@ -541,7 +549,7 @@ def main():
         hf = hf_peer(llm) if only & {"parity", "decode", "launches", "prefill", "offline"} else None
         if "backends" in only:
             run_backends(llm)
-        if "parity" in only:
+        if "parity" in only and hf is not None:
             run_parity(llm, hf)
         if "decode" in only:
             run_decode(llm, hf, args)

@@ -90,11 +90,15 @@ def load_transformers(llm: LLM, dtype, device):
     a = llm.engine.arch
     if a.family != "llama":
         raise SystemExit("the transformers baseline here is built for Llama-family shapes")
-    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                      num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
-                      num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
-                      rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
-                      max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings)
+    common = dict(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                  num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+                  num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+                  max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings)
+    rope = dict(a.rope_scaling or {"rope_type": "default"}, rope_theta=a.rope_theta)
+    try:  # transformers 5: one rope_parameters dict (theta included)
+        cfg = LlamaConfig(rope_parameters=rope, **common)
+    except TypeError:  # older releases
+        cfg = LlamaConfig(rope_theta=a.rope_theta, rope_scaling=a.rope_scaling, **common)
     with torch.device(device):
         hf = LlamaForCausalLM(cfg).to(dtype)
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -114,6 +118,14 @@ def load_transformers(llm: LLM, dtype, device):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    # The peer must rotate exactly as kvserve does: compare the RoPE frequencies it built.
+    from kvserve.layers.rotary import rope_inv_freq
+    ours = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling).double()
+    theirs = hf.model.rotary_emb.inv_freq.detach().double().cpu()
+    err = ((ours - theirs).abs() / ours.abs()).max().item()
+    if err > 1e-5:
+        raise ValueError(f"transformers built different RoPE frequencies (max rel diff {err:.2e}; its rope "
+                         f"parameters: {getattr(hf.config, 'rope_parameters', None)})")
     return hf.eval()
 
 
