@@ -54,8 +54,19 @@ def section(name):
                 RESULTS["sections"][name] = {"error": repr(e)}
                 TABLE.append(f"{name}: FAILED {e!r}"[:200])
             RESULTS["sections"].setdefault(name, {})["seconds"] = round(time.perf_counter() - t0, 1)
+            save()
         return run
     return wrap
+
+
+OUT_PATH = "benchmarks/results/gpu_check.json"
+
+
+def save():
+    """After every section, so a run cut short still leaves what it measured."""
+    os.makedirs(os.path.dirname(OUT_PATH) or ".", exist_ok=True)
+    with open(OUT_PATH, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
 
 
 def bench(fn, reps: int = 50) -> float:
@@ -531,6 +542,8 @@ def main():
     ap.add_argument("--tests", default="tests/kernels,tests/test_cuda.py", help="pytest paths, comma-separated")
     args = ap.parse_args()
     only = set(args.only.split(","))
+    global OUT_PATH
+    OUT_PATH = os.path.join(args.out, "gpu_check.json")
     RESULTS["gpu"] = torch.cuda.get_device_name()
     RESULTS["torch"] = torch.__version__
     import triton
@@ -559,9 +572,7 @@ def main():
             run_prefill(llm, hf)
         if "offline" in only:
             run_offline(llm, hf, args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    save()
     print("\n" + "\n".join(TABLE))
 
 

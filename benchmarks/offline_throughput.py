@@ -99,8 +99,15 @@ def load_transformers(llm: LLM, dtype, device):
         cfg = LlamaConfig(rope_parameters=rope, **common)
     except TypeError:  # older releases
         cfg = LlamaConfig(rope_theta=a.rope_theta, rope_scaling=a.rope_scaling, **common)
-    with torch.device(device):
-        hf = LlamaForCausalLM(cfg).to(dtype)
+    # Built in the target dtype (not cast after): a cast would round the RoPE frequency buffer
+    # to bf16 too, which transformers' own loading keeps in float32.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     state = {}
     for name, t in llm.engine.runner.model.state_dict().items():
