@@ -33,6 +33,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    t = p.add_argument_group("KV tiers (blocks leaving the GPU; each tier on or off by itself)")
+    t.add_argument("--cpu-kv-memory", default="0", help="CPU memory for KV blocks, e.g. 8GiB (0: off)")
+    t.add_argument("--disk-kv-dir", default=None, help="directory for KV chunks (survives restarts)")
+    t.add_argument("--disk-kv-size", default="16GiB", help="quota of --disk-kv-dir")
+    t.add_argument("--redis-url", default=None, help="redis://host:port/db shared by several kvserve processes")
+    t.add_argument("--idle-offload-seconds", type=float, default=30.0,
+                   help="a session idle this long has its KV moved out of the GPU")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -60,7 +67,9 @@ def _make_llm(args):
                swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
-               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+               cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
+               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds)
 
 
 def _params(args, n: int = 1):

@@ -42,8 +42,27 @@ class CacheConfig:
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
     cpu_default_kv_memory: int = 2 * 2**30
+    # Tiers under the GPU (kvserve/kvtier): each on or off by itself.
+    cpu_kv_memory: int = 0  # bytes of (pinned) CPU memory for KV blocks leaving the GPU; 0 = off
+    disk_kv_dir: str | None = None  # a directory for KV chunks; survives restarts
+    disk_kv_size: int = 16 * 2**30
+    redis_url: str | None = None  # redis://host:port/db, shared by several kvserve processes
+    idle_offload_seconds: float = 30.0  # a session idle this long leaves the GPU
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return bool(self.cpu_kv_memory or self.disk_kv_dir or self.redis_url)
 
     def __post_init__(self):
+        if self.cpu_kv_memory < 0:
+            raise ConfigError("cpu_kv_memory", f"must be >= 0 bytes, got {self.cpu_kv_memory}")
+        if self.disk_kv_dir is not None and self.disk_kv_size <= 0:
+            raise ConfigError("disk_kv_size", f"must be > 0 bytes, got {self.disk_kv_size}")
+        if self.redis_url is not None and not re.match(r"^(rediss?|unix)://\S+$", self.redis_url):
+            raise ConfigError("redis_url", f"must look like redis://host:port[/db], rediss://… or unix://path; "
+                              f"got {self.redis_url!r}")
+        if not self.idle_offload_seconds > 0:
+            raise ConfigError("idle_offload_seconds", f"must be > 0, got {self.idle_offload_seconds}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError("block_size", f"must be a power of two in [1, 256], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -19,12 +19,18 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, show_progress: bool = True,
                  attention_backend: str = "auto", enforce_eager: bool = False,
-                 cuda_graph_max_batch: int | None = None):
+                 cuda_graph_max_batch: int | None = None, cpu_kv_memory: int | str = 0,
+                 disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
+                 redis_url: str | None = None, idle_offload_seconds: float = 30.0):
         cache = CacheConfig(
             block_size=block_size,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, swap_space=parse_size(swap_space, "swap_space"))
+            preemption_mode=preemption_mode, swap_space=parse_size(swap_space, "swap_space"),
+            cpu_kv_memory=(0 if str(cpu_kv_memory).strip().lower() in ("0", "", "0b", "none", "off")
+                           else parse_size(cpu_kv_memory, "cpu_kv_memory")),
+            disk_kv_dir=disk_kv_dir, disk_kv_size=parse_size(disk_kv_size, "disk_kv_size"),
+            redis_url=redis_url, idle_offload_seconds=idle_offload_seconds)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -33,6 +39,10 @@ class LLM:
                                    cuda_graph_max_batch=cuda_graph_max_batch)
         self.engine = LLMEngine(self.config)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Write the GPU prefix cache to the KV tiers (a restart or another replica finds it)."""
+        self.engine.flush_kv_to_tiers()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -43,8 +53,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion together (continuous batching); outputs in prompt order."""
+                 use_tqdm: bool = True, session_id: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching); outputs in prompt order.
+        ``session_id`` (one prompt): the conversation this turn belongs to; when it stays idle
+        its KV leaves the GPU for the tiers, and its next turn loads it back."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -66,7 +78,7 @@ class LLM:
         for (text, ids), sp in zip(tokenized, params):
             rid = f"llm-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp)
+            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp, session_id=session_id)
             ids_by_order.append(rid)
         return self._run(ids_by_order, use_tqdm and self.config.show_progress)
 

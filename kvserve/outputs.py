@@ -23,6 +23,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_loaded_tokens: int = 0  # prompt tokens loaded from the tiered KV store (CPU/disk/Redis)
     num_generation_tokens: int = 0
     num_preemptions: int = 0
 

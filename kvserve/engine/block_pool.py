@@ -39,6 +39,10 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         # Counters for stats.
         self.num_evictions = 0
+        # With a tiered store: (block, hash) of cached blocks evicted since the last take, so
+        # their KV can leave for the tiers before the block is overwritten.
+        self.record_evictions = False
+        self.evicted: list[tuple[int, bytes]] = []
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -66,6 +70,8 @@ class BlockPool:
             bid, _ = self.free_queue.popitem(last=False)
             blk = self.blocks[bid]
             if blk.block_hash is not None:
+                if self.record_evictions:
+                    self.evicted.append((bid, blk.block_hash))
                 del self.cached[blk.block_hash]
                 blk.block_hash = None
                 self.num_evictions += 1
@@ -102,7 +108,15 @@ class BlockPool:
         blk.block_hash = block_hash
         self.cached[block_hash] = block_id
 
+    def uncache(self, block_id: int) -> None:
+        """Forget a free block's hash (its KV moved to a tier); it stays free."""
+        blk = self.blocks[block_id]
+        if blk.block_hash is not None and blk.ref_cnt == 0:
+            del self.cached[blk.block_hash]
+            blk.block_hash = None
+
     def reset_prefix_cache(self) -> None:
+        self.evicted.clear()
         for bid in self.cached.values():
             self.blocks[bid].block_hash = None
         self.cached.clear()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from kvserve.config import EngineConfig
@@ -50,12 +51,77 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, swap_blocks)
         extra = f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}".encode()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, extra)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, swap_blocks)
+        self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
+        self.runner.store = self.store
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, swap_blocks,
+                                   store=self.store)
+        self.sessions: dict[str, tuple[float, list[bytes]]] = {}  # id -> (last active, block keys)
+        self.pinned_sessions: set[str] = set()
+        self._next_idle_check = 0.0
         self.groups: dict[str, list[Request]] = {}
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks,
                  config.cache.block_size, num_blocks * config.cache.block_size, num_blocks * block_bytes / 2**30)
+
+    def _make_store(self, cache):
+        from kvserve.errors import ConfigError
+        from kvserve.kvtier import TieredStore
+        if not cache.enable_prefix_caching:
+            raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url", "the KV tiers are keyed by the prefix "
+                              "cache's block hashes: they need prefix caching on")
+        a, rt = self.arch, self.runner
+        shape = (a.num_layers, 2, cache.block_size, a.num_kv_heads, a.head_dim)
+        if cache.disk_kv_dir is not None:
+            try:
+                os.makedirs(cache.disk_kv_dir, exist_ok=True)
+            except OSError as e:
+                raise ConfigError("disk_kv_dir", f"cannot create {cache.disk_kv_dir!r}: {e.strerror}") from None
+        if cache.redis_url is not None:
+            try:
+                import redis  # noqa: F401
+            except ImportError:
+                raise ConfigError("redis_url", "needs the 'redis' package (pip install redis)") from None
+        return TieredStore(shape, rt.dtype, rt.device, cpu_bytes=cache.cpu_kv_memory, disk_dir=cache.disk_kv_dir,
+                           disk_bytes=cache.disk_kv_size, redis_url=cache.redis_url, block_size=cache.block_size)
+
+    # -- sessions and the tiers ----------------------------------------------------------------
+    def offload_idle_sessions(self, now: float | None = None, force: bool = False) -> int:
+        """Move the KV of sessions idle for ``idle_offload_seconds`` (all, with ``force``) from
+        the GPU prefix cache to the tiers; their blocks become plain free blocks. Returns blocks
+        moved. A pinned session stays."""
+        if self.store is None or not self.sessions:
+            return 0
+        now = time.monotonic() if now is None else now
+        limit = self.config.cache.idle_offload_seconds
+        moves = []
+        for sid, (last, keys) in list(self.sessions.items()):
+            if sid in self.pinned_sessions or (not force and now - last < limit):
+                continue
+            for key in keys:
+                bid = self.kv.pool.lookup(key)
+                if bid is not None and self.kv.pool.blocks[bid].ref_cnt == 0:
+                    moves.append((bid, key))
+            del self.sessions[sid]
+        if moves:
+            self.runner.offload_blocks(moves)
+            for bid, _ in moves:
+                self.kv.pool.uncache(bid)
+            self.store.load_stats.idle_offloaded_blocks += len(moves)
+        return len(moves)
+
+    def pin_session(self, session_id: str, pinned: bool = True) -> None:
+        (self.pinned_sessions.add if pinned else self.pinned_sessions.discard)(session_id)
+
+    def flush_kv_to_tiers(self) -> int:
+        """Write every block of the GPU prefix cache to the tiers and wait for the writes (at
+        shutdown, so a restart or another replica finds them). Returns blocks written."""
+        if self.store is None:
+            return 0
+        moves = [(bid, h) for h, bid in self.kv.pool.cached.items()]
+        self.runner.offload_blocks(moves)
+        self.store.flush()
+        return len(moves)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.arch.eos_token_ids)
@@ -110,7 +176,7 @@ class LLMEngine:
                                       f"holds {self.num_kv_blocks}; lower max_tokens or n, or raise kv_cache_memory")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, session_id: str | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -118,6 +184,9 @@ class LLMEngine:
         self.validate(ids, params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
+        req.session_id = session_id
+        if session_id is not None:
+            self.sessions.pop(session_id, None)  # active again: not idle
         self.groups[request_id] = [req]
         self.scheduler.add_request(req)
 
@@ -133,8 +202,14 @@ class LLMEngine:
         or with ``only_finished`` just for those that finished (offline batches: building the
         rest is wasted host time)."""
         t0 = time.perf_counter()
+        if self.store is not None and self.sessions and time.monotonic() >= self._next_idle_check:
+            self._next_idle_check = time.monotonic() + 0.25
+            self.offload_idle_sessions()
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            if any(r.prefetch_state == "pending" for r in self.scheduler.waiting):
+                time.sleep(0.001)  # only requests whose KV is on its way from disk/Redis: wait for it
+                return []
             # Admission checks make this unreachable; fail loudly rather than spin forever.
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting requests fit nowhere "
                                f"({self.kv.pool.num_free_blocks} free blocks)")
@@ -168,8 +243,12 @@ class LLMEngine:
                 self.stats.num_requests_finished += 1
                 for r in self.groups.pop(o.request_id):
                     self.runner.drop_request(r.request_id)
-        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, time.perf_counter() - t0,
-                                           kv_usage))
+                    if r.session_id is not None:
+                        self.sessions[r.session_id] = (time.monotonic(), list(r.block_hashes))
+        dt = time.perf_counter() - t0
+        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, dt, kv_usage))
+        if self.store is not None and n_prompt >= 32 and n_prompt >= 4 * n_gen:
+            self.store.cost.observe_prefill(n_prompt, dt)  # prefill speed, for load-or-recompute
         return outputs
 
     def _append_tokens(self, req: Request, res: StepResult) -> None:

@@ -112,6 +112,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
+        self.store = None  # kvserve.kvtier.TieredStore, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
     # -- KV cache sizing ---------------------------------------------------------------------
@@ -224,6 +225,8 @@ class ModelRunner:
         per-request results. Between the two the host is free (the engine does its bookkeeping
         there while the device computes)."""
         kv = self.kv_cache
+        if out.offloads or out.loads:
+            self.move_kv(out.offloads, out.loads)
         for rid, blocks in out.swap_out.items():
             kv.swap_out(rid, blocks)
         if out.copies:
@@ -277,6 +280,30 @@ class ModelRunner:
                 self.gpu_timer.collect()
             return results
         return finish
+
+    def offload_blocks(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Copy these blocks' KV to the tiered store under their keys."""
+        if not blocks or self.store is None:
+            return
+        idx = torch.tensor([b for b, _ in blocks], device=self.device)
+        host = self.kv_cache.data[:, :, idx].to("cpu")  # [L, 2, n, bs, kvh, d]
+        for j, (_, key) in enumerate(blocks):
+            self.store.put(key, host[:, :, j].clone())
+
+    def move_kv(self, offloads: list[tuple[int, bytes]], loads) -> None:
+        """Before the step writes anything: evicted blocks leave for the tiers first (a load or
+        a new token may be about to overwrite them), then loaded chunks fill their blocks."""
+        self.offload_blocks(offloads)
+        if self.store is not None:
+            self.store.load_stats.offloaded_blocks += len(offloads)
+        for blocks, run in loads:
+            t0 = time.perf_counter()
+            data = torch.stack([kv for _, kv, _ in run], dim=2)  # [L, 2, n, bs, kvh, d]
+            idx = torch.tensor(blocks, device=self.device)
+            self.kv_cache.data[:, :, idx] = data.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.store.loaded(run, time.perf_counter() - t0)
 
     def _forward(self, ids: list[int], seqs) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,

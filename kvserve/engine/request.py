@@ -72,6 +72,8 @@ class Request:
             self.generators = [torch.Generator().manual_seed(_child_seed(params.seed, index + i))
                                for i in range(n_gens)]
         self.swapped_out = False  # KV lives in CPU swap space while preempted
+        self.prefetch_state: str | None = None  # tiered store: None, "pending", "done"
+        self.session_id: str | None = None
         # Text state (kept by the detokenizer).
         self.output_text = ""
         self.prefix_offset = max(0, self.num_prompt_tokens - 5)

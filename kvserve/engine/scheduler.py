@@ -41,6 +41,10 @@ class SchedulerOutput:
     swap_out: dict[str, list[int]] = field(default_factory=dict)  # request id -> device blocks
     swap_in: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    # Tiered KV store: blocks whose KV leaves for the tiers before this step writes anything
+    # (evicted from the prefix cache), and chunks to copy into freshly allocated blocks.
+    offloads: list[tuple[int, bytes]] = field(default_factory=list)  # (block, key)
+    loads: list[tuple[list[int], list]] = field(default_factory=list)  # (blocks, store run) per request
 
     @property
     def is_empty(self) -> bool:
@@ -49,7 +53,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager,
-                 max_model_len: int, swap_capacity_blocks: int = 0):
+                 max_model_len: int, swap_capacity_blocks: int = 0, store=None):
         self.config = sched
         self.cache_config = cache
         self.kv = kv
@@ -60,6 +64,9 @@ class Scheduler:
         self.swap_used_blocks: dict[str, int] = {}
         self.watermark_blocks = int(cache.watermark * kv.pool.num_blocks)
         self.num_preemptions = 0
+        self.store = store  # kvserve.kvtier.TieredStore, or None
+        if store is not None:
+            kv.pool.record_evictions = True
 
     # -- admission -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -102,37 +109,53 @@ class Scheduler:
                 continue
             break  # req itself was preempted; the running list ends here
 
-        while (self.waiting and budget > 0 and not preempted
+        idx = 0
+        while (idx < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[idx]
+            run: list = []
             if req.swapped_out:
                 computed: list[int] = []
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
             else:
                 computed = self.kv.get_computed_blocks(req)
-                n_hit = len(computed) * self.kv.block_size
+                if self.store is not None and req.metrics.first_scheduled_time is None:
+                    keys = req.block_hashes[len(computed):(req.num_tokens - 1) // self.kv.block_size]
+                    if keys and self._awaiting_prefetch(req, keys):
+                        idx += 1  # its chunks are on their way from disk/Redis: others go first
+                        continue
+                    run = self.store.take_run(keys) if keys else []
+                n_hit = (len(computed) + len(run)) * self.kv.block_size
                 n = req.num_tokens - n_hit
                 if not self.config.enable_chunked_prefill and n > budget:
                     if scheduled:
+                        if run:
+                            self.store.release(run)
                         break
                     # A prompt over the budget still runs alone rather than never.
                 else:
                     n = min(n, budget)
             # The watermark keeps room for running requests to grow; alone, a request may use it all.
             reserve = self.watermark_blocks if self.running else 0
-            if not self.kv.allocate_slots(req, n, computed, reserve_blocks=reserve):
+            n_loaded = len(run) * self.kv.block_size
+            if not self.kv.allocate_slots(req, n_loaded + n, computed, reserve_blocks=reserve):
+                if run:
+                    self.store.release(run)
                 break
-            self.waiting.popleft()
+            del self.waiting[idx]
             if req.swapped_out:
                 blocks = self.kv.table(req)[: self.kv.blocks_for(req.num_computed_tokens)]
                 out.swap_in[req.request_id] = list(blocks)
                 self.swap_used_blocks.pop(req.request_id, None)
                 req.swapped_out = False
             else:
-                req.num_computed_tokens = len(computed) * self.kv.block_size
+                if run:
+                    out.loads.append((self.kv.table(req)[len(computed):len(computed) + len(run)], run))
+                req.num_computed_tokens = n_hit
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = time.time()
-                    req.metrics.num_cached_tokens = req.num_computed_tokens
+                    req.metrics.num_cached_tokens = len(computed) * self.kv.block_size
+                    req.metrics.num_loaded_tokens = n_loaded
                     self.kv.record_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -141,7 +164,28 @@ class Scheduler:
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.copies = self.kv.take_pending_copies()
+        if self.store is not None:
+            out.offloads, self.kv.pool.evicted = self.kv.pool.evicted, []
         return out
+
+    def _awaiting_prefetch(self, req: Request, keys: list[bytes]) -> bool:
+        """True while the store's prefetch thread is fetching ``req``'s chunks from disk/Redis.
+        Started once per request, only when there are lower tiers and the first missing chunk is
+        not already in memory."""
+        store = self.store
+        if not store.lower or req.prefetch_state == "done":
+            return False
+        if req.prefetch_state is None:
+            if store.in_memory(keys[0]):
+                req.prefetch_state = "done"
+                return False
+            req.prefetch_state = "pending"
+            store.start_prefetch(req.request_id, keys)
+            return True
+        if store.prefetch_done.pop(req.request_id, None) is not None:
+            req.prefetch_state = "done"
+            return False
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

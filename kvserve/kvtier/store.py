@@ -1,0 +1,240 @@
+"""TieredStore: the tiers together, the background I/O, and the load-or-recompute cost model.
+
+    spill (GPU eviction, idle session, shutdown) --put--> CPU tier (LRU, pinned)
+                                                  \\--writer thread--> disk, Redis (encoded chunks)
+    new request --prefetch thread--> disk / Redis --decode + checks--> staging (CPU) --> GPU
+
+The scheduler never waits for disk or Redis: a request whose prefix may live there is handed to
+the prefetch thread and stays in the queue (others go ahead) until its chunks are in memory or
+known missing. Loading from memory into the GPU happens in the runner before the step's forward.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kvtier.chunk import ChunkError, decode_chunk, encode_chunk
+from kvserve.kvtier.tiers import CpuTier, DiskTier, RedisTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CostModel:
+    """Load a prefix from a tier when its measured transfer time beats recomputing it at the
+    measured prefill speed. Bandwidths and the prefill speed start from conservative guesses and
+    follow what the engine measures (exponential moving averages)."""
+    prefill_tokens_per_s: float = 2000.0
+    bandwidth: dict = field(default_factory=lambda: {"cpu": 2e9, "disk": 5e8, "redis": 2e8})
+    latency: dict = field(default_factory=lambda: {"cpu": 0.0, "disk": 2e-4, "redis": 1e-3})
+    alpha: float = 0.3
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 32 and seconds > 0:
+            self.prefill_tokens_per_s += self.alpha * (tokens / seconds - self.prefill_tokens_per_s)
+
+    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 16 and seconds > 0:
+            bw = self.bandwidth.get(tier, 1e9)
+            self.bandwidth[tier] = bw + self.alpha * (nbytes / seconds - bw)
+
+    def load_seconds(self, tier: str, nbytes: int, nchunks: int) -> float:
+        return self.latency.get(tier, 0.0) * nchunks + nbytes / self.bandwidth.get(tier, 1e9)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def should_load(self, tier: str, tokens: int, nbytes: int, nchunks: int) -> bool:
+        return self.load_seconds(tier, nbytes, nchunks) < self.recompute_seconds(tokens)
+
+
+@dataclass
+class LoadStats:
+    tokens_loaded: dict = field(default_factory=lambda: {"cpu": 0, "disk": 0, "redis": 0})
+    tokens_recomputed_by_choice: int = 0  # found in a tier, recomputed because that was cheaper
+    seconds_saved: float = 0.0  # estimated: recompute time minus load time of what was loaded
+    loads_chosen: int = 0
+    recomputes_chosen: int = 0
+    offloaded_blocks: int = 0
+    idle_offloaded_blocks: int = 0
+
+
+class TieredStore:
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 cpu_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
+                 redis_url: str | None = None, block_size: int = 16):
+        self.block_shape, self.dtype, self.device = tuple(block_shape), dtype, device
+        self.block_size = block_size
+        self.chunk_bytes = dtype.itemsize
+        for s in self.block_shape:
+            self.chunk_bytes *= s
+        pin = device.type == "cuda"
+        self.cpu = CpuTier(cpu_bytes, pin) if cpu_bytes else None
+        # Where prefetched chunks wait for the GPU when there is no CPU tier to hold them.
+        self.staging = self.cpu or CpuTier(max(64 * self.chunk_bytes, 256 << 20), pin)
+        self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
+        self.redis = RedisTier(redis_url) if redis_url else None
+        self.lower = [t for t in (self.disk, self.redis) if t is not None]
+        self.origin: dict[bytes, str] = {}  # chunk in memory -> the tier it came from
+        self.cost = CostModel(prefill_tokens_per_s=20000.0 if device.type == "cuda" else 2000.0,
+                              bandwidth={"cpu": 2e10 if pin else 4e9, "disk": 5e8, "redis": 2e8})
+        self.load_stats = LoadStats()
+        self._writes: queue.Queue = queue.Queue(maxsize=4096)
+        self._prefetches: queue.Queue = queue.Queue()
+        self.prefetch_done: dict[str, int] = {}  # request id -> chunks staged (set when finished)
+        self._threads = []
+        if self.lower:
+            for target in (self._writer, self._prefetcher):
+                t = threading.Thread(target=target, daemon=True, name=f"kvtier-{target.__name__[1:]}")
+                t.start()
+                self._threads.append(t)
+
+    @property
+    def tiers(self):
+        return [t for t in (self.cpu, self.disk, self.redis) if t is not None]
+
+    # -- storing -------------------------------------------------------------------------
+    def put(self, key: bytes, kv: torch.Tensor) -> None:
+        """One block's KV (on the CPU) leaves the GPU: into the CPU tier, and written behind to
+        disk and Redis so it survives eviction from memory, restarts and other replicas."""
+        if self.cpu is not None:
+            self.cpu.put(key, kv)
+        if self.lower:
+            try:
+                self._writes.put_nowait((key, kv))
+            except queue.Full:  # the disks are behind: drop the write rather than stall a step
+                for t in self.lower:
+                    t.stats.errors += 1
+
+    def _writer(self) -> None:
+        while True:
+            key, kv = self._writes.get()
+            try:
+                data = None
+                for t in self.lower:
+                    if isinstance(t, DiskTier) and key in t:
+                        continue
+                    data = data or encode_chunk(key, kv)
+                    t.put(key, data)
+            except Exception:  # a writer must never die: count it and go on
+                log.exception("KV tier write failed")
+            finally:
+                self._writes.task_done()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued write reached its tier (shutdown, tests)."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # -- finding -------------------------------------------------------------------------
+    def in_memory(self, key: bytes) -> bool:
+        return key in self.staging or (self.cpu is not None and key in self.cpu)
+
+    def start_prefetch(self, request_id: str, keys: list[bytes]) -> None:
+        """Bring the leading run of ``keys`` that lives in disk/Redis into memory, off the step."""
+        self._prefetches.put((request_id, list(keys)))
+
+    def _prefetcher(self) -> None:
+        while True:
+            rid, keys = self._prefetches.get()
+            n = 0
+            try:
+                for key in keys:
+                    if self.in_memory(key):
+                        n += 1
+                        continue
+                    got = self._fetch(key, len(keys) - n)
+                    if got is None:
+                        break
+                    n += 1
+            except Exception:
+                log.exception("KV tier prefetch failed")
+            self.prefetch_done[rid] = n
+
+    def _fetch(self, key: bytes, remaining: int) -> torch.Tensor | None:
+        for t in self.lower:
+            tokens = remaining * self.block_size
+            if not self.cost.should_load(t.name, tokens, remaining * self.chunk_bytes, remaining):
+                self.load_stats.recomputes_chosen += 1
+                continue
+            t0 = time.perf_counter()
+            data = t.get(key)
+            if data is None:
+                continue
+            try:
+                kv = decode_chunk(data, key, self.block_shape, self.dtype)
+            except ChunkError as e:
+                t.stats.corrupt += 1
+                log.warning("%s KV tier: dropping chunk %s: %s", t.name, key.hex()[:12], e)
+                t.drop(key)
+                continue
+            self.cost.observe_transfer(t.name, len(data), time.perf_counter() - t0)
+            if self.staging.put(key, kv):
+                self.origin[key] = t.name
+                return kv
+            return None  # no room to stage: recompute the rest
+        return None
+
+    def take_run(self, keys: list[bytes]) -> list[tuple[bytes, torch.Tensor, str]]:
+        """The leading run of ``keys`` held in memory, pinned until ``release``d, with the tier
+        each came from; cut where loading stops paying (the cost model)."""
+        run = []
+        for key in keys:
+            kv = self.cpu.get(key, pin=True) if self.cpu is not None and key in self.cpu else None
+            if kv is None and self.staging is not self.cpu and key in self.staging:
+                kv = self.staging.get(key, pin=True)
+            if kv is None:
+                break
+            run.append((key, kv, self.origin.get(key, "cpu")))
+        if not run:
+            return run
+        tokens = len(run) * self.block_size
+        # What is already in memory costs only the copy to the device.
+        if not self.cost.should_load("cpu", tokens, len(run) * self.chunk_bytes, 1):
+            self.release(run)
+            self.load_stats.recomputes_chosen += 1
+            self.load_stats.tokens_recomputed_by_choice += tokens
+            return []
+        return run
+
+    def release(self, run) -> None:
+        for key, _, _ in run:
+            if self.cpu is not None and key in self.cpu:
+                self.cpu.unpin(key)
+            if self.staging is not self.cpu:
+                self.staging.unpin(key)
+
+    def loaded(self, run, seconds: float) -> None:
+        """The runner copied ``run`` into the GPU: account for it and let the chunks go."""
+        st = self.load_stats
+        tokens = len(run) * self.block_size
+        st.loads_chosen += 1
+        for _, _, origin in run:
+            st.tokens_loaded[origin] = st.tokens_loaded.get(origin, 0) + self.block_size
+        st.seconds_saved += max(0.0, self.cost.recompute_seconds(tokens) - seconds)
+        self.cost.observe_transfer("cpu", len(run) * self.chunk_bytes, seconds)
+        self.release(run)
+        if self.staging is not self.cpu:  # staged chunks have done their job
+            with self.staging.lock:
+                for key, _, _ in run:
+                    if key in self.staging.chunks and not self.staging.pins.get(key):
+                        kv = self.staging.chunks.pop(key)
+                        self.staging.used -= kv.numel() * kv.element_size()
+
+    # -- stats ---------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        out = {"load": dict(vars(self.load_stats)), "cost_model": {
+            "prefill_tokens_per_s": self.cost.prefill_tokens_per_s, "bandwidth": dict(self.cost.bandwidth)}}
+        for t in self.tiers:
+            s = vars(t.stats).copy()
+            s["hit_rate"] = t.stats.hit_rate
+            s["used_bytes"] = getattr(t, "used", None)
+            s["capacity_bytes"] = getattr(t, "capacity", None)
+            out[t.name] = s
+        return out

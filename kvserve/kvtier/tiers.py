@@ -1,0 +1,346 @@
+"""The three tiers under the GPU: pinned CPU memory, a disk directory, Redis.
+
+Each tier keeps its own counters (``TierStats``). The CPU tier holds tensors (LRU, bounded in
+bytes, chunks in use are pinned and never evicted); the disk and Redis tiers hold encoded chunks
+(``chunk.py``) and fail soft: an I/O error turns the tier's writes off (disk full, read-only
+directory) or the whole tier off until it answers again (Redis), logged once, and the engine keeps
+serving from the other tiers or by recomputing.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    bytes_in: int = 0  # stored into the tier
+    bytes_out: int = 0  # loaded from it
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    corrupt: int = 0  # chunks that failed their checks (and were dropped)
+    errors: int = 0
+    available: bool = True
+    writable: bool = True
+    last_error: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    def load_bandwidth(self) -> float | None:
+        """Bytes/s measured over this tier's loads, None before the first."""
+        return self.bytes_out / self.load_seconds if self.load_seconds > 0 and self.bytes_out else None
+
+
+class CpuTier:
+    """LRU over tensors, bounded by ``capacity`` bytes. ``pin``/``unpin`` protect chunks being
+    loaded: a pinned chunk is never evicted, and a put that would need to evict one is refused."""
+
+    name = "cpu"
+
+    def __init__(self, capacity: int, pin_memory: bool = False):
+        self.capacity = capacity
+        self.pin_memory = pin_memory
+        self.chunks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.pins: dict[bytes, int] = {}
+        self.used = 0
+        self.stats = TierStats()
+        self.lock = threading.Lock()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.chunks
+
+    def put(self, key: bytes, kv: torch.Tensor) -> bool:
+        size = kv.numel() * kv.element_size()
+        with self.lock:
+            if key in self.chunks:
+                self.chunks.move_to_end(key)
+                return True
+            if size > self.capacity:
+                return False
+            victims, freed = [], 0
+            for k in self.chunks:  # oldest first, skipping pinned chunks
+                if self.used - freed + size <= self.capacity:
+                    break
+                if self.pins.get(k):
+                    continue
+                victims.append(k)
+                freed += self.chunks[k].numel() * self.chunks[k].element_size()
+            if self.used - freed + size > self.capacity:
+                return False  # only pinned chunks left to evict
+            for k in victims:
+                del self.chunks[k]
+            self.used -= freed
+            t0 = time.perf_counter()
+            kv = kv.contiguous()
+            if self.pin_memory and not kv.is_pinned():
+                kv = kv.pin_memory()
+            self.chunks[key] = kv
+            self.used += size
+            self.stats.stores += 1
+            self.stats.bytes_in += size
+            self.stats.store_seconds += time.perf_counter() - t0
+            return True
+
+    def get(self, key: bytes, pin: bool = False) -> torch.Tensor | None:
+        with self.lock:
+            kv = self.chunks.get(key)
+            if kv is None:
+                self.stats.misses += 1
+                return None
+            self.chunks.move_to_end(key)
+            self.stats.hits += 1
+            if pin:
+                self.pins[key] = self.pins.get(key, 0) + 1
+            return kv
+
+    def unpin(self, key: bytes) -> None:
+        with self.lock:
+            n = self.pins.get(key, 0) - 1
+            if n > 0:
+                self.pins[key] = n
+            else:
+                self.pins.pop(key, None)
+
+    def check_invariants(self) -> None:
+        assert self.used == sum(t.numel() * t.element_size() for t in self.chunks.values())
+        assert self.used <= self.capacity
+        assert set(self.pins) <= set(self.chunks), set(self.pins) - set(self.chunks)
+
+
+class DiskTier:
+    """One file per chunk under ``root`` (``ab/abcdef….kvc``), written to a temporary file and
+    renamed into place (a reader never sees half a chunk), bounded by ``capacity`` bytes with LRU
+    eviction. Survives restarts: the index is rebuilt from the directory at start."""
+
+    name = "disk"
+
+    def __init__(self, root: str, capacity: int):
+        self.root = os.path.abspath(root)
+        self.capacity = capacity
+        self.stats = TierStats()
+        self.lock = threading.Lock()
+        os.makedirs(self.root, exist_ok=True)
+        self.files: OrderedDict[bytes, int] = OrderedDict()  # key -> size, LRU order
+        entries = []
+        for sub in os.listdir(self.root):
+            d = os.path.join(self.root, sub)
+            if len(sub) != 2 or not os.path.isdir(d):
+                continue
+            for name in os.listdir(d):
+                if not name.endswith(".kvc"):
+                    continue
+                try:
+                    key = bytes.fromhex(name[:-4])
+                    st = os.stat(os.path.join(d, name))
+                except (ValueError, OSError):
+                    continue
+                entries.append((st.st_mtime, key, st.st_size))
+        for _, key, size in sorted(entries):
+            self.files[key] = size
+        self.used = sum(self.files.values())
+        if not os.access(self.root, os.W_OK):
+            self._stop_writes(f"directory {self.root} is not writable")
+
+    def path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self.root, h[:2], h + ".kvc")
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.files
+
+    def _stop_writes(self, why: str) -> None:
+        if self.stats.writable:
+            log.warning("disk KV tier: writes off (%s); reads continue", why)
+        self.stats.writable = False
+        self.stats.last_error = why
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        if not self.stats.writable or len(data) > self.capacity:
+            return False
+        with self.lock:
+            if key in self.files:
+                self.files.move_to_end(key)
+                return True
+            while self.used + len(data) > self.capacity and self.files:
+                old, size = self.files.popitem(last=False)
+                self.used -= size
+                try:
+                    os.unlink(self.path(old))
+                except OSError:
+                    pass
+        t0 = time.perf_counter()
+        path = self.path(key)
+        tmp = None
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self.stats.errors += 1
+            if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT):
+                self._stop_writes(f"{os.strerror(e.errno)} writing {path}")
+            else:
+                self.stats.last_error = str(e)
+            return False
+        with self.lock:
+            self.files[key] = len(data)
+            self.used += len(data)
+            self.stats.stores += 1
+            self.stats.bytes_in += len(data)
+            self.stats.store_seconds += time.perf_counter() - t0
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        if key not in self.files:
+            self.stats.misses += 1
+            return None
+        t0 = time.perf_counter()
+        try:
+            with open(self.path(key), "rb") as f:
+                data = f.read()
+        except OSError:
+            self.drop(key)
+            self.stats.misses += 1
+            return None
+        with self.lock:
+            if key in self.files:
+                self.files.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.bytes_out += len(data)
+        self.stats.load_seconds += time.perf_counter() - t0
+        return data
+
+    def drop(self, key: bytes) -> None:
+        """Forget a chunk (it failed its checks, or vanished)."""
+        with self.lock:
+            size = self.files.pop(key, None)
+            if size is not None:
+                self.used -= size
+        try:
+            os.unlink(self.path(key))
+        except OSError:
+            pass
+
+
+class RedisTier:
+    """Chunks as Redis strings under ``kvserve:kv:<key hex>``, shared by every process that points
+    at the same server. When Redis does not answer, the tier is off (logged once, ``available``
+    false in stats) and is tried again every ``retry_seconds``."""
+
+    name = "redis"
+    PREFIX = b"kvserve:kv:"
+
+    def __init__(self, url: str, retry_seconds: float = 2.0, timeout: float = 1.0, ttl_seconds: int | None = None):
+        import redis
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.errors_cls = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self.retry_seconds = retry_seconds
+        self.ttl = ttl_seconds
+        self.stats = TierStats()
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        try:
+            self.client.ping()
+        except self.errors_cls as e:
+            self._down(e)
+
+    def _down(self, e: BaseException) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = repr(e)
+        if self.stats.available:
+            log.warning("Redis KV tier at %s unreachable (%s): off until it answers again", self.url, e)
+        self.stats.available = False
+        self._down_since = self._down_since or time.monotonic()
+        self._next_try = time.monotonic() + self.retry_seconds
+
+    def _usable(self) -> bool:
+        if self.stats.available:
+            return True
+        if time.monotonic() < self._next_try:
+            return False
+        try:
+            self.client.ping()
+        except self.errors_cls as e:
+            self._down(e)
+            return False
+        log.warning("Redis KV tier at %s is back", self.url)
+        self.stats.available = True
+        self._down_since = None
+        return True
+
+    def _key(self, key: bytes) -> bytes:
+        return self.PREFIX + key.hex().encode()
+
+    def contains(self, key: bytes) -> bool:
+        if not self._usable():
+            return False
+        try:
+            return bool(self.client.exists(self._key(key)))
+        except self.errors_cls as e:
+            self._down(e)
+            return False
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        if not self._usable():
+            return False
+        t0 = time.perf_counter()
+        try:
+            self.client.set(self._key(key), data, ex=self.ttl)
+        except self.errors_cls as e:
+            self._down(e)
+            return False
+        self.stats.stores += 1
+        self.stats.bytes_in += len(data)
+        self.stats.store_seconds += time.perf_counter() - t0
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        if not self._usable():
+            self.stats.misses += 1
+            return None
+        t0 = time.perf_counter()
+        try:
+            data = self.client.get(self._key(key))
+        except self.errors_cls as e:
+            self._down(e)
+            self.stats.misses += 1
+            return None
+        if data is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_out += len(data)
+        self.stats.load_seconds += time.perf_counter() - t0
+        return data
+
+    def drop(self, key: bytes) -> None:
+        try:
+            if self._usable():
+                self.client.delete(self._key(key))
+        except self.errors_cls as e:
+            self._down(e)
