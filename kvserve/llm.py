@@ -70,6 +70,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if session_id is not None and len(prompts) != 1:
+            raise InvalidRequestError("session_id", f"names one conversation: give one prompt, got {len(prompts)}")
         # Validate everything first: a bad prompt must not leave half a batch in the engine.
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for (_, ids), sp in zip(tokenized, params):

@@ -3,6 +3,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# The Redis KV tier's tests start their own redis-server on loopback: make sure there is one.
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  { $SUDO apt-get install -y -q redis-server >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q redis-server >/dev/null 2>&1; }; } \
+    || { echo "error: redis-server is needed by the KV tier tests and could not be installed" >&2; exit 1; }
+fi
 . .venv/bin/activate
 python -m pytest tests "$@"
 rc=$?

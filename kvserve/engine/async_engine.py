@@ -128,7 +128,8 @@ class AsyncEngine:
             s.put(EngineDeadError("the server is shutting down"))
 
     # -- requests (event-loop thread) --------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    session_id: str | None = None) -> RequestStream:
         """Validate now (InvalidRequestError raises here, in the caller's thread), then enqueue."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
@@ -139,8 +140,13 @@ class AsyncEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._pending_adds += 1
-        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params, time.time()))
+        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params, time.time(),
+                        session_id))
         return stream
+
+    def call(self, fn) -> None:
+        """Run ``fn(engine)`` on the engine thread (session pin / offload commands)."""
+        self._cmds.put(("call", fn))
 
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -156,6 +162,11 @@ class AsyncEngine:
         while not self._stop.is_set():
             block = not eng.has_unfinished_requests()
             if not self._drain(block):
+                if block:  # idle: sessions may have gone quiet long enough to leave the GPU
+                    try:
+                        eng.offload_idle_sessions()
+                    except Exception:  # noqa: BLE001 - housekeeping must not kill the engine
+                        log.exception("idle-session offload failed")
                 continue
             try:
                 outputs = eng.step() if eng.has_unfinished_requests() else []
@@ -192,10 +203,15 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> int:
         if cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
-        elif cmd[0] == "add":
-            _, rid, prompt, params, arrival = cmd
+        elif cmd[0] == "call":
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                cmd[1](self.engine)
+            except Exception:  # noqa: BLE001
+                log.exception("engine command failed")
+        elif cmd[0] == "add":
+            _, rid, prompt, params, arrival, session_id = cmd
+            try:
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival, session_id=session_id)
             except Exception as e:  # noqa: BLE001 - the request fails, the engine does not
                 self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
             return 1

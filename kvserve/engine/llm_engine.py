@@ -86,7 +86,8 @@ class LLMEngine:
                            disk_bytes=cache.disk_kv_size, redis_url=cache.redis_url, block_size=cache.block_size)
 
     # -- sessions and the tiers ----------------------------------------------------------------
-    def offload_idle_sessions(self, now: float | None = None, force: bool = False) -> int:
+    def offload_idle_sessions(self, now: float | None = None, force: bool = False,
+                              only: str | None = None) -> int:
         """Move the KV of sessions idle for ``idle_offload_seconds`` (all, with ``force``) from
         the GPU prefix cache to the tiers; their blocks become plain free blocks. Returns blocks
         moved. A pinned session stays."""
@@ -96,7 +97,7 @@ class LLMEngine:
         limit = self.config.cache.idle_offload_seconds
         moves = []
         for sid, (last, keys) in list(self.sessions.items()):
-            if sid in self.pinned_sessions or (not force and now - last < limit):
+            if (only is not None and sid != only) or sid in self.pinned_sessions or (not force and now - last < limit):
                 continue
             for key in keys:
                 bid = self.kv.pool.lookup(key)
@@ -221,6 +222,9 @@ class LLMEngine:
         except BaseException:
             # Blocks hash-registered for this step never got their KV: nothing may hit them.
             self.kv.pool.reset_prefix_cache()
+            if self.store is not None:
+                for _, run in out.loads:
+                    self.store.release(run)
             raise
         touched: dict[str, None] = {}
         n_prompt = n_gen = 0

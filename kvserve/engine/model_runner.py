@@ -298,10 +298,10 @@ class ModelRunner:
             self.store.load_stats.offloaded_blocks += len(offloads)
         for blocks, run in loads:
             t0 = time.perf_counter()
-            data = torch.stack([kv for _, kv, _ in run], dim=2)  # [L, 2, n, bs, kvh, d]
-            idx = torch.tensor(blocks, device=self.device)
-            self.kv_cache.data[:, :, idx] = data.to(self.device, non_blocking=True)
-            if self.device.type == "cuda":
+            data = self.kv_cache.data
+            for bid, (_, kv, _) in zip(blocks, run):  # straight from the (pinned) chunk, no staging copy
+                data[:, :, bid].copy_(kv, non_blocking=True)
+            if self.device.type == "cuda":  # the chunks stay pinned in the CPU tier until copied
                 torch.cuda.current_stream(self.device).synchronize()
             self.store.loaded(run, time.perf_counter() - t0)
 

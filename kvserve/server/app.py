@@ -120,6 +120,10 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         finally:
             if state.engine is not None:
                 state.engine.shutdown()
+                try:  # the GPU prefix cache to the KV tiers: a restart or another replica finds it
+                    state.engine.engine.flush_kv_to_tiers()
+                except Exception:  # noqa: BLE001 - shutting down regardless
+                    pass
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
@@ -151,6 +155,37 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
             return {"status": "ok"}
         why = f"engine failed: {ae.error!r}" if ae.error else "engine not running"
         return error_response(503, why, code="unhealthy")
+
+    def _store():
+        store = state.engine.engine.store
+        if store is None:
+            raise InvalidRequestError("kv_tiers", "no KV tiers are on: start with --cpu-kv-memory, --disk-kv-dir "
+                                      "or --redis-url")
+        return store
+
+    @app.get("/v1/kv_tiers")
+    async def kv_tiers():
+        """Per-tier usage, hit rate, bytes moved, load/store time; load-or-recompute decisions."""
+        return _store().snapshot()
+
+    @app.post("/v1/sessions/{session_id}/pin")
+    async def pin_session(session_id: str):
+        _store()
+        state.engine.call(lambda eng: eng.pin_session(session_id, True))
+        return {"session_id": session_id, "pinned": True}
+
+    @app.delete("/v1/sessions/{session_id}/pin")
+    async def unpin_session(session_id: str):
+        _store()
+        state.engine.call(lambda eng: eng.pin_session(session_id, False))
+        return {"session_id": session_id, "pinned": False}
+
+    @app.post("/v1/sessions/{session_id}/offload")
+    async def offload_session(session_id: str):
+        """Move an idle session's KV out of the GPU now (its next turn loads it back)."""
+        _store()
+        state.engine.call(lambda eng: eng.offload_idle_sessions(force=True, only=session_id))
+        return {"session_id": session_id, "offload": "queued"}
 
     @app.get("/metrics")
     async def metrics():

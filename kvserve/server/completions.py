@@ -35,7 +35,7 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_capacity()
     params = req.sampling_params(req.max_tokens, req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = st.start(state.engine, rid, req.prompts(), params)
+    streams = st.start(state.engine, rid, req.prompts(), params, session_id=req.session_id)
     if req.stream:
         return StreamingResponse(_stream(state, req, rid, streams), media_type="text/event-stream")
     try:

@@ -36,6 +36,7 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras
+    session_id: str | None = Field(None, max_length=256)  # kvserve: the conversation (KV tiers, idle offload)
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
