@@ -99,6 +99,9 @@ def main() -> None:
                "load_was_faster": t_cpu < t_re}
         row["auto_correct"] = row["auto_chose_load"] == row["load_was_faster"]
         rows.append(row)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kvtier_resume.json"), "w") as f:  # after every length
+            json.dump({"rows": rows}, f, indent=1, default=str)
         print(f"L={L:6d}  recompute {t_re * 1e3:8.1f} ms  cpu {t_cpu * 1e3:8.1f} ms ({t_re / t_cpu:5.1f}x, "
               f"{row['loaded_cpu']} loaded)  disk {t_disk * 1e3:8.1f} ms ({row['loaded_disk']} loaded)  "
               f"auto {t_auto * 1e3:8.1f} ms (loaded {row['auto_loaded']}, correct={row['auto_correct']})", flush=True)

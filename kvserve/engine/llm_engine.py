@@ -187,7 +187,10 @@ class LLMEngine:
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id
         if session_id is not None:
-            self.sessions.pop(session_id, None)  # active again: not idle
+            # A session that went idle long enough leaves the GPU before its next turn starts
+            # (the turn then loads it back); otherwise it is active again.
+            self.offload_idle_sessions()
+            self.sessions.pop(session_id, None)
         self.groups[request_id] = [req]
         self.scheduler.add_request(req)
 

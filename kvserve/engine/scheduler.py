@@ -176,7 +176,10 @@ class Scheduler:
         if not store.lower or req.prefetch_state == "done":
             return False
         if req.prefetch_state is None:
-            if store.in_memory(keys[0]):
+            # The first chunk not already in memory decides: if no lower tier may hold it, the
+            # request goes on now (what is in memory loads, the rest is computed).
+            first_missing = next((k for k in keys if not store.in_memory(k)), None)
+            if first_missing is None or not store.may_have_below(first_missing):
                 req.prefetch_state = "done"
                 return False
             req.prefetch_state = "pending"

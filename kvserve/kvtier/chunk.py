@@ -59,11 +59,15 @@ def decode_chunk(data: bytes, key: bytes, shape: tuple[int, ...], dtype: torch.d
         header = json.loads(bytes(body[_PREFIX.size:_PREFIX.size + hlen]))
     except ValueError as e:
         raise ChunkError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise ChunkError(f"header is {type(header).__name__}, not an object")
     if header.get("key") != key.hex():
         raise ChunkError(f"chunk holds key {header.get('key')}, asked for {key.hex()}")
+    got_shape = header.get("shape")
     want_dtype = str(dtype).removeprefix("torch.")
-    if tuple(header.get("shape", ())) != tuple(shape) or header.get("dtype") != want_dtype:
-        raise ChunkError(f"chunk is {header.get('shape')} {header.get('dtype')}, the cache holds "
+    if (not isinstance(got_shape, list) or tuple(got_shape) != tuple(shape)
+            or header.get("dtype") != want_dtype):
+        raise ChunkError(f"chunk is {got_shape} {header.get('dtype')}, the cache holds "
                          f"{list(shape)} {want_dtype}")
     payload = body[_PREFIX.size + hlen:]
     numel = 1

@@ -136,6 +136,12 @@ class TieredStore:
     def in_memory(self, key: bytes) -> bool:
         return key in self.staging or (self.cpu is not None and key in self.cpu)
 
+    def may_have_below(self, key: bytes) -> bool:
+        """Whether disk or Redis might hold ``key`` (disk: its index; Redis: only asking tells)."""
+        if self.disk is not None and key in self.disk:
+            return True
+        return self.redis is not None and self.redis.stats.available
+
     def start_prefetch(self, request_id: str, keys: list[bytes]) -> None:
         """Bring the leading run of ``keys`` that lives in disk/Redis into memory, off the step."""
         self._prefetches.put((request_id, list(keys)))

@@ -155,6 +155,13 @@ class DiskTier:
         for _, key, size in sorted(entries):
             self.files[key] = size
         self.used = sum(self.files.values())
+        while self.used > self.capacity and self.files:  # restarted with a smaller quota
+            old, size = self.files.popitem(last=False)
+            self.used -= size
+            try:
+                os.unlink(self.path(old))
+            except OSError:
+                pass
         if not os.access(self.root, os.W_OK):
             self._stop_writes(f"directory {self.root} is not writable")
 
