@@ -104,6 +104,8 @@ class TieredStore:
         disk and Redis so it survives eviction from memory, restarts and other replicas."""
         if self.cpu is not None:
             self.cpu.put(key, kv)
+        elif self.lower:  # no CPU tier: keep it in the staging memory until it is read back
+            self.staging.put(key, kv)
         if self.lower:
             try:
                 self._writes.put_nowait((key, kv))
@@ -121,6 +123,8 @@ class TieredStore:
                         continue
                     data = data or encode_chunk(key, kv)
                     t.put(key, data)
+                if self.cpu is None:  # written through: the write-behind copy in memory can go
+                    self.staging.discard(key)
             except Exception:  # a writer must never die: count it and go on
                 log.exception("KV tier write failed")
             finally:
@@ -140,7 +144,8 @@ class TieredStore:
         """Whether disk or Redis might hold ``key`` (disk: its index; Redis: only asking tells)."""
         if self.disk is not None and key in self.disk:
             return True
-        return self.redis is not None and self.redis.stats.available
+        r = self.redis  # while it is down, ask again once a retry is due (the prefetch thread pings)
+        return r is not None and (r.stats.available or time.monotonic() >= r._next_try)
 
     def start_prefetch(self, request_id: str, keys: list[bytes]) -> None:
         """Bring the leading run of ``keys`` that lives in disk/Redis into memory, off the step."""
@@ -166,7 +171,8 @@ class TieredStore:
     def _fetch(self, key: bytes, remaining: int) -> torch.Tensor | None:
         for t in self.lower:
             tokens = remaining * self.block_size
-            if not self.cost.should_load(t.name, tokens, remaining * self.chunk_bytes, remaining):
+            measured = t.stats.load_bandwidth() is not None  # never measured: one load to learn its speed
+            if measured and not self.cost.should_load(t.name, tokens, remaining * self.chunk_bytes, remaining):
                 self.load_stats.recomputes_chosen += 1
                 continue
             t0 = time.perf_counter()
@@ -221,17 +227,15 @@ class TieredStore:
         st = self.load_stats
         tokens = len(run) * self.block_size
         st.loads_chosen += 1
-        for _, _, origin in run:
+        for key, _, origin in run:
             st.tokens_loaded[origin] = st.tokens_loaded.get(origin, 0) + self.block_size
+            self.origin.pop(key, None)  # from now on it is served from memory
         st.seconds_saved += max(0.0, self.cost.recompute_seconds(tokens) - seconds)
         self.cost.observe_transfer("cpu", len(run) * self.chunk_bytes, seconds)
         self.release(run)
         if self.staging is not self.cpu:  # staged chunks have done their job
-            with self.staging.lock:
-                for key, _, _ in run:
-                    if key in self.staging.chunks and not self.staging.pins.get(key):
-                        kv = self.staging.chunks.pop(key)
-                        self.staging.used -= kv.numel() * kv.element_size()
+            for key, _, _ in run:
+                self.staging.discard(key)
 
     # -- stats ---------------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -110,6 +110,13 @@ class CpuTier:
                 self.pins[key] = self.pins.get(key, 0) + 1
             return kv
 
+    def discard(self, key: bytes) -> None:
+        """Drop a chunk unless it is pinned (being loaded)."""
+        with self.lock:
+            if key in self.chunks and not self.pins.get(key):
+                kv = self.chunks.pop(key)
+                self.used -= kv.numel() * kv.element_size()
+
     def unpin(self, key: bytes) -> None:
         with self.lock:
             n = self.pins.get(key, 0) - 1

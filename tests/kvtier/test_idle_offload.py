@@ -1,0 +1,113 @@
+"""Sessions: a conversation idle for ``idle_offload_seconds`` leaves the GPU for the tiers, and
+its next turn loads it back, with the output of plain recomputation."""
+from __future__ import annotations
+
+import time
+
+from tierutil import ONE, favor_loading, gen, prefix_keys
+
+IDLE = 0.5
+
+
+def _turn2(prompts, turn1_prompt, turn1_output):
+    return list(turn1_prompt) + list(turn1_output) + prompts.tail[:6]
+
+
+def _first_turn(llm, prompts, reference, sid="s1"):
+    favor_loading(llm)
+    out1 = gen(llm, prompts.a, session_id=sid)
+    assert out1.outputs[0].token_ids == reference(prompts.a)
+    p2 = _turn2(prompts, prompts.a, out1.outputs[0].token_ids)
+    keys = prefix_keys(llm, list(prompts.a) + list(out1.outputs[0].token_ids)[:-1])  # tokens with KV
+    pool = llm.engine.kv.pool
+    assert all(pool.lookup(k) is not None for k in keys)  # on the GPU after turn 1
+    return p2, keys
+
+
+def test_idle_session_leaves_the_gpu_and_its_next_turn_loads_it(make_llm, prompts, reference):
+    """Nothing runs while the session is idle (offline API): its next turn still finds it idle,
+    moves it off the GPU and loads it back. (At fd8d34b add_request marked the session active
+    before any idle check, so it never left the GPU: idle_offloaded_blocks stayed 0.)"""
+    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    p2, keys = _first_turn(llm, prompts, reference)
+    time.sleep(IDLE + 0.3)
+    out2 = gen(llm, p2, session_id="s1")
+    load = llm.engine.store.load_stats
+    assert load.idle_offloaded_blocks >= len(keys)
+    assert out2.metrics.num_cached_tokens == 0
+    assert out2.metrics.num_loaded_tokens == 16 * len(keys)
+    assert load.tokens_loaded["cpu"] == 16 * len(keys)
+    assert out2.outputs[0].token_ids == reference(p2)
+
+
+def test_idle_session_offloaded_while_the_engine_serves_others(make_llm, prompts, reference):
+    """The same with other traffic during the idle time: the engine's step finds the session
+    idle, moves its blocks to the CPU tier (they become plain free blocks on the GPU), and the
+    next turn loads them."""
+    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    p2, keys = _first_turn(llm, prompts, reference)
+    pool = llm.engine.kv.pool
+    gen(llm, prompts.tail[:20], ONE)  # not yet idle: stays
+    assert llm.engine.store.load_stats.idle_offloaded_blocks == 0
+    assert all(pool.lookup(k) is not None for k in keys)
+    time.sleep(IDLE + 0.3)
+    gen(llm, prompts.tail[:21], ONE)  # another client's request: the step checks for idle sessions
+    load = llm.engine.store.load_stats
+    assert load.idle_offloaded_blocks == len(keys)
+    assert all(pool.lookup(k) is None for k in keys)  # left the GPU prefix cache
+    assert all(k in llm.engine.store.cpu for k in keys)
+    assert "s1" not in llm.engine.sessions
+
+    out2 = gen(llm, p2, session_id="s1")
+    assert out2.metrics.num_cached_tokens == 0
+    assert out2.metrics.num_loaded_tokens == 16 * len(keys)
+    assert load.tokens_loaded["cpu"] == 16 * len(keys)
+    assert out2.outputs[0].token_ids == reference(p2)
+    assert "s1" in llm.engine.sessions  # its second turn is tracked again
+    llm.engine.check_invariants()
+
+
+def test_pinned_session_stays_on_the_gpu(make_llm, prompts, reference):
+    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    llm.engine.pin_session("s1")
+    p2, keys = _first_turn(llm, prompts, reference)
+    time.sleep(IDLE + 0.3)
+    gen(llm, prompts.tail[:21], ONE)
+    assert llm.engine.store.load_stats.idle_offloaded_blocks == 0
+    assert all(llm.engine.kv.pool.lookup(k) is not None for k in keys)
+    out2 = gen(llm, p2, session_id="s1")
+    assert out2.metrics.num_cached_tokens == 16 * len(keys) and out2.metrics.num_loaded_tokens == 0
+    assert out2.outputs[0].token_ids == reference(p2)
+
+
+def test_forced_offload_of_all_sessions(make_llm, prompts, reference, tmp_path):
+    """``offload_idle_sessions(force=True)`` (the server's offload endpoint) with only a disk
+    tier: the blocks go to disk and the next turn loads them from there."""
+    llm = make_llm(kv_cache_memory="24MiB", disk_kv_dir=str(tmp_path / "kv"), idle_offload_seconds=3600)
+    p2, keys = _first_turn(llm, prompts, reference)
+    assert llm.engine.offload_idle_sessions() == 0  # not idle for an hour
+    assert llm.engine.offload_idle_sessions(force=True) == len(keys)
+    llm.engine.store.flush()
+    assert all(k in llm.engine.store.disk for k in keys)
+    out2 = gen(llm, p2, session_id="s1")
+    assert out2.metrics.num_cached_tokens == 0
+    assert out2.metrics.num_loaded_tokens == 16 * len(keys)
+    assert llm.engine.store.load_stats.tokens_loaded["disk"] == 16 * len(keys)
+    assert out2.outputs[0].token_ids == reference(p2)
+
+
+def test_idle_offload_to_a_slow_disk_is_not_lost_for_the_next_turn(make_llm, prompts, reference, tmp_path):
+    llm = make_llm(kv_cache_memory="24MiB", disk_kv_dir=str(tmp_path / "kv"), idle_offload_seconds=IDLE)
+    disk = llm.engine.store.disk
+    real_put = disk.put
+
+    def slow_put(key, data):  # a disk that takes 20 ms a chunk
+        time.sleep(0.02)
+        return real_put(key, data)
+    disk.put = slow_put
+    p2, keys = _first_turn(llm, prompts, reference)
+    time.sleep(IDLE + 0.3)
+    out2 = gen(llm, p2, session_id="s1")
+    assert out2.outputs[0].token_ids == reference(p2)
+    assert llm.engine.store.load_stats.idle_offloaded_blocks == len(keys)
+    assert out2.metrics.num_cached_tokens + out2.metrics.num_loaded_tokens == 16 * len(keys)

@@ -1,0 +1,71 @@
+"""A second process finds the KV a first one left in the disk directory or in Redis: it loads
+the long prefix instead of recomputing it, and its output is the recomputed one."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tierutil import KV_SMALL, LOADABLE, MAX_TOKENS, evict_from_gpu, gen, prefix_keys
+
+# The second process: a fresh interpreter, an ordinary model load, only the tier options given.
+# Its cost model is left as it starts (nothing measured yet), as in a real restart.
+SECOND = r"""
+import json, sys
+from kvserve import LLM, SamplingParams
+a = json.loads(sys.argv[1])
+llm = LLM(a["model"], show_progress=False, device="cpu", dtype="float32", kv_cache_memory=a["kv"], **a["tiers"])
+out = llm.generate({"prompt_token_ids": a["prompt"]},
+                   SamplingParams(max_tokens=a["max_tokens"], temperature=0, ignore_eos=True), use_tqdm=False)[0]
+snap = llm.engine.store.snapshot()
+print("RESULT " + json.dumps({
+    "tokens": out.outputs[0].token_ids, "cached": out.metrics.num_cached_tokens,
+    "loaded": out.metrics.num_loaded_tokens, "tokens_loaded": snap["load"]["tokens_loaded"],
+    "tiers": {k: {f: snap[k][f] for f in ("hits", "corrupt", "available", "errors")} for k in ("disk", "redis") if k in snap},
+}))
+"""
+
+
+def _second_process(model_path: str, prompt: list[int], tiers: dict) -> dict:
+    arg = json.dumps({"model": model_path, "kv": KV_SMALL, "tiers": tiers, "prompt": prompt, "max_tokens": MAX_TOKENS})
+    p = subprocess.run([sys.executable, "-c", SECOND, arg], check=False, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_restart_reuses_the_disk_directory(make_llm, model_path, prompts, reference, tmp_path):
+    kv_dir = str(tmp_path / "kv")
+    first = make_llm(kv_cache_memory=KV_SMALL, disk_kv_dir=kv_dir)
+    ref_a, ref_b = reference(prompts.a, prompts.b)
+    assert gen(first, prompts.a).outputs[0].token_ids == ref_a
+    assert first.engine.store.disk.used == 0  # nothing evicted yet: all of it is on the GPU
+    first.shutdown()  # writes the GPU prefix cache to the tiers and waits
+    keys = prefix_keys(first, prompts.prefix)
+    assert all(k in first.engine.store.disk for k in keys)
+    del first
+
+    res = _second_process(model_path, prompts.b, {"disk_kv_dir": kv_dir})
+    assert res["cached"] == 0
+    assert res["loaded"] == LOADABLE
+    assert res["tokens_loaded"] == {"cpu": 0, "disk": LOADABLE, "redis": 0}
+    assert res["tiers"]["disk"]["hits"] >= len(keys) and res["tiers"]["disk"]["corrupt"] == 0
+    assert res["tokens"] == ref_b
+
+
+def test_restart_reuses_redis(make_llm, model_path, prompts, reference, redis_server, tmp_path):
+    first = make_llm(kv_cache_memory=KV_SMALL, redis_url=redis_server)
+    ref_a, ref_b = reference(prompts.a, prompts.b)
+    assert gen(first, prompts.a).outputs[0].token_ids == ref_a
+    evict_from_gpu(first, prompts.prefix)  # evicted blocks are written to Redis (and flushed)
+    keys = prefix_keys(first, prompts.prefix)
+    r = redis_server.client()
+    assert all(r.exists(b"kvserve:kv:" + k.hex().encode()) for k in keys)
+    del first
+
+    res = _second_process(model_path, prompts.b, {"redis_url": str(redis_server)})
+    assert res["cached"] == 0
+    assert res["loaded"] == LOADABLE
+    assert res["tokens_loaded"] == {"cpu": 0, "disk": 0, "redis": LOADABLE}
+    assert res["tiers"]["redis"]["available"] and res["tiers"]["redis"]["corrupt"] == 0
+    assert res["tokens"] == ref_b
