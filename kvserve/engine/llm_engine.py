@@ -49,7 +49,9 @@ class LLMEngine:
                                       f"({block_bytes} bytes at block_size {config.cache.block_size})")
         swap_blocks = config.cache.swap_space // block_bytes if config.cache.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, swap_blocks)
-        extra = f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}".encode()
+        # The prefix-cache key, and the tiers' chunk key: the same tokens give the same KV only
+        # for the same weights, so the weights' fingerprint is part of it (tiers outlive processes).
+        extra = f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}|{loader.fingerprint(src, config.seed)}".encode()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, extra)
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.runner.store = self.store
@@ -119,8 +121,8 @@ class LLMEngine:
         shutdown, so a restart or another replica finds them). Returns blocks written."""
         if self.store is None:
             return 0
-        moves = [(bid, h) for h, bid in self.kv.pool.cached.items()]
-        self.runner.offload_blocks(moves)
+        moves = [(bid, h) for h, bid in list(self.kv.pool.cached.items())]
+        self.runner.offload_blocks(moves, wait=True)
         self.store.flush()
         return len(moves)
 

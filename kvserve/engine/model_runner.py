@@ -256,8 +256,8 @@ class ModelRunner:
                     sample_of.append(i)
         pending = None
         if sample_rows:
-            if len(sample_rows) == hidden.shape[0] and sample_rows[-1] == len(sample_rows) - 1:
-                picked = hidden  # a decode step: every row is sampled, in order
+            if len(sample_rows) == hidden.shape[0] and sample_rows == list(range(len(sample_rows))):
+                picked = hidden  # every row sampled once, in order (a decode step)
             else:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
             pending = self.sampler.launch(self.model.compute_logits(picked), rows)
@@ -281,14 +281,18 @@ class ModelRunner:
             return results
         return finish
 
-    def offload_blocks(self, blocks: list[tuple[int, bytes]]) -> None:
-        """Copy these blocks' KV to the tiered store under their keys."""
+    def offload_blocks(self, blocks: list[tuple[int, bytes]], wait: bool = False, batch: int = 256) -> None:
+        """Copy these blocks' KV to the tiered store under their keys, ``batch`` blocks at a time
+        (a gather of the whole cache would double its memory). ``wait``: block on a full write
+        queue instead of dropping the write (shutdown flush)."""
         if not blocks or self.store is None:
             return
-        idx = torch.tensor([b for b, _ in blocks], device=self.device)
-        host = self.kv_cache.data[:, :, idx].to("cpu")  # [L, 2, n, bs, kvh, d]
-        for j, (_, key) in enumerate(blocks):
-            self.store.put(key, host[:, :, j].clone())
+        for i in range(0, len(blocks), batch):
+            part = blocks[i:i + batch]
+            idx = torch.tensor([b for b, _ in part], device=self.device)
+            host = self.kv_cache.data[:, :, idx].to("cpu")  # [L, 2, n, bs, kvh, d]
+            for j, (_, key) in enumerate(part):
+                self.store.put(key, host[:, :, j].clone(), wait=wait)
 
     def move_kv(self, offloads: list[tuple[int, bytes]], loads) -> None:
         """Before the step writes anything: evicted blocks leave for the tiers first (a load or

@@ -73,6 +73,7 @@ class Request:
                                for i in range(n_gens)]
         self.swapped_out = False  # KV lives in CPU swap space while preempted
         self.prefetch_state: str | None = None  # tiered store: None, "pending", "done"
+        self.prefetch_token = 0
         self.session_id: str | None = None
         # Text state (kept by the detokenizer).
         self.output_text = ""

@@ -156,7 +156,7 @@ class Scheduler:
                     req.metrics.first_scheduled_time = time.time()
                     req.metrics.num_cached_tokens = len(computed) * self.kv.block_size
                     req.metrics.num_loaded_tokens = n_loaded
-                    self.kv.record_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
+                    self.kv.record_prefix_lookup(req.num_prompt_tokens, len(computed) * self.kv.block_size)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, self.kv.table(req)))
@@ -183,9 +183,9 @@ class Scheduler:
                 req.prefetch_state = "done"
                 return False
             req.prefetch_state = "pending"
-            store.start_prefetch(req.request_id, keys)
+            req.prefetch_token = store.start_prefetch(keys)
             return True
-        if store.prefetch_done.pop(req.request_id, None) is not None:
+        if store.prefetch_done.pop(req.prefetch_token, None) is not None:
             req.prefetch_state = "done"
             return False
         return True
@@ -211,6 +211,8 @@ class Scheduler:
         """Mark ``req`` finished and give its blocks back (it may be running or waiting)."""
         req.status = status
         req.metrics.finished_time = time.time()
+        if self.store is not None and req.prefetch_state == "pending":
+            self.store.prefetch_done.pop(req.prefetch_token, None)  # (a later finish leaves one int)
         self.kv.free(req)
         self.swap_used_blocks.pop(req.request_id, None)
         if req in self.running:

@@ -80,13 +80,13 @@ class TieredStore:
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
         self.redis = RedisTier(redis_url) if redis_url else None
         self.lower = [t for t in (self.disk, self.redis) if t is not None]
-        self.origin: dict[bytes, str] = {}  # chunk in memory -> the tier it came from
         self.cost = CostModel(prefill_tokens_per_s=20000.0 if device.type == "cuda" else 2000.0,
                               bandwidth={"cpu": 2e10 if pin else 4e9, "disk": 5e8, "redis": 2e8})
         self.load_stats = LoadStats()
-        self._writes: queue.Queue = queue.Queue(maxsize=4096)
+        self._writes: queue.Queue = queue.Queue(maxsize=512)  # chunks waiting for disk/Redis (host memory)
         self._prefetches: queue.Queue = queue.Queue()
-        self.prefetch_done: dict[str, int] = {}  # request id -> chunks staged (set when finished)
+        self.prefetch_done: dict[int, int] = {}  # prefetch token -> chunks staged (set when finished)
+        self._prefetch_seq = 0
         self._threads = []
         if self.lower:
             for target in (self._writer, self._prefetcher):
@@ -99,7 +99,7 @@ class TieredStore:
         return [t for t in (self.cpu, self.disk, self.redis) if t is not None]
 
     # -- storing -------------------------------------------------------------------------
-    def put(self, key: bytes, kv: torch.Tensor) -> None:
+    def put(self, key: bytes, kv: torch.Tensor, wait: bool = False) -> None:
         """One block's KV (on the CPU) leaves the GPU: into the CPU tier, and written behind to
         disk and Redis so it survives eviction from memory, restarts and other replicas."""
         if self.cpu is not None:
@@ -108,7 +108,7 @@ class TieredStore:
             self.staging.put(key, kv)
         if self.lower:
             try:
-                self._writes.put_nowait((key, kv))
+                self._writes.put((key, kv), block=wait)
             except queue.Full:  # the disks are behind: drop the write rather than stall a step
                 for t in self.lower:
                     t.stats.errors += 1
@@ -147,9 +147,12 @@ class TieredStore:
         r = self.redis  # while it is down, ask again once a retry is due (the prefetch thread pings)
         return r is not None and (r.stats.available or time.monotonic() >= r._next_try)
 
-    def start_prefetch(self, request_id: str, keys: list[bytes]) -> None:
-        """Bring the leading run of ``keys`` that lives in disk/Redis into memory, off the step."""
-        self._prefetches.put((request_id, list(keys)))
+    def start_prefetch(self, keys: list[bytes]) -> int:
+        """Bring the leading run of ``keys`` that lives in disk/Redis into memory, off the step.
+        Returns the token under which ``prefetch_done`` reports it (unique, unlike request ids)."""
+        self._prefetch_seq += 1
+        self._prefetches.put((self._prefetch_seq, list(keys)))
+        return self._prefetch_seq
 
     def _prefetcher(self) -> None:
         while True:
@@ -187,8 +190,7 @@ class TieredStore:
                 t.drop(key)
                 continue
             self.cost.observe_transfer(t.name, len(data), time.perf_counter() - t0)
-            if self.staging.put(key, kv):
-                self.origin[key] = t.name
+            if self.staging.put(key, kv, tag=t.name):  # tagged: a load from it credits this tier
                 return kv
             return None  # no room to stage: recompute the rest
         return None
@@ -203,7 +205,8 @@ class TieredStore:
                 kv = self.staging.get(key, pin=True)
             if kv is None:
                 break
-            run.append((key, kv, self.origin.get(key, "cpu")))
+            tier = self.cpu if self.cpu is not None and key in self.cpu else self.staging
+            run.append((key, kv, tier.tags.get(key) or "cpu"))
         if not run:
             return run
         tokens = len(run) * self.block_size
@@ -229,7 +232,7 @@ class TieredStore:
         st.loads_chosen += 1
         for key, _, origin in run:
             st.tokens_loaded[origin] = st.tokens_loaded.get(origin, 0) + self.block_size
-            self.origin.pop(key, None)  # from now on it is served from memory
+            self.staging.tags.pop(key, None)  # from now on it is served from memory
         st.seconds_saved += max(0.0, self.cost.recompute_seconds(tokens) - seconds)
         self.cost.observe_transfer("cpu", len(run) * self.chunk_bytes, seconds)
         self.release(run)

@@ -59,6 +59,7 @@ class CpuTier:
         self.pin_memory = pin_memory
         self.chunks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.pins: dict[bytes, int] = {}
+        self.tags: dict[bytes, str] = {}  # where a chunk came from, if not spilled from the GPU
         self.used = 0
         self.stats = TierStats()
         self.lock = threading.Lock()
@@ -66,7 +67,7 @@ class CpuTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self.chunks
 
-    def put(self, key: bytes, kv: torch.Tensor) -> bool:
+    def put(self, key: bytes, kv: torch.Tensor, tag: str | None = None) -> bool:
         size = kv.numel() * kv.element_size()
         with self.lock:
             if key in self.chunks:
@@ -86,12 +87,15 @@ class CpuTier:
                 return False  # only pinned chunks left to evict
             for k in victims:
                 del self.chunks[k]
+                self.tags.pop(k, None)
             self.used -= freed
             t0 = time.perf_counter()
             kv = kv.contiguous()
             if self.pin_memory and not kv.is_pinned():
                 kv = kv.pin_memory()
             self.chunks[key] = kv
+            if tag is not None:
+                self.tags[key] = tag
             self.used += size
             self.stats.stores += 1
             self.stats.bytes_in += size
@@ -115,6 +119,7 @@ class CpuTier:
         with self.lock:
             if key in self.chunks and not self.pins.get(key):
                 kv = self.chunks.pop(key)
+                self.tags.pop(key, None)
                 self.used -= kv.numel() * kv.element_size()
 
     def unpin(self, key: bytes) -> None:
@@ -129,6 +134,7 @@ class CpuTier:
         assert self.used == sum(t.numel() * t.element_size() for t in self.chunks.values())
         assert self.used <= self.capacity
         assert set(self.pins) <= set(self.chunks), set(self.pins) - set(self.chunks)
+        assert set(self.tags) <= set(self.chunks), set(self.tags) - set(self.chunks)
 
 
 class DiskTier:

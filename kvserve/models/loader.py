@@ -6,6 +6,7 @@ llama.cpp's RoPE permutation of ``attn_q`` / ``attn_k`` rows is undone.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -34,6 +35,30 @@ class ModelSource:
     @property
     def name(self) -> str:
         return self.path if self.kind == "dummy" else os.path.basename(self.path.rstrip("/"))
+
+
+def fingerprint(src: ModelSource, seed: int = 0) -> str:
+    """A short id of the weights: dummy weights by their seed; files by their sizes and a hash of
+    their first and last MiB (cheap, and different whenever the file is). Part of every KV key, so
+    KV kept in a tier can never be served to a different model."""
+    if src.kind == "dummy":
+        return f"dummy-seed{seed}"
+    if os.path.isdir(src.path):
+        names = sorted(n for n in os.listdir(src.path) if n.endswith((".safetensors", ".bin", ".gguf"))
+                       or n == "config.json")
+        files = [os.path.join(src.path, n) for n in names]
+    else:
+        files = [src.path]
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        size = os.path.getsize(f)
+        h.update(f"{os.path.basename(f)}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()
 
 
 def default_model_path() -> str:

@@ -10,6 +10,7 @@ answers 503 meanwhile: /health {"status": "loading"}, API paths an OpenAI-shaped
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -120,10 +121,12 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         finally:
             if state.engine is not None:
                 state.engine.shutdown()
-                try:  # the GPU prefix cache to the KV tiers: a restart or another replica finds it
-                    state.engine.engine.flush_kv_to_tiers()
-                except Exception:  # noqa: BLE001 - shutting down regardless
-                    pass
+                th = state.engine._thread
+                if th is None or not th.is_alive():  # never beside a step still running
+                    try:  # the GPU prefix cache to the KV tiers: a restart or another replica finds it
+                        state.engine.engine.flush_kv_to_tiers()
+                    except Exception:  # noqa: BLE001 - shutting down regardless
+                        logging.getLogger(__name__).exception("flushing the KV cache to the tiers failed")
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state

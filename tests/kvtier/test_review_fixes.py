@@ -1,0 +1,35 @@
+"""Regressions from the review of the tiered store: KV of other weights never loads, and a
+shutdown flush of a large cache reaches the disk whole."""
+from __future__ import annotations
+
+import random
+
+from kvserve import LLM, SamplingParams
+
+SP = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+def test_chunks_of_other_weights_never_load(tmp_path):
+    """Same preset, same path, different weights (seed): the keys differ, nothing is loaded."""
+    prompt = {"prompt_token_ids": [random.Random(1).randrange(1, 500) for _ in range(200)]}
+    a = LLM("dummy:tiny", seed=0, kv_cache_memory="1MiB", disk_kv_dir=str(tmp_path), show_progress=False)
+    a.generate(prompt, SP, use_tqdm=False)
+    assert a.engine.flush_kv_to_tiers() > 0
+    same = LLM("dummy:tiny", seed=0, kv_cache_memory="1MiB", disk_kv_dir=str(tmp_path), show_progress=False)
+    assert same.generate(prompt, SP, use_tqdm=False)[0].metrics.num_loaded_tokens > 0
+    other = LLM("dummy:tiny", seed=1, kv_cache_memory="1MiB", disk_kv_dir=str(tmp_path), show_progress=False)
+    out = other.generate(prompt, SP, use_tqdm=False)[0]
+    assert out.metrics.num_loaded_tokens == 0 and out.metrics.num_cached_tokens == 0
+
+
+def test_flush_of_a_large_cache_drops_nothing(tmp_path):
+    """More cached blocks than the write queue holds: the flush waits instead of dropping."""
+    llm = LLM("dummy:tiny", block_size=1, kv_cache_memory="64MiB", disk_kv_dir=str(tmp_path), show_progress=False)
+    rng = random.Random(2)
+    llm.generate([{"prompt_token_ids": [rng.randrange(1, 500) for _ in range(700)]} for _ in range(3)],
+                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
+    cached = llm.engine.kv.pool.num_cached_blocks
+    assert cached > 512 * 3  # well past the write queue's 512 entries
+    assert llm.engine.flush_kv_to_tiers() == cached
+    disk = llm.engine.store.disk
+    assert len(disk.files) == cached and disk.stats.errors == 0
