@@ -294,17 +294,26 @@ class ModelRunner:
             for j, (_, key) in enumerate(part):
                 self.store.put(key, host[:, :, j].clone(), wait=wait)
 
-    def move_kv(self, offloads: list[tuple[int, bytes]], loads) -> None:
+    def move_kv(self, offloads: list[tuple[int, bytes]], loads, batch: int = 256) -> None:
         """Before the step writes anything: evicted blocks leave for the tiers first (a load or
         a new token may be about to overwrite them), then loaded chunks fill their blocks."""
         self.offload_blocks(offloads)
         if self.store is not None:
             self.store.load_stats.offloaded_blocks += len(offloads)
+        data = self.kv_cache.data
         for blocks, run in loads:
             t0 = time.perf_counter()
-            data = self.kv_cache.data
-            for bid, (_, kv, _) in zip(blocks, run):  # straight from the (pinned) chunk, no staging copy
-                data[:, :, bid].copy_(kv, non_blocking=True)
+            # Each (pinned) chunk goes to the device whole, one plain copy each, into a staging
+            # buffer; one scatter then puts the batch into its blocks (a chunk's place in the
+            # cache is strided across layers: copied directly, every chunk would cost a hidden
+            # temporary and an extra kernel).
+            for i in range(0, len(run), batch):
+                part, ids = run[i:i + batch], blocks[i:i + batch]
+                stage = torch.empty((len(part),) + tuple(part[0][1].shape), dtype=data.dtype, device=self.device)
+                for j, (_, kv, _) in enumerate(part):
+                    stage[j].copy_(kv, non_blocking=True)
+                idx = torch.tensor(ids, device=self.device)
+                data[:, :, idx] = stage.permute(1, 2, 0, 3, 4, 5)
             if self.device.type == "cuda":  # the chunks stay pinned in the CPU tier until copied
                 torch.cuda.current_stream(self.device).synchronize()
             self.store.loaded(run, time.perf_counter() - t0)

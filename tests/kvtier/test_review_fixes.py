@@ -33,3 +33,18 @@ def test_flush_of_a_large_cache_drops_nothing(tmp_path):
     assert llm.engine.flush_kv_to_tiers() == cached
     disk = llm.engine.store.disk
     assert len(disk.files) == cached and disk.stats.errors == 0
+
+
+def test_a_load_longer_than_one_copy_batch_is_exact(tmp_path):
+    """Loads go to the device in batches of 256 chunks; a run of ~600 crosses two boundaries."""
+    prompt = {"prompt_token_ids": [random.Random(3).randrange(1, 500) for _ in range(601)]}
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = LLM("dummy:tiny", block_size=1, kv_cache_memory="64MiB", show_progress=False).generate(
+        prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("dummy:tiny", block_size=1, kv_cache_memory="64MiB", cpu_kv_memory="64MiB", show_progress=False)
+    llm.generate(prompt, sp, use_tqdm=False)
+    llm.engine.flush_kv_to_tiers()
+    llm.engine.kv.pool.reset_prefix_cache()
+    out = llm.generate(prompt, sp, use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens == 0 and out.metrics.num_loaded_tokens == 600
+    assert out.outputs[0].token_ids == ref
