@@ -1,7 +1,8 @@
 """LLMEngine: add requests, step, get outputs.
 
-    step():  Scheduler.schedule() -> ModelRunner.execute() -> self._update() (tokens, text,
-             stops, forks, finished requests free their blocks)
+    step():  Scheduler.schedule() -> ModelRunner.launch() (device work queued; the host does the
+             step's bookkeeping meanwhile) -> finish() (sampled ids) -> tokens, text, stops, forks;
+             finished requests free their blocks
 """
 from __future__ import annotations
 

@@ -216,10 +216,6 @@ class ModelRunner:
         return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[StepResult]:
-        return self.launch(out)()
-
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput):
         """Queue the step's GPU work and return a callable that waits for it and returns the
         per-request results. Between the two the host is free (the engine does its bookkeeping

@@ -138,7 +138,7 @@ class TieredStore:
 
     # -- finding -------------------------------------------------------------------------
     def in_memory(self, key: bytes) -> bool:
-        return key in self.staging or (self.cpu is not None and key in self.cpu)
+        return key in self.staging  # the CPU tier itself when there is one
 
     def may_have_below(self, key: bytes) -> bool:
         """Whether disk or Redis might hold ``key`` (disk: its index; Redis: only asking tells)."""
@@ -200,13 +200,10 @@ class TieredStore:
         each came from; cut where loading stops paying (the cost model)."""
         run = []
         for key in keys:
-            kv = self.cpu.get(key, pin=True) if self.cpu is not None and key in self.cpu else None
-            if kv is None and self.staging is not self.cpu and key in self.staging:
-                kv = self.staging.get(key, pin=True)
+            kv = self.staging.get(key, pin=True) if key in self.staging else None
             if kv is None:
                 break
-            tier = self.cpu if self.cpu is not None and key in self.cpu else self.staging
-            run.append((key, kv, tier.tags.get(key) or "cpu"))
+            run.append((key, kv, self.staging.tags.get(key) or "cpu"))
         if not run:
             return run
         tokens = len(run) * self.block_size
@@ -220,10 +217,7 @@ class TieredStore:
 
     def release(self, run) -> None:
         for key, _, _ in run:
-            if self.cpu is not None and key in self.cpu:
-                self.cpu.unpin(key)
-            if self.staging is not self.cpu:
-                self.staging.unpin(key)
+            self.staging.unpin(key)
 
     def loaded(self, run, seconds: float) -> None:
         """The runner copied ``run`` into the GPU: account for it and let the chunks go."""

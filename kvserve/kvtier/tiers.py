@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,6 @@ class TierStats:
     available: bool = True
     writable: bool = True
     last_error: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -168,13 +167,7 @@ class DiskTier:
         for _, key, size in sorted(entries):
             self.files[key] = size
         self.used = sum(self.files.values())
-        while self.used > self.capacity and self.files:  # restarted with a smaller quota
-            old, size = self.files.popitem(last=False)
-            self.used -= size
-            try:
-                os.unlink(self.path(old))
-            except OSError:
-                pass
+        self._evict_to(self.capacity)  # restarted with a smaller quota
         if not os.access(self.root, os.W_OK):
             self._stop_writes(f"directory {self.root} is not writable")
 
@@ -198,13 +191,7 @@ class DiskTier:
             if key in self.files:
                 self.files.move_to_end(key)
                 return True
-            while self.used + len(data) > self.capacity and self.files:
-                old, size = self.files.popitem(last=False)
-                self.used -= size
-                try:
-                    os.unlink(self.path(old))
-                except OSError:
-                    pass
+            self._evict_to(self.capacity - len(data))
         t0 = time.perf_counter()
         path = self.path(key)
         tmp = None
@@ -254,16 +241,26 @@ class DiskTier:
         self.stats.load_seconds += time.perf_counter() - t0
         return data
 
+    def _evict_to(self, limit: int) -> None:
+        """Delete the least recently used chunks until ``used <= limit`` (caller holds the lock)."""
+        while self.used > limit and self.files:
+            old, size = self.files.popitem(last=False)
+            self.used -= size
+            self._unlink(old)
+
+    def _unlink(self, key: bytes) -> None:
+        try:
+            os.unlink(self.path(key))
+        except OSError:
+            pass
+
     def drop(self, key: bytes) -> None:
         """Forget a chunk (it failed its checks, or vanished)."""
         with self.lock:
             size = self.files.pop(key, None)
             if size is not None:
                 self.used -= size
-        try:
-            os.unlink(self.path(key))
-        except OSError:
-            pass
+        self._unlink(key)
 
 
 class RedisTier:
@@ -282,7 +279,6 @@ class RedisTier:
         self.retry_seconds = retry_seconds
         self.ttl = ttl_seconds
         self.stats = TierStats()
-        self._down_since: float | None = None
         self._next_try = 0.0
         try:
             self.client.ping()
@@ -295,7 +291,6 @@ class RedisTier:
         if self.stats.available:
             log.warning("Redis KV tier at %s unreachable (%s): off until it answers again", self.url, e)
         self.stats.available = False
-        self._down_since = self._down_since or time.monotonic()
         self._next_try = time.monotonic() + self.retry_seconds
 
     def _usable(self) -> bool:
@@ -310,7 +305,6 @@ class RedisTier:
             return False
         log.warning("Redis KV tier at %s is back", self.url)
         self.stats.available = True
-        self._down_since = None
         return True
 
     def _key(self, key: bytes) -> bytes:
