@@ -19,14 +19,12 @@ from kvserve.kernels.prefill_attention import (
     paged_prefill_attention_ref,
 )
 
+from kernelutil import ATTENTION_DTYPES as DTYPES  # noqa: E402
+from kernelutil import ATTENTION_TOL as TOL  # noqa: E402
+from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
+
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # interpreter internals
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]  # -inf - -inf, masked
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real-size case: needs CUDA")
-bf16_cuda_only = pytest.mark.skipif(not torch.cuda.is_available(),
-                                    reason="bfloat16 tl.dot is wrong in Triton's interpreter; CUDA only")
-DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=bf16_cuda_only)]
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-DTYPE_NO = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # seeds differ per dtype
 
 # (q heads, kv heads, head_dim, page): GQA ratios 1, 3, 4, 8; pages 1, 4, 8, 16; head_dim 48
 # is not a power of two (masked lanes of BLOCK_D = 64).

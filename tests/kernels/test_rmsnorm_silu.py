@@ -19,14 +19,10 @@ pytest.importorskip("triton")
 from kvserve.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from kvserve.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
+from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
+from kernelutil import ROUNDING_DTYPES as DTYPES  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real-size case: needs CUDA")
-# The interpreter casts float32 -> bfloat16 by truncation, not round-to-nearest-even, so its
-# bfloat16 results can't round like PyTorch's: bfloat16 runs on CUDA only.
-bf16_cuda_only = pytest.mark.skipif(not torch.cuda.is_available(),
-                                    reason="Triton's interpreter truncates float32->bfloat16 casts; CUDA only")
-DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=bf16_cuda_only)]
-DTYPE_NO = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # seeds differ per dtype
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor):
