@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
+from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -64,12 +65,7 @@ def _decode_split_kernel(Q, KC, VC, BT, SEQ_LENS, O, OP, LSEP,
                     mask=kmask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
+from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -64,12 +65,7 @@ def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
         v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                     mask=dmask[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         n = s + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
@@ -82,13 +78,7 @@ def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
                     mask=kmask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         qk = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding rows see no key at all
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)  # padding rows may see no key
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
