@@ -19,20 +19,23 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
+from kvserve.kernels.kv_quant import kernel_args, load_k_tile, load_v_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, BT, SEQ_LENS, O, OP, LSEP,
+def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_vb, stride_vs, stride_vh, stride_bt,
+                         stride_vb, stride_vs, stride_vh,
+                         s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, stride_bt,
                          stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          scale_log2,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+                         FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,16 +56,22 @@ def _decode_split_kernel(Q, KC, VC, BT, SEQ_LENS, O, OP, LSEP,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt
+    full_end = (seq_len // PAGE) * PAGE  # compressed KIVI keys: later ones are in the residual
+    res_row = 0
+    if FMT == 3:
+        res_row = tl.load(RSLOTS + b).to(tl.int64) * PAGE * s_rt
     for s in range(start, end, BLOCK_N):
         n = s + tl.arange(0, BLOCK_N)
         nmask = n < end
         page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
         kmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(KC + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kmask, other=0.0)
-        v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kmask, other=0.0)
+        k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
+                        full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
+                        FMT, BITS, QGROUP, Q.dtype.element_ty)
+        v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
+                        stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP,
+                        Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
@@ -114,15 +123,24 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(32, math.ceil(2 * sms / max(1, batch * num_kv_heads))))
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           splits: int | None = None, out: torch.Tensor | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
-    """q: [B, H, D]; caches: [num_blocks, page, KVH, D]; block_tables: [B, max_pages] int;
-    seq_lens: [B] int (keys per sequence, this step's token included). Returns [B, H, D]."""
+def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, splits: int | None = None,
+                           out: torch.Tensor | None = None, block_n: int | None = None,
+                           res_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
+    ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
+    block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
+    included). Returns [B, H, D]."""
     B, H, D = q.shape
-    nb, page, KVH, Dk = k_cache.shape
-    assert Dk == D and H % KVH == 0 and q.stride(-1) == 1
+    views = None if isinstance(k_cache, torch.Tensor) else k_cache
+    cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
+    if views is not None:
+        page, KVH = views.fmt.block_size, views.fmt.num_kv_heads
+        k_cache = views.k_codes
+    else:
+        nb, page, KVH, Dk = k_cache.shape
+        assert Dk == D
+    assert H % KVH == 0 and q.stride(-1) == 1
     group = H // KVH
     if splits is None:
         splits = num_splits(B, KVH, q.device)
@@ -139,17 +157,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     else:
         op, lsep = out, seq_lens  # unused placeholders
+    kc, vc, ks, vs, res, *strides = cache_args
+    rs = res_slots if res_slots is not None else seq_lens
     _decode_split_kernel[(B, KVH, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, op, lsep,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        q, kc, vc, ks, vs, res, block_tables, seq_lens, rs, out, op, lsep,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0),
         out.stride(0), out.stride(1),
         op.stride(0) if splits > 1 else 0, op.stride(1) if splits > 1 else 0,
         op.stride(2) if splits > 1 else 0,
         lsep.stride(0) if splits > 1 else 0, lsep.stride(1) if splits > 1 else 0,
         scale * _LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        NUM_SPLITS=splits, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"],
+        QGROUP=fmt_kw["GROUP"], num_warps=4, num_stages=2)
     if splits > 1:
         _decode_merge_kernel[(B, H)](
             op, lsep, out, op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1),

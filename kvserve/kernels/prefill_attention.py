@@ -17,19 +17,22 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
+from kvserve.kernels.kv_quant import kernel_args, load_k_tile, load_v_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
+def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                    stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+                    stride_vb, stride_vs, stride_vh,
+                    s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
+                    stride_ot, stride_oh, stride_bt,
                     scale_log2,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr):
     mt = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -52,6 +55,11 @@ def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt
+    full_end = (seq_len // PAGE) * PAGE  # compressed KIVI keys: later ones are in the residual
+    res_row = 0
+    if FMT == 3:
+        res_row = tl.load(RSLOTS + b).to(tl.int64) * PAGE * s_rt
+    DT = Q.dtype.element_ty
 
     first_q = ctx + mt * BLOCK_M
     kv_end = tl.minimum(seq_len, first_q + BLOCK_M)
@@ -60,10 +68,12 @@ def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
         n = s + tl.arange(0, BLOCK_N)
         page = tl.load(bt_row + n // PAGE).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
-        k = tl.load(KC + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=dmask[None, :], other=0.0)
-        v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=dmask[None, :], other=0.0)
+        kmask = dmask[None, :]  # whole tiles: every key is valid
+        k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
+                        full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
+                        FMT, BITS, QGROUP, DT)
+        v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
+                        stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
@@ -72,10 +82,11 @@ def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
         page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
         kmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(KC + page[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kmask, other=0.0)
-        v = tl.load(VC + page[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kmask, other=0.0)
+        k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
+                        full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
+                        FMT, BITS, QGROUP, DT)
+        v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
+                        stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         qk = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)  # padding rows may see no key
@@ -84,15 +95,22 @@ def _prefill_kernel(Q, KC, VC, O, BT, CU_Q, SEQ_LENS,
              mask=rmask[:, None] & dmask[None, :])
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_q: torch.Tensor, seq_lens: torch.Tensor,
+def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
+                            cu_q: torch.Tensor, seq_lens: torch.Tensor,
                             max_query_len: int, scale: float, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            res_slots: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] packed by ``cu_q`` ([B + 1] int32); seq_lens: [B] int32 (keys after this
-    step). Returns [T, H, D]."""
+    step); caches as for ``paged_decode_attention`` (a compressed layer's ``KVViews`` as
+    ``k_cache``). Returns [T, H, D]."""
     T, H, D = q.shape
-    nb, page, KVH, _ = k_cache.shape
+    views = None if isinstance(k_cache, torch.Tensor) else k_cache
+    cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
+    if views is not None:
+        page, KVH = views.fmt.block_size, views.fmt.num_kv_heads
+    else:
+        nb, page, KVH, _ = k_cache.shape
     B = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -108,14 +126,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_stages is None:
         num_stages = 3 if on_gpu else 1
     grid = (triton.cdiv(max_query_len, block_m), B, H)
+    kc, vc, ks, vs, res, *strides = cache_args
+    rs = res_slots if res_slots is not None else seq_lens
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_q, seq_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        q, kc, vc, ks, vs, res, out, block_tables, cu_q, seq_lens, rs,
+        q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         block_tables.stride(0), scale * _LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"],
+        BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], num_warps=num_warps, num_stages=num_stages)
     return out
 
 

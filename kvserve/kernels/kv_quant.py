@@ -1,0 +1,347 @@
+"""Compressed KV in the kernels: quantize on write (fused with RoPE), seal KIVI key blocks, and
+the dequantizing tile loads the attention kernels read K and V through.
+
+Formats and byte layout: ``kvserve/layers/kv_format.py``. ``FMT`` codes, compile-time:
+0 = uncompressed, 1 = fp8 (e4m3, symmetric), 2 = int8 (symmetric), 3 = KIVI int4/int2 (``BITS``).
+
+Every quantizing step mirrors the PyTorch reference operation for operation (fp32 arithmetic,
+correctly rounded division, scales rounded to fp16 before use), so the kernels write the same
+codes the reference does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve import kernels
+from kvserve.layers.kv_format import _TINY, FP8_MAX, INT8_MAX, KVFormat, KVViews
+
+FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_KIVI = 0, 1, 2, 3
+
+
+def fmt_code(fmt: KVFormat | None) -> int:
+    if fmt is None or not fmt.quantized:
+        return FMT_PLAIN
+    return {"fp8": FMT_FP8, "int8": FMT_INT8}.get(fmt.name, FMT_KIVI)
+
+
+# -- reading ---------------------------------------------------------------------------------
+@triton.jit
+def load_k_tile(KC, KS, RES, page, within, n, kvh, d, mask, full_end, res_row,
+                s_cb, s_ct, s_ch, s_sb, s_st, s_sh, s_rt, s_rh,
+                FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
+    """Keys of one tile as [N, D] in ``DT``. ``page``/``within``/``n``: [N, 1] (block id, slot in
+    the block, position); ``d``: [1, D]; ``mask``: [N, D]. KIVI: positions >= ``full_end`` (the
+    sequence's unsealed last block) come from the residual row ``res_row`` (element offset)."""
+    if FMT == 0:
+        return tl.load(KC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask, other=0.0)
+    elif FMT == 3:
+        PER: tl.constexpr = 8 // BITS
+        sealed = n < full_end
+        qm = mask & sealed
+        byte = tl.load(KC + page * s_cb + within * s_ct + kvh * s_ch + d // PER, mask=qm, other=0)
+        code = ((byte.to(tl.int32) >> ((d % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        sp = KS + page * s_sb + kvh * s_sh + d * 2
+        sc = tl.load(sp, mask=qm, other=0.0).to(tl.float32)
+        mn = tl.load(sp + 1, mask=qm, other=0.0).to(tl.float32)
+        r = tl.load(RES + res_row + (n - full_end) * s_rt + kvh * s_rh + d, mask=mask & (n >= full_end),
+                    other=0.0)
+        return tl.where(sealed, (code * sc + mn).to(DT), r.to(DT))
+    else:
+        c = tl.load(KC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask)  # no `other`: fp8
+        c = tl.where(mask, c.to(tl.float32), 0.0)
+        sc = tl.load(KS + page * s_sb + within * s_st + kvh * s_sh + d // GROUP, mask=mask, other=0.0)
+        return (c * sc.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st, s_sh,
+                FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
+    """Values of one tile as [N, D] in ``DT`` (every format quantizes values per token)."""
+    if FMT == 0:
+        return tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask, other=0.0)
+    elif FMT == 3:
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d // PER, mask=mask, other=0)
+        code = ((byte.to(tl.int32) >> ((d % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        sp = VS + page * s_sb + within * s_st + kvh * s_sh + (d // GROUP) * 2
+        sc = tl.load(sp, mask=mask, other=0.0).to(tl.float32)
+        mn = tl.load(sp + 1, mask=mask, other=0.0).to(tl.float32)
+        return (code * sc + mn).to(DT)
+    else:
+        c = tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask)
+        c = tl.where(mask, c.to(tl.float32), 0.0)
+        sc = tl.load(VS + page * s_sb + within * s_st + kvh * s_sh + d // GROUP, mask=mask, other=0.0)
+        return (c * sc.to(tl.float32)).to(DT)
+
+
+def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None) -> tuple[list, dict]:
+    """The cache pointers, strides and constexprs the attention kernels take, for either an
+    uncompressed (k_cache, v_cache) pair or a compressed layer's views. Returns (positional
+    args: KC, VC, KS, VS, RES and 14 strides; constexprs)."""
+    if views is None:
+        kc, vc = k_cache, v_cache
+        args = [kc, vc, kc, vc, kc,
+                kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+                0, 0, 0, 0, 0, 0, 0, 0]
+        return args, dict(FMT=0, BITS=16, GROUP=1)
+    f = views.fmt
+    kc, vc, ks, vs = views.k_codes, views.v_codes, views.k_scales, views.v_scales
+    res = views.residual if views.residual is not None else ks
+    if f.kivi:
+        k_s = (ks.stride(0), 0, ks.stride(1))
+        res_s = (res.stride(1), res.stride(2))
+    else:
+        k_s = (ks.stride(0), ks.stride(1), ks.stride(2))
+        res_s = (0, 0)
+    args = [kc, vc, ks, vs, res,
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            *k_s, vs.stride(0), vs.stride(1), vs.stride(2), *res_s]
+    return args, dict(FMT=fmt_code(f), BITS=f.bits, GROUP=f.group)
+
+
+# -- writing ---------------------------------------------------------------------------------
+@triton.jit
+def _rotate(X, row_off, h_off, d, partner, sign, cos, sin, mask, DT: tl.constexpr):
+    """NeoX rotation of x at element offsets ``row_off + h_off + d``, rounded like the
+    reference: each product in ``DT``, then the sum."""
+    x = tl.load(X + row_off + h_off + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(X + row_off + h_off + partner, mask=mask, other=0.0).to(tl.float32)
+    return ((x * cos).to(DT).to(tl.float32) + (sign * xp * sin).to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _fp8e4m3_bits(y):
+    """e4m3fn bit pattern of y (float32, |y| <= 448), rounded to nearest even: what the GPU's
+    conversion does. Used under TRITON_INTERPRET, whose own fp8 cast drops the exponent carry
+    (31.5 -> 16) and rounds ties up."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(y)
+    ab = a.to(tl.int32, bitcast=True)
+    e = ((ab >> 23) & 0xFF) - 127
+    m = ab & 0x7FFFFF
+    q = (m + 0x7FFFF + ((m >> 20) & 1)) >> 20  # 3 mantissa bits, ties to even
+    carry = q >> 3
+    normal = ((e + carry + 7) << 3) | (q & 7)
+    # below 2^-6 the codes are subnormal steps of 2^-9 (and 8 is 2^-6, the first normal)
+    x = a * 512.0
+    r = tl.floor(x + 0.5)
+    r = tl.where((r - x == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r)
+    code = tl.where(a < 0.015625, r.to(tl.int32), normal)
+    return code | sign
+
+
+@triton.jit
+def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
+                 NKV: tl.constexpr, BLOCK_KH: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr,
+                 PER: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+                 TINY: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Quantize x ([BLOCK_KH, NG, GP, PER] float32: one token, channel d = (g * GP + j) * PER + p)
+    per (head, group) and store codes and scales. 8-bit: symmetric; KIVI: asymmetric (scale,
+    min), codes packed PER to a byte."""
+    h2 = tl.arange(0, BLOCK_KH)[:, None]
+    g2 = tl.arange(0, NG)[None, :]
+    h3 = tl.arange(0, BLOCK_KH)[:, None, None]
+    g3 = tl.arange(0, NG)[None, :, None]
+    j3 = tl.arange(0, GP)[None, None, :]
+    if FMT == 3:
+        p = tl.arange(0, PER)[None, None, None, :]
+        mn = tl.min(tl.min(x, 3), 2).to(tl.float16).to(tl.float32)
+        mx = tl.max(tl.max(x, 3), 2)
+        sc = tl.maximum(tl.math.div_rn(mx - mn, QMAX), TINY).to(tl.float16).to(tl.float32)
+        y = tl.math.div_rn(x - mn[:, :, None, None], sc[:, :, None, None])
+        code = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), QMAX).to(tl.int32)
+        packed = tl.sum(code << (p * BITS), 3)  # disjoint bits: the sum is the bitwise or
+        tl.store(C + base_c + h3 * s_ch + g3 * GP + j3, packed.to(tl.uint8), mask=(h3 < NKV) & (j3 < GP))
+        sp = S + base_s + h2 * s_sh + g2 * 2
+        tl.store(sp, sc.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
+        tl.store(sp + 1, mn.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
+    else:
+        amax = tl.max(tl.max(tl.abs(x), 3), 2)
+        sc = tl.maximum(tl.math.div_rn(amax, QMAX), TINY).to(tl.float16).to(tl.float32)
+        y = tl.math.div_rn(x, sc[:, :, None, None])
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if FMT == 1 and SOFT_FP8:
+            code = _fp8e4m3_bits(y).to(tl.uint8)
+        elif FMT == 1:
+            code = y.to(C.dtype.element_ty)
+        else:
+            code = tl.floor(y + 0.5).to(tl.int8)
+        # PER == 1: x is [KH, NG, GP, 1]
+        code3 = tl.reshape(code, (BLOCK_KH, NG, GP))
+        tl.store(C + base_c + h3 * s_ch + g3 * GP + j3, code3, mask=(h3 < NKV) & (j3 < GP))
+        tl.store(S + base_s + h2 * s_sh + g2, sc.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
+
+
+@triton.jit
+def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS, VS, RES,
+                                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                                s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_ksb, s_kss, s_ksh,
+                                s_vsb, s_vss, s_vsh, s_rh, PAGE: tl.constexpr,
+                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
+                                FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                                QMAX: tl.constexpr, TINY: tl.constexpr, WRITE_K: tl.constexpr,
+                                SOFT_FP8: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    slot = tl.load(SLOT + t).to(tl.int64)
+    DT: tl.constexpr = Q.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    # q: [H, D] tile
+    d2 = tl.arange(0, HEAD_DIM)[None, :]
+    partner2 = (d2 + HALF) % HEAD_DIM
+    sign2 = tl.where(d2 < HALF, -1.0, 1.0)
+    cos2 = tl.load(COS + pos * stride_cos + d2).to(DT).to(tl.float32)
+    sin2 = tl.load(SIN + pos * stride_cos + d2).to(DT).to(tl.float32)
+    h2 = tl.arange(0, BLOCK_H)[:, None]
+    qm = (h2 < NUM_HEADS) & (d2 < HEAD_DIM)
+    qr = _rotate(Q, t * stride_qt, h2 * stride_qh, d2, partner2, sign2, cos2, sin2, qm, DT)
+    tl.store(Q + t * stride_qt + h2 * stride_qh + d2, qr, mask=qm)
+
+    # k, v: [KH, NG, GP, PER] tiles, channel d = (g * GP + j) * PER + p
+    PER: tl.constexpr = 8 // BITS
+    GP: tl.constexpr = GROUP // PER
+    NG: tl.constexpr = HEAD_DIM // GROUP
+    h = tl.arange(0, BLOCK_KH)[:, None, None, None]
+    g = tl.arange(0, NG)[None, :, None, None]
+    j = tl.arange(0, GP)[None, None, :, None]
+    p = tl.arange(0, PER)[None, None, None, :]
+    d = (g * GP + j) * PER + p
+    partner = (d + HALF) % HEAD_DIM
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    cos = tl.load(COS + pos * stride_cos + d).to(DT).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_cos + d).to(DT).to(tl.float32)
+    km = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    kr = _rotate(K, t * stride_kt, h * stride_kh, d, partner, sign, cos, sin, km, DT)
+    if WRITE_K:
+        tl.store(K + t * stride_kt + h * stride_kh + d, kr, mask=km)
+    if slot >= 0:
+        vx = tl.load(V + t * stride_vt + h * stride_vh + d, mask=km, other=0.0).to(tl.float32)
+        blk = slot // PAGE
+        off = slot % PAGE
+        _quant_store(vx, VC, VS, blk * s_vcb + off * s_vcs, blk * s_vsb + off * s_vss, s_vch, s_vsh,
+                     NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8)
+        if FMT == 3:  # keys wait in full precision until their block is sealed
+            rslot = tl.load(RSLOT + t)
+            if rslot >= 0:
+                tl.store(RES + rslot * NUM_KV_HEADS * HEAD_DIM + h * s_rh + d, kr, mask=km)
+        else:
+            _quant_store(kr.to(tl.float32), KC, KS, blk * s_kcb + off * s_kcs, blk * s_ksb + off * s_kss, s_kch, s_ksh,
+                         NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8)
+
+
+@triton.jit
+def _seal_keys_kernel(K, POS_COS, POS_SIN, CU_Q, SEQ_LENS, BT, RSLOTS, RES, KC, KS,
+                      stride_kt, stride_kh, stride_cos, stride_bt, s_rs, s_rt, s_rh,
+                      s_cb, s_ct, s_ch, s_sb, s_sh,
+                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
+                      QMAX: tl.constexpr, TINY: tl.constexpr):
+    """Quantize, channel by channel, every key block that this step fills: its earlier keys from
+    the sequence's residual row, the step's own (rotated here, from the raw k) from K."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    L = tl.load(SEQ_LENS + b)
+    ctx = L - q_len
+    pg = ctx // PAGE + i
+    if pg >= L // PAGE:
+        return
+    DT: tl.constexpr = K.dtype.element_ty
+    PER: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = HEAD_DIM // PER
+    HALF: tl.constexpr = HEAD_DIM // 2
+    w = tl.arange(0, PAGE)[:, None, None]
+    j = tl.arange(0, DP)[None, :, None]
+    p = tl.arange(0, PER)[None, None, :]
+    d = j * PER + p
+    n = pg * PAGE + w  # positions
+    new = n >= ctx
+    row = (q_start + n - ctx).to(tl.int64)
+    partner = (d + HALF) % HEAD_DIM
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    full = new & (d < HEAD_DIM)
+    cos = tl.load(POS_COS + n.to(tl.int64) * stride_cos + d, mask=full, other=0.0).to(DT).to(tl.float32)
+    sin = tl.load(POS_SIN + n.to(tl.int64) * stride_cos + d, mask=full, other=0.0).to(DT).to(tl.float32)
+    kr = _rotate(K, row * stride_kt, kvh * stride_kh, d, partner, sign, cos, sin, full, DT)
+    rs = tl.load(RSLOTS + b).to(tl.int64)
+    old = tl.load(RES + rs * s_rs + w * s_rt + kvh * s_rh + d, mask=(n < ctx) & (d < HEAD_DIM), other=0.0)
+    x = tl.where(new, kr, old.to(DT)).to(tl.float32)
+    mn = tl.min(x, 0).to(tl.float16).to(tl.float32)  # [DP, PER] per channel
+    mx = tl.max(x, 0)
+    sc = tl.maximum(tl.math.div_rn(mx - mn, QMAX), TINY).to(tl.float16).to(tl.float32)
+    y = tl.math.div_rn(x - mn[None, :, :], sc[None, :, :])
+    code = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), QMAX).to(tl.int32)
+    packed = tl.sum(code << (p * BITS), 2)  # [PAGE, DP]
+    blk = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
+    w2 = tl.arange(0, PAGE)[:, None]
+    j2 = tl.arange(0, DP)[None, :]
+    tl.store(KC + blk * s_cb + w2 * s_ct + kvh * s_ch + j2, packed.to(tl.uint8))
+    dd = tl.arange(0, DP)[:, None] * PER + tl.arange(0, PER)[None, :]  # [DP, PER]
+    sp = KS + blk * s_sb + kvh * s_sh + dd * 2
+    tl.store(sp, sc.to(tl.float16))
+    tl.store(sp + 1, mn.to(tl.float16))
+
+
+def _qmax(fmt: KVFormat) -> float:
+    if fmt.kivi:
+        return float((1 << fmt.bits) - 1)
+    return FP8_MAX if fmt.name == "fp8" else INT8_MAX
+
+
+def seal_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_q: torch.Tensor,
+              seq_lens: torch.Tensor, block_tables: torch.Tensor, res_slots: torch.Tensor,
+              views: KVViews, max_seal: int) -> None:
+    """KIVI: seal the key blocks this step fills. k: [T, KVH, D] raw (before RoPE); max_seal:
+    the most blocks any sequence fills this step (0: nothing to do)."""
+    f = views.fmt
+    if max_seal <= 0:
+        return
+    B = seq_lens.shape[0]
+    KVH, D = k.shape[1], k.shape[2]
+    res, kc, ks = views.residual, views.k_codes, views.k_scales
+    _seal_keys_kernel[(max_seal, B, KVH)](
+        k, cos, sin, cu_q, seq_lens, block_tables, res_slots, res, kc, ks,
+        k.stride(0), k.stride(1), cos.stride(0), block_tables.stride(0),
+        res.stride(0), res.stride(1), res.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
+        HEAD_DIM=D, PAGE=f.block_size, BITS=f.bits, QMAX=_qmax(f), TINY=_TINY,
+        num_warps=4, enable_fp_fusion=False)
+
+
+def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        slot_mapping: torch.Tensor, res_mapping: torch.Tensor | None, cos: torch.Tensor,
+                        sin: torch.Tensor, views: KVViews, rotate_k_inplace: bool = False) -> None:
+    """Rotate q (in place) and k, quantize v (and k, for 8-bit formats) into the compressed cache
+    at each token's slot; KIVI keys go to the residual at ``res_mapping`` (row * block_size +
+    offset; < 0: none). Slots < 0 are padding."""
+    T, H, D = q.shape
+    KVH = k.shape[1]
+    if T == 0:
+        return
+    f = views.fmt
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and D == f.head_dim
+    kc, vc, vs = views.k_codes, views.v_codes, views.v_scales
+    soft_fp8 = f.name == "fp8" and kernels.interpreting()
+    if soft_fp8:
+        kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
+    if f.kivi:  # keys: no per-token scales; the residual instead
+        ks, k_s, res, res_h = vs, (0, 0, 0), views.residual, views.residual.stride(2)
+    else:
+        ks = views.k_scales
+        k_s, res, res_h = (ks.stride(0), ks.stride(1), ks.stride(2)), ks, 0
+    rslot = res_mapping if res_mapping is not None else slot_mapping
+    _rope_kv_write_quant_kernel[(T,)](
+        q, k, v, positions, slot_mapping, rslot, cos, sin, kc, vc, ks, vs, res,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), *k_s,
+        vs.stride(0), vs.stride(1), vs.stride(2), res_h, PAGE=f.block_size,
+        NUM_HEADS=H, NUM_KV_HEADS=KVH, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_KH=triton.next_power_of_2(KVH), FMT=fmt_code(f), BITS=f.bits, GROUP=f.group,
+        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, num_warps=4,
+        enable_fp_fusion=False)

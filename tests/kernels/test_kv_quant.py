@@ -1,0 +1,263 @@
+"""Compressed KV cache (``kvserve/layers/kv_format.py``, ``kvserve/kernels/kv_quant.py``).
+
+* round trip: quantize -> dequantize against float64, within each format's error bound;
+* the quantizing write kernel (fused with RoPE) writes the same codes and scales as the
+  PyTorch reference, and nothing outside the step's slots (the cache starts as 0xFF bytes);
+* KIVI: the seal kernel quantizes the blocks a step fills exactly like the reference, with the
+  earlier keys of a block taken from the residual (chunk boundaries inside blocks);
+* the attention kernels reading compressed caches match float64 attention over the
+  dequantized values (decode with splits, prefill with prefix context and chunk boundaries).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.errors import ConfigError
+from kvserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
+from kvserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kvserve.layers import kv_format as kf
+from kvserve.layers.rotary import RotaryEmbedding
+
+from kernelutil import needs_cuda  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
+
+FORMATS = ["fp8", "int8", "int4", "int2"]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fmt(name, kvh=2, D=32, bs=8, dtype=torch.float32, group=0):
+    return kf.KVFormat(name, kvh, D, bs, dtype, group)
+
+
+def _outliers(x: torch.Tensor, gen) -> torch.Tensor:
+    """Real keys have a few large channels: scale some channels up."""
+    D = x.shape[-1]
+    ch = torch.randperm(D, generator=gen)[:max(1, D // 16)]
+    x = x.clone()
+    x[..., ch] *= 8
+    return x
+
+
+# -- round trip ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("group", [0, 16])
+def test_round_trip_error_bounds(name, group):
+    gen = torch.Generator().manual_seed(hash((name, group)) % 2**31)
+    f = _fmt(name, kvh=3, D=64, bs=16, group=group)
+    x = _outliers(torch.randn(16, 3, 64, generator=gen, dtype=torch.float64) * 3, gen)
+    x[2, 1] = 0.0  # an all-zero group quantizes to zeros, not NaN
+    if f.kivi:
+        kp, kparams = kf.quantize_keys_kivi(x.float(), f)
+        k = kf.dequantize_keys_kivi(kp, kparams, f).double()
+        vp, vparams = kf.quantize_values_kivi(x.float(), f)
+        v = kf.dequantize_values_kivi(vp, vparams, f).double()
+        step_k = (x.amax(0) - x.amin(0)) / ((1 << f.bits) - 1)  # per channel
+        g = x.view(16, 3, f.num_groups, f.group)
+        step_v = ((g.amax(-1) - g.amin(-1)) / ((1 << f.bits) - 1)).repeat_interleave(f.group, -1)
+        # half a step, plus the fp16 rounding of scale and min
+        assert ((k - x).abs() <= step_k * 0.5 * (1 + 2e-3) + x.abs().amax(0) * 2e-3 + 1e-6).all()
+        assert ((v - x).abs() <= step_v * 0.5 * (1 + 2e-3) + x.abs().amax() * 2e-3 + 1e-6).all()
+        assert torch.equal(v[2, 1], torch.zeros_like(v[2, 1]))
+        return
+    codes, scales = kf.quantize_sym(x.float(), f)
+    y = kf.dequantize_sym(codes, scales, f).double()
+    g = x.view(16, 3, f.num_groups, f.group).abs().amax(-1).repeat_interleave(f.group, -1)
+    if name == "int8":
+        bound = g / 127 * 0.5 * (1 + 2e-3) + g * 2e-3
+    else:  # e4m3: 3 mantissa bits (relative 2^-4), subnormals below 2^-6 of the scale
+        bound = x.abs() * 2.0 ** -4 + g / 448 * 2.0 ** -9 + g * 2e-3
+    assert ((y - x).abs() <= bound + 1e-7).all()
+    assert torch.equal(y[2, 1], torch.zeros_like(y[2, 1]))
+    # and the error is not trivially zero: the codes really are compressed
+    assert (y - x).abs().max() > 0
+
+
+def test_bad_group_and_dtype_are_config_errors():
+    with pytest.raises(ConfigError, match="kv_group_size"):
+        _fmt("int4", D=64, group=24)
+    with pytest.raises(ConfigError, match="kv_group_size"):
+        _fmt("int2", D=64, group=2)
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        _fmt("int3")
+
+
+def test_bytes_per_block_count_scales():
+    f16 = kf.KVFormat("auto", 8, 128, 16, torch.bfloat16)
+    f8 = kf.KVFormat("fp8", 8, 128, 16, torch.bfloat16)
+    i4 = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
+    assert f16.block_bytes == 2 * 16 * 8 * 128 * 2
+    assert f8.block_bytes == 2 * 16 * 8 * (128 + 2)  # codes + one fp16 scale per token and head
+    # int4: 64 B codes per token-head for K and V; K: (scale, min) per channel per 64-token block;
+    # V: (scale, min) per group of 64
+    assert i4.block_bytes == 2 * 64 * 8 * 64 + 8 * 128 * 4 + 64 * 8 * 2 * 4
+
+
+# -- the write kernel and the seal kernel ---------------------------------------------------------
+def _step(gen, batch, bs, nb):
+    """(ctx, new) per sequence -> block tables (random permutation), positions, slots."""
+    perm = torch.randperm(nb, generator=gen)
+    tables, used, positions, slots = [], 0, [], []
+    width = max(math.ceil((c + n) / bs) for c, n in batch)
+    for c, n in batch:
+        npg = math.ceil((c + n) / bs)
+        t = perm[used:used + npg]
+        used += npg
+        tables.append(torch.cat((t, torch.zeros(width - npg, dtype=t.dtype))))
+        for p in range(c, c + n):
+            positions.append(p)
+            slots.append(int(t[p // bs]) * bs + p % bs)
+    return torch.stack(tables).int(), torch.tensor(positions), torch.tensor(slots)
+
+
+def _views(f, nb, slots=4, fill=0xFF):
+    data = torch.full((nb, f.block_bytes), fill, dtype=torch.uint8, device=DEV)
+    res = torch.randn(slots, f.block_size, f.num_kv_heads, f.head_dim, device=DEV).to(f.model_dtype) if f.kivi else None
+    return data, f.views(data, res)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rotate_k", [False, True])
+def test_write_kernel_matches_reference(name, rotate_k):
+    gen = torch.Generator().manual_seed(7 + FORMATS.index(name))
+    H, KVH, D, bs = 4, 2, 32, 8
+    f = _fmt(name, KVH, D, bs, group=16 if name != "fp8" else 0)
+    # ctx 5 + 14 new: the step fills block 0 (sealed from residual + new) and block 1, and
+    # leaves 3 keys in block 2; ctx 16 + 1: decode starting a block; ctx 6 + 2: fills block 0
+    batch = [(5, 14), (16, 1), (6, 2)]
+    nb = 12
+    tables, positions, slots = _step(gen, batch, bs, nb)
+    T = positions.shape[0]
+    rope = RotaryEmbedding(D, 64, 10000.0).to(DEV)
+    qkv = (_outliers(torch.randn(T, (H + 2 * KVH) * D, generator=gen), gen) * 2).to(DEV)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], -1))
+    data, views = _views(f, nb)
+    data_ref, views_ref = _views(f, nb)
+    if f.kivi:
+        views_ref.residual.copy_(views.residual)
+    res_slots = [2, 0, 3]
+    seq_lens = [c + n for c, n in batch]
+    cu = [0]
+    for c, n in batch:
+        cu.append(cu[-1] + n)
+    res_map = []
+    for i, (c, n) in enumerate(batch):
+        full = (c + n) // bs * bs
+        res_map += [res_slots[i] * bs + p % bs if p >= full else -1 for p in range(c, c + n)]
+
+    # the reference
+    qr_ref, kr_ref = rope(positions.to(DEV), q.clone(), k.clone())
+    if f.kivi:
+        for i in range(len(batch)):
+            kf.write_keys_kivi(views_ref, kr_ref, cu[i], cu[i + 1] - cu[i], seq_lens[i], tables[i], res_slots[i])
+    kf.write_tokens(views_ref, kr_ref, v, slots.to(DEV))
+
+    # the kernels (seal first: it reads the residual rows the write kernel then refills)
+    k_raw = k.clone()
+    if f.kivi:
+        max_seal = max((c + n) // bs - c // bs for c, n in batch)
+        seal_keys(k, rope.cos, rope.sin, torch.tensor(cu, dtype=torch.int32, device=DEV),
+                  torch.tensor(seq_lens, dtype=torch.int32, device=DEV), tables.to(DEV),
+                  torch.tensor(res_slots, dtype=torch.int32, device=DEV), views, max_seal)
+    rope_kv_write_quant(q, k, v, positions.to(DEV), slots.to(DEV), torch.tensor(res_map, device=DEV),
+                        rope.cos, rope.sin, views, rotate_k_inplace=rotate_k)
+    torch.testing.assert_close(q, qr_ref, rtol=0, atol=0)
+    torch.testing.assert_close(k, kr_ref if rotate_k else k_raw, rtol=0, atol=0)
+    # every byte, codes and scales, and the untouched 0xFF elsewhere
+    assert torch.equal(data, data_ref), (data != data_ref).nonzero()[:8]
+    if f.kivi:
+        assert torch.equal(views.residual, views_ref.residual)
+        # the keys left unsealed are in the residual, rotated
+        tail = kr_ref[cu[0] + 16 - 5:cu[1]]  # sequence 0 (ctx 5): positions 16..18
+        assert torch.equal(views.residual[2, :3], tail.to(views.residual.dtype))
+
+
+# -- attention over compressed caches ----------------------------------------------------------
+def _compressed_batch(gen, f, batch, H, nb, slots_per_seq=None):
+    """Fill a compressed cache through the reference writer (each sequence's context, then this
+    step's tokens), return views, tables, dequantized dense caches for the reference kernels."""
+    bs, KVH, D = f.block_size, f.num_kv_heads, f.head_dim
+    data, views = _views(f, nb, slots=len(batch) + 1, fill=0)
+    tables, _, _ = _step(gen, batch, bs, nb)
+    res_slots = list(range(1, len(batch) + 1))
+    for i, (c, n) in enumerate(batch):
+        L = c + n
+        k = _outliers(torch.randn(L, KVH, D, generator=gen), gen).to(DEV).to(f.model_dtype)
+        v = torch.randn(L, KVH, D, generator=gen).to(DEV).to(f.model_dtype)
+        pos = torch.arange(L)
+        sl = (tables[i][pos // bs].long() * bs + pos % bs).to(DEV)
+        for lo, hi in ((0, c), (c, L)):  # two steps: the context, then the new tokens
+            if hi > lo:
+                if f.kivi:
+                    kf.write_keys_kivi(views, k, lo, hi - lo, hi, tables[i], res_slots[i])
+                kf.write_tokens(views, k[lo:hi], v[lo:hi], sl[lo:hi])
+    # dense dequantized copies for the float64 references
+    kd = torch.zeros(nb, bs, KVH, D, dtype=torch.float64, device=DEV)
+    vd = torch.zeros_like(kd)
+    for i, (c, n) in enumerate(batch):
+        L = c + n
+        kk, vv = kf.read_kv(views, tables[i].to(DEV), L, res_slots[i])
+        npg = math.ceil(L / bs)
+        pad = npg * bs - L
+        kk = torch.cat((kk.double(), torch.zeros(pad, KVH, D, dtype=torch.float64, device=DEV)))
+        vv = torch.cat((vv.double(), torch.zeros(pad, KVH, D, dtype=torch.float64, device=DEV)))
+        kd[tables[i][:npg].long()] = kk.view(npg, bs, KVH, D)
+        vd[tables[i][:npg].long()] = vv.view(npg, bs, KVH, D)
+    return views, tables.to(DEV), kd, vd, torch.tensor(res_slots, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_compressed(name, splits):
+    gen = torch.Generator().manual_seed(31 + FORMATS.index(name) + 10 * splits)
+    H, KVH, D, bs = 4, 2, 32, 8
+    f = _fmt(name, KVH, D, bs)
+    batch = [(20, 1), (7, 1), (31, 1), (0, 1)]  # keys 21 (5 unsealed), 8 (one full block), 32, 1
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=24)
+    q = torch.randn(len(batch), H, D, generator=gen).to(DEV)
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, out=out, res_slots=rs)
+    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_prefill_attention_compressed(name):
+    gen = torch.Generator().manual_seed(53 + FORMATS.index(name))
+    H, KVH, D, bs = 4, 2, 32, 8
+    f = _fmt(name, KVH, D, bs)
+    # a prompt after a prefix hit (ctx a whole block), a chunk starting mid-block, a plain prompt
+    # ending mid-block, a decode row riding along
+    batch = [(16, 21), (13, 9), (0, 30), (40, 1)]
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=40)
+    T = sum(n for _, n in batch)
+    q = torch.randn(T, H, D, generator=gen).to(DEV)
+    cu = torch.tensor([0] + list(torch.tensor([n for _, n in batch]).cumsum(0)), dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, views, None, tables, cu, seq_lens, max(n for _, n in batch), D ** -0.5, out=out,
+                            res_slots=rs)
+    ref = paged_prefill_attention_ref(q, kd, vd, tables, cu, seq_lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", FORMATS)
+def test_decode_attention_compressed_real_size(name):
+    gen = torch.Generator().manual_seed(97)
+    H, KVH, D = 32, 8, 128
+    f = kf.KVFormat(name, KVH, D, kf.default_block_size(name), torch.bfloat16)
+    batch = [(1000, 1), (4095, 1), (77, 1)]
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=120)
+    q = torch.randn(len(batch), H, D, generator=gen).to(DEV).bfloat16()
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, res_slots=rs)
+    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
