@@ -66,6 +66,19 @@ async def run_config(args, tiers: bool) -> dict:
               **(kw if tiers else {}))
     eng = llm.engine
     vocab = eng.arch.vocab_size
+    runner_offload = {"seconds": 0.0, "blocks": 0, "calls": 0}
+    if tiers:  # the runner's copies of evicted blocks the tiers did not hold (engine thread)
+        real = eng.runner.offload_blocks
+
+        def timed_offload_blocks(blocks, *a, **kw):
+            t = time.perf_counter()
+            try:
+                return real(blocks, *a, **kw)
+            finally:
+                runner_offload["seconds"] += time.perf_counter() - t
+                runner_offload["blocks"] += len(blocks)
+                runner_offload["calls"] += 1
+        eng.runner.offload_blocks = timed_offload_blocks
     system = [random.Random(0).randrange(vocab) for _ in range(args.system_tokens)]
     ae = AsyncEngine(eng)
     ae.start()
@@ -85,6 +98,8 @@ async def run_config(args, tiers: bool) -> dict:
            "loaded_tokens": sum(r["loaded"] for r in log),
            "recomputed_tokens": sum(r["prompt"] - r["cached"] - r["loaded"] for r in log),
            "sessions_with_history_reused_at_last_turn": history_reused, "gpu_kv_blocks": eng.num_kv_blocks,
+           "engine_busy_s": eng.stats.busy_time, "engine_steps": eng.stats.num_steps,
+           "runner_offload": runner_offload if tiers else None,
            "store": eng.store.snapshot() if eng.store is not None else None}
     return res
 
@@ -115,7 +130,14 @@ def main() -> None:
         print(f"tiers {'on ' if r['tiers'] else 'off'}: TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms  p99 "
               f"{r['ttft_p99'] * 1e3:8.1f} ms  recomputed {r['recomputed_tokens']:8d}  from GPU cache "
               f"{r['cached_tokens']:8d}  from tiers {r['loaded_tokens']:8d}  sessions reusing history at the last "
-              f"turn {r['sessions_with_history_reused_at_last_turn']}/{args.users}  wall {r['wall_s']:.1f} s")
+              f"turn {r['sessions_with_history_reused_at_last_turn']}/{args.users}  wall {r['wall_s']:.1f} s  "
+              f"engine busy {r['engine_busy_s']:.1f} s")
+        if r["store"] is not None:
+            ld, cm = r["store"]["load"], r["store"]["cost_model"]
+            print(f"          copies out: {ld['session_blocks_written']} at turn ends + {ld['offloaded_blocks']} "
+                  f"evicted ({r['runner_offload']['seconds']:.2f} s), {ld['offloads_skipped']} skipped (held); "
+                  f"offload {ld['offload_seconds']:.2f} s, load {ld['load_seconds']:.2f} s; "
+                  f"prefill estimate {cm['prefill_tokens_per_s']:.0f} tok/s")
 
 
 if __name__ == "__main__":

@@ -33,10 +33,15 @@ class CostModel:
     bandwidth: dict = field(default_factory=lambda: {"cpu": 2e9, "disk": 5e8, "redis": 2e8})
     latency: dict = field(default_factory=lambda: {"cpu": 0.0, "disk": 2e-4, "redis": 1e-3})
     alpha: float = 0.3
+    full_weight_tokens: int = 512  # a step computing fewer prompt tokens moves the estimate less
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """``seconds``: the step's compute only (the engine leaves out KV loads and offloads).
+        Weighted by size: a small prefill's speed is mostly the step's fixed cost, and says
+        little about what recomputing a long prefix would take."""
         if tokens >= 32 and seconds > 0:
-            self.prefill_tokens_per_s += self.alpha * (tokens / seconds - self.prefill_tokens_per_s)
+            a = self.alpha * min(1.0, tokens / self.full_weight_tokens)
+            self.prefill_tokens_per_s += a * (tokens / seconds - self.prefill_tokens_per_s)
 
     def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes >= 1 << 16 and seconds > 0:
@@ -60,8 +65,12 @@ class LoadStats:
     seconds_saved: float = 0.0  # estimated: recompute time minus load time of what was loaded
     loads_chosen: int = 0
     recomputes_chosen: int = 0
-    offloaded_blocks: int = 0
-    idle_offloaded_blocks: int = 0
+    offloaded_blocks: int = 0  # copied to the tiers by the runner when the GPU cache evicted them
+    idle_offloaded_blocks: int = 0  # left the GPU with their idle session
+    session_blocks_written: int = 0  # copied to the tiers at the end of a session's turn
+    offloads_skipped: int = 0  # left the GPU without a copy: the tiers already held their KV
+    load_seconds: float = 0.0  # copying loaded chunks into the GPU (measured by the runner)
+    offload_seconds: float = 0.0  # copying blocks out of the GPU through ``offload``
 
 
 class TieredStore:
@@ -74,9 +83,10 @@ class TieredStore:
         for s in self.block_shape:
             self.chunk_bytes *= s
         pin = device.type == "cuda"
-        self.cpu = CpuTier(cpu_bytes, pin) if cpu_bytes else None
+        slot = self.chunk_bytes if pin else None  # pinned memory: in slots of large slabs
+        self.cpu = CpuTier(cpu_bytes, pin, slot) if cpu_bytes else None
         # Where prefetched chunks wait for the GPU when there is no CPU tier to hold them.
-        self.staging = self.cpu or CpuTier(max(64 * self.chunk_bytes, 256 << 20), pin)
+        self.staging = self.cpu or CpuTier(max(64 * self.chunk_bytes, 256 << 20), pin, slot)
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
         self.redis = RedisTier(redis_url) if redis_url else None
         self.lower = [t for t in (self.disk, self.redis) if t is not None]
@@ -129,6 +139,48 @@ class TieredStore:
                 log.exception("KV tier write failed")
             finally:
                 self._writes.task_done()
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the tiers already hold ``key``'s KV, so a block leaving the GPU needs no copy
+        (keys are content hashes: same key, same KV). Memory counts (the CPU tier, refreshed in
+        its LRU; without one, the staging memory), and disk only when there is no CPU tier
+        (with one, a copy into memory is what makes the next load fast). Redis would need a
+        round trip to ask: never assumed."""
+        if self.cpu is not None:
+            return self.cpu.touch(key)
+        return self.staging.touch(key) or (self.disk is not None and key in self.disk)
+
+    def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], batch: int = 64) -> int:
+        """Copy the KV of these device blocks (``data[:, :, block]``, the runner's cache) into the
+        tiers under their keys, skipping keys they already hold. On the GPU each block goes
+        straight into a pinned slot of the CPU tier with an asynchronous copy, one synchronize per
+        batch (no pageable buffer, no clone, no pinned allocation per block). The lower tiers get
+        their write-behind copy as with ``put``. Returns the blocks copied."""
+        todo = list({k: b for b, k in blocks if not self.holds(k)}.items())
+        if not todo:
+            return 0
+        t0 = time.perf_counter()
+        tier = self.cpu if self.cpu is not None else self.staging
+        done = 0
+        for i in range(0, len(todo), batch):
+            part = todo[i:i + batch]
+            idx = torch.tensor([b for _, b in part], device=data.device)
+            rows = data.movedim(2, 0)[idx]  # [n, <one block>], contiguous, on the device
+            stored = tier.put_from([(k, rows[j]) for j, (k, _) in enumerate(part)])
+            if data.device.type == "cuda":
+                torch.cuda.current_stream(data.device).synchronize()
+            done += len(stored)
+            if self.lower:
+                with tier.lock:
+                    held = [(k, tier.chunks[k]) for k in stored if k in tier.chunks]
+                for k, kv in held:  # the writer gets its own copy: a slot is reused after eviction
+                    try:
+                        self._writes.put((k, kv.clone()), block=False)
+                    except queue.Full:
+                        for t in self.lower:
+                            t.stats.errors += 1
+        self.load_stats.offload_seconds += time.perf_counter() - t0
+        return done
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued write reached its tier (shutdown, tests)."""
@@ -228,6 +280,7 @@ class TieredStore:
             st.tokens_loaded[origin] = st.tokens_loaded.get(origin, 0) + self.block_size
             self.staging.tags.pop(key, None)  # from now on it is served from memory
         st.seconds_saved += max(0.0, self.cost.recompute_seconds(tokens) - seconds)
+        st.load_seconds += seconds
         self.cost.observe_transfer("cpu", len(run) * self.chunk_bytes, seconds)
         self.release(run)
         if self.staging is not self.cpu:  # staged chunks have done their job
@@ -243,5 +296,8 @@ class TieredStore:
             s["hit_rate"] = t.stats.hit_rate
             s["used_bytes"] = getattr(t, "used", None)
             s["capacity_bytes"] = getattr(t, "capacity", None)
+            if isinstance(t, CpuTier):
+                s["slab_bytes"] = sum(x.numel() for x in t.slabs)
+                s["slab_seconds"] = t.slab_seconds
             out[t.name] = s
         return out

@@ -139,6 +139,29 @@ TestCpuTier = CpuTierMachine.TestCase
 TestCpuTier.settings = SETTINGS
 
 
+class _SmallSlabs(CpuTier):
+    SLAB_BYTES = 800  # two slots a slab
+
+
+class SlottedCpuTierMachine(CpuTierMachine):
+    """The same with fixed-size slots (how the store keeps pinned memory): even keys are
+    slot-sized (400 bytes) and live in slots of two-slot slabs, reused after evictions; odd keys
+    keep their random sizes and are stored plainly. Contents must never mix."""
+
+    def __init__(self):
+        super().__init__()
+        self.tier = _SmallSlabs(self.CAPACITY, slot_bytes=400)
+
+    def _tensor(self, i: int, numel: int, dtype_i: int) -> torch.Tensor:
+        if i % 2 == 0:
+            numel = 400 // DTYPES[dtype_i].itemsize
+        return super()._tensor(i, numel, dtype_i)
+
+
+TestSlottedCpuTier = SlottedCpuTierMachine.TestCase
+TestSlottedCpuTier.settings = SETTINGS
+
+
 class DiskTierMachine(RuleBasedStateMachine):
     CAPACITY = 3000
 
