@@ -21,7 +21,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or with a unit (4GiB, 512MiB); "
                    "a bare number under 1024 is GiB (default: 2 GiB on the CPU, free memory on CUDA)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16; 64 for int4/int2)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "int4", "int2"],
+                   help="KV-cache storage: auto = the model dtype; fp8 (e4m3) and int8 with per-token scales; "
+                   "int4/int2 KIVI-style (keys per channel, values per token)")
+    g.add_argument("--kv-group-size", type=int, default=0,
+                   help="channels sharing one KV scale (a power of two dividing the head size; 0: the "
+                   "format's default: the whole head, one scale per token and head)")
+    g.add_argument("--kv-scales", default=None,
+                   help="calibrated fp8/int8 KV scales from 'kvserve calibrate-kv' (default: the file beside the "
+                   "model if there is one; 'off': per-token scales)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -62,6 +71,7 @@ def _make_llm(args):
     from kvserve.llm import LLM
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               kv_cache_dtype=args.kv_cache_dtype, kv_group_size=args.kv_group_size, kv_scales=args.kv_scales,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
@@ -189,6 +199,20 @@ def _bench_args(sub) -> None:
     s.set_defaults(func=cmd_bench_serve)
 
 
+def cmd_calibrate_kv(args) -> int:
+    from kvserve.calibrate import calibrate
+    if args.num_tokens < 16:
+        raise ConfigError("num_tokens", f"must be >= 16, got {args.num_tokens}")
+    text = None
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    path = calibrate(args.model, text=text, num_tokens=args.num_tokens, output=args.output, device=args.device,
+                     dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    print(f"KV scales written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged, memory-first LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -219,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
+    k = sub.add_parser("calibrate-kv", help="calibrate fp8/int8 KV scales per layer and head on a text; "
+                       "saved beside the model and loaded with it")
+    k.add_argument("--text-file", default=None, help="calibration text (default: documentation shipped with Python)")
+    k.add_argument("--num-tokens", type=int, default=2048)
+    k.add_argument("--output", default=None, help="where to write (default: beside the model)")
+    _engine_args(k)
+    k.set_defaults(func=cmd_calibrate_kv)
     _bench_args(sub)
     return p
 

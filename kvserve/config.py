@@ -31,7 +31,15 @@ def parse_size(value: int | float | str, option: str = "size") -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    # Tokens per KV block. None: 16, or 64 for the KIVI formats (int4/int2), whose key scales
+    # are per channel per block.
+    block_size: int | None = None
+    # KV-cache storage (kvserve/layers/kv_format.py): auto (the model dtype), fp8, int8, int4, int2.
+    kv_cache_dtype: str = "auto"
+    kv_group_size: int = 0  # channels sharing a scale; 0: the format's default
+    # Calibrated fp8/int8 scales (kvserve calibrate-kv): None: the file beside the model if there
+    # is one; "off": per-token scales; else a path.
+    kv_scales: str | None = None
     # Bytes for the KV pool. None: on CUDA a fraction of the free memory after a profiling
     # forward, on the CPU a fixed default.
     kv_cache_memory: int | None = None
@@ -54,6 +62,17 @@ class CacheConfig:
         return bool(self.cpu_kv_memory or self.disk_kv_dir or self.redis_url)
 
     def __post_init__(self):
+        from kvserve.layers.kv_format import KV_DTYPES, default_block_size
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.kv_group_size < 0:
+            raise ConfigError("kv_group_size", f"must be >= 0 (0: the format's default), got {self.kv_group_size}")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
+        if self.kv_cache_dtype in ("int4", "int2") and self.preemption_mode == "swap":
+            raise ConfigError("preemption_mode", f"'swap' is not supported with kv_cache_dtype "
+                              f"{self.kv_cache_dtype} (a sequence's unsealed keys live outside its blocks); "
+                              f"use 'recompute'")
         if self.cpu_kv_memory < 0:
             raise ConfigError("cpu_kv_memory", f"must be >= 0 bytes, got {self.cpu_kv_memory}")
         if self.disk_kv_dir is not None and self.disk_kv_size <= 0:

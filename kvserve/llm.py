@@ -12,7 +12,7 @@ from kvserve.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 device: str = "auto", seed: int = 0, block_size: int = 16,
+                 device: str = "auto", seed: int = 0, block_size: int | None = None,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.90,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space: int | str = "4GiB", max_num_seqs: int = 256,
@@ -21,9 +21,10 @@ class LLM:
                  attention_backend: str = "auto", enforce_eager: bool = False,
                  cuda_graph_max_batch: int | None = None, cpu_kv_memory: int | str = 0,
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
-                 redis_url: str | None = None, idle_offload_seconds: float = 30.0):
+                 redis_url: str | None = None, idle_offload_seconds: float = 30.0,
+                 kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None):
         cache = CacheConfig(
-            block_size=block_size,
+            block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode, swap_space=parse_size(swap_space, "swap_space"),

@@ -34,11 +34,13 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_layers, backend, device: torch.device, max_batch: int, max_blocks: int,
-                 block_size: int, num_kv_heads: int):
+                 block_size: int, num_kv_heads: int, kivi: bool = False, split_per_sm: int = 2):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.device, self.block_size, self.num_kv_heads = device, block_size, num_kv_heads
         self.buckets = batch_buckets(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.kivi = kivi  # KIVI-compressed cache: residual rows and places are inputs too
+        self.split_per_sm = split_per_sm
         with torch.device(device):
             self.input_ids = torch.zeros(max_batch, dtype=torch.long)
             self.positions = torch.zeros(max_batch, dtype=torch.long)
@@ -46,9 +48,13 @@ class DecodeGraphs:
             self.seq_lens = torch.zeros(max_batch, dtype=torch.int32)
             self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32)
             self.cu_q = torch.arange(max_batch + 1, dtype=torch.int32)
-        # One pinned staging row per step: ids, positions, slots, lens -> one host-to-device copy.
-        self._stage = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
-        self._stage_dev = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+            self.res_slots = torch.zeros(max_batch, dtype=torch.int32)
+            self.res_mapping = torch.full((max_batch,), -1, dtype=torch.long)
+        # One pinned staging row per step: ids, positions, slots, lens (KIVI: residual rows and
+        # places) -> one host-to-device copy.
+        rows = 6 if kivi else 4
+        self._stage = torch.zeros(rows, max_batch, dtype=torch.long, pin_memory=True)
+        self._stage_dev = torch.zeros(rows, max_batch, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -60,7 +66,10 @@ class DecodeGraphs:
                                  block_size=self.block_size)
         meta.seq_lens_t, meta.cu_q = self.seq_lens[:bs], self.cu_q[:bs + 1]
         meta.max_query_len = 1
-        meta.num_splits = num_splits(bs, self.num_kv_heads, self.device)
+        meta.num_splits = num_splits(bs, self.num_kv_heads, self.device, self.split_per_sm)
+        if self.kivi:  # one token per sequence: it fills (and seals) at most one block
+            meta.res_slots = [0] * bs
+            meta.res_slots_t, meta.res_mapping, meta.max_seal = self.res_slots[:bs], self.res_mapping[:bs], 1
         return meta
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -89,7 +98,7 @@ class DecodeGraphs:
         return batch <= self.max_batch and width <= self.max_blocks
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: np.ndarray) -> torch.Tensor:
+            tables: np.ndarray, res: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
         """Replay the graph for ``len(ids)`` decode rows; returns their hidden states (a view of
         the graph's output buffer, valid until the next replay)."""
         n = len(ids)
@@ -98,12 +107,18 @@ class DecodeGraphs:
         st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids, positions, slots, seq_lens
         st[2, n:bs], st[3, n:bs] = -1, 0  # padding rows: write nothing, attend to nothing
         st[0, n:bs] = st[1, n:bs] = 0
+        if self.kivi:
+            st[4, :n], st[5, :n] = res
+            st[4, n:bs], st[5, n:bs] = 0, -1
         dev = self._stage_dev[:, :bs]
         dev.copy_(self._stage[:, :bs], non_blocking=True)
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.slots[:bs].copy_(dev[2])
         self.seq_lens[:bs].copy_(dev[3])
+        if self.kivi:
+            self.res_slots[:bs].copy_(dev[4])
+            self.res_mapping[:bs].copy_(dev[5])
         w = tables.shape[1]
         self.tables[:n, :w].copy_(torch.from_numpy(tables), non_blocking=False)
         self.graphs[bs].replay()

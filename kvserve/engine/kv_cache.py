@@ -1,34 +1,68 @@
 """KVCache: the device tensors of the paged cache, plus CPU swap space for preempted requests.
 
-One tensor ``[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]``; each layer sees
-its K and V as ``[num_blocks, block_size, kv_heads, head_dim]`` views. Zero-filled, so padded
-reads of unused slots stay finite (a NaN there would poison a masked softmax).
+Uncompressed (``auto``): one tensor ``[layers, 2 (K, V), num_blocks, block_size, kv_heads,
+head_dim]``; each layer sees its K and V as ``[num_blocks, block_size, kv_heads, head_dim]``
+views. Compressed (``fp8``, ``int8``, ``int4``, ``int2``, see ``layers/kv_format.py``): one byte
+tensor ``[layers, 1, num_blocks, block_bytes]`` holding each block's codes and scales, and each
+layer sees a ``KVViews``; KIVI formats add a per-sequence full-precision key buffer
+``[layers, slots, block_size, kv_heads, head_dim]``.
+
+Either way ``data[:, :, blocks]`` is every layer's KV of those blocks, which is what block
+copies, swapping and the tiers move. Zero-filled, so padded reads of unused slots stay finite
+(a NaN there would poison a masked softmax).
 """
 from __future__ import annotations
 
 import torch
 
+from kvserve.layers.kv_format import KVFormat
 from kvserve.models.arch import ModelArch
 
 
 class KVCache:
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, swap_blocks: int = 0):
+                 device: torch.device, swap_blocks: int = 0, fmt: KVFormat | None = None,
+                 residual_slots: int = 0, scales: torch.Tensor | None = None):
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
-        self.data = torch.zeros(arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads,
-                                arch.head_dim, dtype=dtype, device=device)
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(arch.num_layers)]
+        self.fmt = fmt or KVFormat("auto", arch.num_kv_heads, arch.head_dim, block_size, dtype)
+        self.residual = None
+        if not self.fmt.quantized:
+            self.data = torch.zeros(arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads,
+                                    arch.head_dim, dtype=dtype, device=device)
+            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(arch.num_layers)]
+        else:
+            self.data = torch.zeros(arch.num_layers, 1, num_blocks, self.fmt.block_bytes, dtype=torch.uint8,
+                                    device=device)
+            if self.fmt.kivi:
+                self.residual = torch.zeros(arch.num_layers, max(1, residual_slots), block_size,
+                                            arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+            self.scales = scales  # calibrated [layers, 2, kv_heads] (static fp8/int8)
+            self.layers = [(self.fmt.views(self.data[i, 0], None if self.residual is None else self.residual[i],
+                                           None if scales is None else scales[i]), None)
+                           for i in range(arch.num_layers)]
         self.swap_blocks = swap_blocks
         self.swapped: dict[str, torch.Tensor] = {}
 
     @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block across all layers: ``data[:, :, i]``."""
+        return tuple(self.data.shape[:2]) + tuple(self.data.shape[3:])
+
+    @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        n = self.data.numel() * self.data.element_size()
+        if self.residual is not None:
+            n += self.residual.numel() * self.residual.element_size()
+        return n
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.data[:, :, dst] = self.data[:, :, src]
+
+    def copy_residual(self, src: int, dst: int) -> None:
+        if self.residual is not None:
+            self.residual[:, dst] = self.residual[:, src]
 
     def swap_out(self, request_id: str, blocks: list[int]) -> None:
         idx = torch.tensor(blocks, device=self.device)

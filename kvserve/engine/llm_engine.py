@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -43,16 +45,28 @@ class LLMEngine:
         self.max_model_len = want or limit
         self.runner = ModelRunner(config, src, self.max_model_len)
         kv_bytes = self.runner.determine_kv_memory()
+        if self.runner.kv_format.kivi:
+            max_seqs = self.runner.plan_residual(kv_bytes)
+            if max_seqs < config.scheduler.max_num_seqs:
+                log.warning("%s KV cache: the full-precision key residual (one block per running sequence) "
+                            "fits %d sequences in a quarter of the KV memory; max_num_seqs %d -> %d",
+                            self.runner.kv_format.name, max_seqs, config.scheduler.max_num_seqs, max_seqs)
+                config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                                   max_num_seqs=max_seqs))
+                self.config = self.runner.config = config
         block_bytes = self.runner.kv_bytes_per_block()
-        num_blocks = kv_bytes // block_bytes
+        num_blocks = (kv_bytes - self.runner.kv_fixed_bytes()) // block_bytes
         if num_blocks < 1:
             raise InvalidRequestError("kv_cache_memory", f"{kv_bytes} bytes is less than one KV block "
-                                      f"({block_bytes} bytes at block_size {config.cache.block_size})")
+                                      f"({block_bytes} bytes at block_size {config.cache.block_size}) plus "
+                                      f"{self.runner.kv_fixed_bytes()} bytes of KIVI key residual")
         swap_blocks = config.cache.swap_space // block_bytes if config.cache.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, swap_blocks)
         # The prefix-cache key, and the tiers' chunk key: the same tokens give the same KV only
         # for the same weights, so the weights' fingerprint is part of it (tiers outlive processes).
-        extra = f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}|{loader.fingerprint(src, config.seed)}".encode()
+        fmt = self.runner.kv_format
+        extra = (f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}|{loader.fingerprint(src, config.seed)}"
+                 f"|kv={fmt.name}/{fmt.group}/{fmt.block_size}/{self._scales_id()}").encode()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, extra)
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.runner.store = self.store
@@ -64,8 +78,17 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB", num_blocks,
-                 config.cache.block_size, num_blocks * config.cache.block_size, num_blocks * block_bytes / 2**30)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB, %s", num_blocks,
+                 config.cache.block_size, num_blocks * config.cache.block_size, num_blocks * block_bytes / 2**30,
+                 fmt.describe())
+
+    def _scales_id(self) -> str:
+        """Calibrated KV scales change every code written: they are part of the cache key."""
+        s = self.runner.kv_scales
+        if s is None:
+            return "dynamic"
+        import hashlib
+        return hashlib.blake2b(s.float().cpu().numpy().tobytes(), digest_size=8).hexdigest()
 
     def _make_store(self, cache):
         from kvserve.errors import ConfigError
@@ -73,8 +96,8 @@ class LLMEngine:
         if not cache.enable_prefix_caching:
             raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url", "the KV tiers are keyed by the prefix "
                               "cache's block hashes: they need prefix caching on")
-        a, rt = self.arch, self.runner
-        shape = (a.num_layers, 2, cache.block_size, a.num_kv_heads, a.head_dim)
+        rt = self.runner
+        shape, dtype = rt.kv_cache.block_shape, rt.kv_cache.data.dtype
         if cache.disk_kv_dir is not None:
             try:
                 os.makedirs(cache.disk_kv_dir, exist_ok=True)
@@ -85,7 +108,7 @@ class LLMEngine:
                 import redis  # noqa: F401
             except ImportError:
                 raise ConfigError("redis_url", "needs the 'redis' package (pip install redis)") from None
-        return TieredStore(shape, rt.dtype, rt.device, cpu_bytes=cache.cpu_kv_memory, disk_dir=cache.disk_kv_dir,
+        return TieredStore(shape, dtype, rt.device, cpu_bytes=cache.cpu_kv_memory, disk_dir=cache.disk_kv_dir,
                            disk_bytes=cache.disk_kv_size, redis_url=cache.redis_url, block_size=cache.block_size)
 
     # -- sessions and the tiers ----------------------------------------------------------------
@@ -298,6 +321,7 @@ class LLMEngine:
             for i in range(1, req.pending_forks + 1):
                 child = req.fork(i)
                 self.scheduler.fork(req, child)
+                self.runner.fork_request(req.request_id, child.request_id)
                 self.groups[req.group_id].append(child)
                 siblings.append(child)
             req.pending_forks = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
+from kvserve.layers.kv_format import KVFormat
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -86,6 +88,15 @@ class ModelRunner:
         self.arch = src.arch
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
+        cache = config.cache
+        self.kv_scales, self.kv_scales_path = self._load_kv_scales(src)
+        self.kv_format = KVFormat(cache.kv_cache_dtype, src.arch.num_kv_heads, src.arch.head_dim, self.block_size,
+                                  self.dtype, cache.kv_group_size, static=self.kv_scales is not None)
+        self._check_kv_format()
+        # KIVI: one row of the full-precision key residual per running sequence (plan_residual)
+        self.residual_slots = 0
+        self._res_slot: dict[str, int] = {}
+        self._free_res: list[int] = []
         t0 = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = LlamaForCausalLM(src.arch, max_positions=max_model_len)
@@ -115,9 +126,54 @@ class ModelRunner:
         self.store = None  # kvserve.kvtier.TieredStore, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
+    def _load_kv_scales(self, src) -> tuple[torch.Tensor | None, str | None]:
+        """Calibrated fp8/int8 scales, [layers, 2, kv_heads] float32 on the device, or None."""
+        from kvserve import calibrate
+        from kvserve.errors import ConfigError
+        from kvserve.layers.kv_format import FP8_MAX, INT8_MAX
+        cache = self.config.cache
+        name, path = cache.kv_cache_dtype, cache.kv_scales
+        if path == "off":
+            return None, None
+        if path is None:
+            if name not in ("fp8", "int8"):
+                return None, None
+            path = calibrate.default_path(self.config.model)
+            if path is None or not os.path.exists(path):
+                return None, None
+        elif name not in ("fp8", "int8"):
+            raise ConfigError("kv_scales", f"calibrated scales apply to kv_cache_dtype fp8 or int8, not {name!r}")
+        amax = calibrate.load(path, src, self.config.seed, src.arch.num_layers, src.arch.num_kv_heads)
+        qmax = FP8_MAX if name == "fp8" else INT8_MAX
+        log.info("KV cache: calibrated %s scales from %s", name, path)
+        return (amax / qmax).clamp_min(1e-8).to(self.device), path
+
+    def _check_kv_format(self) -> None:
+        from kvserve.errors import ConfigError
+        f = self.kv_format
+        if f.name == "fp8" and self.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap < (8, 9):
+                raise ConfigError("kv_cache_dtype", f"fp8 needs a GPU with FP8 conversions (compute capability "
+                                  f">= 8.9: Ada, Hopper or newer); this one is {cap[0]}.{cap[1]}; use int8")
+
     # -- KV cache sizing ---------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        return self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        """Bytes of one block in every layer, scales included (what a block really costs)."""
+        return self.arch.num_layers * self.kv_format.block_bytes
+
+    def plan_residual(self, kv_bytes: int, share: float = 0.25) -> int:
+        """KIVI: size the key residual - one full-precision block per running sequence, up to
+        ``share`` of the KV memory - and return how many sequences may run at once."""
+        row = self.arch.num_layers * self.kv_format.residual_bytes(1)
+        rows = min(self.config.scheduler.max_num_seqs + 1, max(2, int(kv_bytes * share) // row))
+        self.residual_slots = rows
+        self._free_res = list(range(rows - 1, -1, -1))
+        return rows - 1
+
+    def kv_fixed_bytes(self) -> int:
+        """KV memory that is not blocks: the KIVI key residual (one block per running sequence)."""
+        return self.arch.num_layers * self.kv_format.residual_bytes(self.residual_slots)
 
     def determine_kv_memory(self) -> int:
         cache = self.config.cache
@@ -156,7 +212,8 @@ class ModelRunner:
         return int(budget)
 
     def allocate_kv_cache(self, num_blocks: int, swap_blocks: int) -> None:
-        self.kv_cache = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device, swap_blocks)
+        self.kv_cache = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device, swap_blocks,
+                                fmt=self.kv_format, residual_slots=self.residual_slots, scales=self.kv_scales)
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_sdpa()
             if not self.config.enforce_eager:
@@ -177,7 +234,9 @@ class ModelRunner:
         max_batch = self.config.cuda_graph_max_batch or min(512, self.config.scheduler.max_num_seqs)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
-                                   max_blocks, self.block_size, self.arch.num_kv_heads)
+                                   max_blocks, self.block_size, self.arch.num_kv_heads,
+                                   kivi=self.kv_format.kivi,
+                                   split_per_sm=8 if self.kv_format.quantized and not self.kv_format.kivi else 2)
         self.graphs.capture()
         msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch} captured in "
                f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
@@ -204,7 +263,47 @@ class ModelRunner:
         slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         return positions, slots, starts + qlens, query_start, tables
 
-    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]]):
+    def _residual_metadata(self, positions: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray,
+                           res_slots: list[int]) -> tuple[np.ndarray, int]:
+        """KIVI: each token's place in its sequence's residual row (-1 if its block fills this
+        step and is sealed), and the most blocks one sequence fills."""
+        bs = self.block_size
+        qlens = np.diff(query_start)
+        row = np.repeat(np.arange(len(seq_lens)), qlens)
+        full_end = (seq_lens // bs * bs)[row]
+        slots = np.asarray(res_slots, dtype=np.int64)[row]
+        res_map = np.where(positions >= full_end, slots * bs + positions % bs, -1)
+        max_seal = int((seq_lens // bs - (seq_lens - qlens) // bs).max()) if len(seq_lens) else 0
+        return res_map, max_seal
+
+    def _res_slots_for(self, sched) -> list[int]:
+        out = []
+        for s in sched:
+            rid = s.request.request_id
+            slot = self._res_slot.get(rid)
+            if slot is None:
+                if not self._free_res:
+                    raise RuntimeError(f"no free KV residual row for {rid}: {len(self._res_slot)} held")
+                slot = self._res_slot[rid] = self._free_res.pop()
+            out.append(slot)
+        return out
+
+    def _release_res_slot(self, request_id: str) -> None:
+        slot = self._res_slot.pop(request_id, None)
+        if slot is not None:
+            self._free_res.append(slot)
+
+    def fork_request(self, parent_id: str, child_id: str) -> None:
+        """A forked child shares its parent's unsealed last block, so it gets a copy of the
+        parent's residual row."""
+        if not self.kv_format.kivi or parent_id not in self._res_slot:
+            return
+        if not self._free_res:
+            raise RuntimeError(f"no free KV residual row for {child_id}")
+        slot = self._res_slot[child_id] = self._free_res.pop()
+        self.kv_cache.copy_residual(self._res_slot[parent_id], slot)
+
+    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None):
         positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
         dev = self.device
         meta = AttentionMetadata(
@@ -212,6 +311,10 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             seq_lens=seq_lens.tolist(), query_lens=[n for _, n, _ in seqs],
             query_start=query_start.tolist(), block_size=self.block_size)
+        if res_slots is not None:
+            res_map, meta.max_seal = self._residual_metadata(positions, seq_lens, query_start, res_slots)
+            meta.res_slots = res_slots
+            meta.res_mapping = torch.from_numpy(res_map).to(dev, non_blocking=True)
         self.backend.prepare(meta, dev)
         return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
 
@@ -229,6 +332,8 @@ class ModelRunner:
             kv.copy_blocks(out.copies)
         for rid, blocks in out.swap_in.items():
             kv.swap_in(rid, blocks)
+        for rid in out.preempted:  # recomputed from scratch (or a block boundary) when resumed
+            self._release_res_slot(rid)
         sched = out.scheduled
         ids = []
         for s in sched:
@@ -237,7 +342,8 @@ class ModelRunner:
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
         if self.gpu_timer is not None:
             self.gpu_timer.start()
-        hidden, query_start = self._forward(ids, seqs)
+        res_slots = self._res_slots_for(sched) if self.kv_format.kivi else None
+        hidden, query_start = self._forward(ids, seqs, res_slots)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -286,7 +392,7 @@ class ModelRunner:
         for i in range(0, len(blocks), batch):
             part = blocks[i:i + batch]
             idx = torch.tensor([b for b, _ in part], device=self.device)
-            host = self.kv_cache.data[:, :, idx].to("cpu")  # [L, 2, n, bs, kvh, d]
+            host = self.kv_cache.data[:, :, idx].to("cpu")  # [L, 2, n, bs, kvh, d] (compressed: [L, 1, n, bytes])
             for j, (_, key) in enumerate(part):
                 self.store.put(key, host[:, :, j].clone(), wait=wait)
 
@@ -309,20 +415,24 @@ class ModelRunner:
                 for j, (_, kv, _) in enumerate(part):
                     stage[j].copy_(kv, non_blocking=True)
                 idx = torch.tensor(ids, device=self.device)
-                data[:, :, idx] = stage.permute(1, 2, 0, 3, 4, 5)
+                data[:, :, idx] = stage.movedim(0, 2)
             if self.device.type == "cuda":  # the chunks stay pinned in the CPU tier until copied
                 torch.cuda.current_stream(self.device).synchronize()
             self.store.loaded(run, time.perf_counter() - t0)
 
-    def _forward(self, ids: list[int], seqs) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
         else eagerly. Returns hidden states [T, hidden] and the query offsets."""
         g = self.graphs
         if g is not None and len(ids) == len(seqs) and g.fits(len(seqs), max(len(t) for _, _, t in seqs)):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
-            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, tables)
+            res = None
+            if res_slots is not None:
+                res = (np.asarray(res_slots, dtype=np.int64),
+                       self._residual_metadata(positions, seq_lens, query_start, res_slots)[0])
+            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, tables, res)
             return hidden, query_start.tolist()
-        meta, positions = self._build_metadata(seqs)
+        meta, positions = self._build_metadata(seqs, res_slots)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend)):
             hidden = self.model(input_ids, positions)
@@ -364,5 +474,6 @@ class ModelRunner:
         return out
 
     def drop_request(self, request_id: str) -> None:
+        self._release_res_slot(request_id)
         if self.kv_cache is not None:
             self.kv_cache.drop_swapped(request_id)

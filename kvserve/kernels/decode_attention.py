@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
-from kvserve.kernels.kv_quant import kernel_args, load_k_tile, load_v_tile
+from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_k_tile, load_v_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -35,7 +35,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
-                         FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr):
+                         FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,16 +65,24 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         nmask = n < end
         page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
-        kmask = nmask[:, None] & dmask[None, :]
-        k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
-                        full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
-                        FMT, BITS, QGROUP, Q.dtype.element_ty)
-        v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
-                        stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP,
-                        Q.dtype.element_ty)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
+        if FAST:  # compressed, a scale per token and head: scales folded around the dots
+            tile_page = tl.load(bt_row + s // PAGE).to(tl.int64)
+            m_i, l_i, acc = compressed_tile(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, nmask[None, :], kvh, tile_page,
+                s + BLOCK_N, full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC,
+                Q.dtype.element_ty)
+        else:
+            kmask = nmask[:, None] & dmask[None, :]
+            k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
+                            full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
+                            FMT, BITS, QGROUP, Q.dtype.element_ty)
+            v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
+                            stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP,
+                            Q.dtype.element_ty)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]
@@ -111,8 +119,9 @@ def _decode_merge_kernel(OP, LSEP, O, stride_pb, stride_ph, stride_ps, stride_lb
 _NUM_SMS: int | None = None
 
 
-def num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about twice; a function of the batch only (graph-safe)."""
+def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
+    """Enough programs to fill the GPU ``per_sm`` times over; a function of the batch only
+    (graph-safe). Dequantizing 8-bit caches hide their latency better with 8 per SM (measured)."""
     global _NUM_SMS
     if device.type == "cuda":
         if _NUM_SMS is None:
@@ -120,13 +129,14 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
         sms = _NUM_SMS
     else:
         sms = 4
-    return max(1, min(32, math.ceil(2 * sms / max(1, batch * num_kv_heads))))
+    return max(1, min(32, math.ceil(per_sm * sms / max(1, batch * num_kv_heads))))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None,
-                           res_slots: torch.Tensor | None = None) -> torch.Tensor:
+                           res_slots: torch.Tensor | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -152,6 +162,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     BLOCK_G = max(16, triton.next_power_of_2(group))
     if block_n is None:
         block_n = max(16, min(64, page * 4)) if D <= 128 else 32
+    fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
+    if fast and fmt_kw["FMT"] == 3:
+        block_n = min(block_n, page)  # a KIVI key tile must lie in one block (its channel scales)
+    elif fast and q.is_cuda and num_stages == 2:  # 8-bit: measured best on an H200 (batch 32 x 32k)
+        block_n, num_stages = 128, 3
     if splits > 1:
         op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
@@ -169,7 +184,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         scale * _LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"],
-        QGROUP=fmt_kw["GROUP"], num_warps=4, num_stages=2)
+        QGROUP=fmt_kw["GROUP"], FAST=fast, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_merge_kernel[(B, H)](
             op, lsep, out, op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1),

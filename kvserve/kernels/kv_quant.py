@@ -90,15 +90,20 @@ def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
     f = views.fmt
     kc, vc, ks, vs = views.k_codes, views.v_codes, views.k_scales, views.v_scales
     res = views.residual if views.residual is not None else ks
-    if f.kivi:
+    if f.static:  # one calibrated scale per KV head: [kvh]
+        k_s, v_s = (0, 0, ks.stride(0)), (0, 0, vs.stride(0))
+        res_s = (0, 0)
+    elif f.kivi:
         k_s = (ks.stride(0), 0, ks.stride(1))
         res_s = (res.stride(1), res.stride(2))
     else:
         k_s = (ks.stride(0), ks.stride(1), ks.stride(2))
         res_s = (0, 0)
+    if not f.static:
+        v_s = (vs.stride(0), vs.stride(1), vs.stride(2))
     args = [kc, vc, ks, vs, res,
             kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-            *k_s, vs.stride(0), vs.stride(1), vs.stride(2), *res_s]
+            *k_s, *v_s, *res_s]
     return args, dict(FMT=fmt_code(f), BITS=f.bits, GROUP=f.group)
 
 
@@ -138,7 +143,7 @@ def _fp8e4m3_bits(y):
 def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
                  NKV: tl.constexpr, BLOCK_KH: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr,
                  PER: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-                 TINY: tl.constexpr, SOFT_FP8: tl.constexpr):
+                 TINY: tl.constexpr, SOFT_FP8: tl.constexpr, STATIC: tl.constexpr):
     """Quantize x ([BLOCK_KH, NG, GP, PER] float32: one token, channel d = (g * GP + j) * PER + p)
     per (head, group) and store codes and scales. 8-bit: symmetric; KIVI: asymmetric (scale,
     min), codes packed PER to a byte."""
@@ -160,8 +165,11 @@ def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
         tl.store(sp, sc.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
         tl.store(sp + 1, mn.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
     else:
-        amax = tl.max(tl.max(tl.abs(x), 3), 2)
-        sc = tl.maximum(tl.math.div_rn(amax, QMAX), TINY).to(tl.float16).to(tl.float32)
+        if STATIC:  # calibrated: one fp32 scale per KV head, nothing stored per token
+            sc = tl.load(S + h2 * s_sh + g2 * 0, mask=(h2 < NKV) & (g2 < NG), other=1.0)
+        else:
+            amax = tl.max(tl.max(tl.abs(x), 3), 2)
+            sc = tl.maximum(tl.math.div_rn(amax, QMAX), TINY).to(tl.float16).to(tl.float32)
         y = tl.math.div_rn(x, sc[:, :, None, None])
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if FMT == 1 and SOFT_FP8:
@@ -173,7 +181,8 @@ def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
         # PER == 1: x is [KH, NG, GP, 1]
         code3 = tl.reshape(code, (BLOCK_KH, NG, GP))
         tl.store(C + base_c + h3 * s_ch + g3 * GP + j3, code3, mask=(h3 < NKV) & (j3 < GP))
-        tl.store(S + base_s + h2 * s_sh + g2, sc.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
+        if not STATIC:
+            tl.store(S + base_s + h2 * s_sh + g2, sc.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
 
 
 @triton.jit
@@ -185,7 +194,7 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
                                 BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
                                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                                 QMAX: tl.constexpr, TINY: tl.constexpr, WRITE_K: tl.constexpr,
-                                SOFT_FP8: tl.constexpr):
+                                SOFT_FP8: tl.constexpr, STATIC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t).to(tl.int64)
     slot = tl.load(SLOT + t).to(tl.int64)
@@ -224,14 +233,14 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
         blk = slot // PAGE
         off = slot % PAGE
         _quant_store(vx, VC, VS, blk * s_vcb + off * s_vcs, blk * s_vsb + off * s_vss, s_vch, s_vsh,
-                     NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8)
+                     NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8, STATIC)
         if FMT == 3:  # keys wait in full precision until their block is sealed
             rslot = tl.load(RSLOT + t)
             if rslot >= 0:
                 tl.store(RES + rslot * NUM_KV_HEADS * HEAD_DIM + h * s_rh + d, kr, mask=km)
         else:
             _quant_store(kr.to(tl.float32), KC, KS, blk * s_kcb + off * s_kcs, blk * s_ksb + off * s_kss, s_kch, s_ksh,
-                         NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8)
+                         NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8, STATIC)
 
 
 @triton.jit
@@ -330,7 +339,11 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     soft_fp8 = f.name == "fp8" and kernels.interpreting()
     if soft_fp8:
         kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
-    if f.kivi:  # keys: no per-token scales; the residual instead
+    if f.static:  # calibrated [kvh] scales; nothing per token
+        ks = views.k_scales
+        k_s, res, res_h = (0, 0, ks.stride(0)), ks, 0
+        vs_s = (0, 0, vs.stride(0))
+    elif f.kivi:  # keys: no per-token scales; the residual instead
         ks, k_s, res, res_h = vs, (0, 0, 0), views.residual, views.residual.stride(2)
     else:
         ks = views.k_scales
@@ -340,8 +353,78 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         q, k, v, positions, slot_mapping, rslot, cos, sin, kc, vc, ks, vs, res,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), *k_s,
-        vs.stride(0), vs.stride(1), vs.stride(2), res_h, PAGE=f.block_size,
+        *(vs_s if f.static else (vs.stride(0), vs.stride(1), vs.stride(2))), res_h, PAGE=f.block_size,
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), FMT=fmt_code(f), BITS=f.bits, GROUP=f.group,
-        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, num_warps=4,
+        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static, num_warps=4,
         enable_fp_fusion=False)
+
+
+# -- the fast path: one scale per token and head (the default group) --------------------------
+@triton.jit
+def _unpack(b, BITS: tl.constexpr):
+    """Packed bytes [N, D // per] -> codes [N, D] (int32): channel d = byte d // per, bits
+    (d % per) * BITS - unpacked with shifts and interleaves, no gathers."""
+    b = b.to(tl.int32)
+    if BITS == 4:
+        return tl.interleave(b & 15, (b >> 4) & 15)
+    else:
+        return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, (b >> 6) & 3))
+
+
+@triton.jit
+def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, valid, kvh, tile_page,
+                    tile_end, full_end, res_row,
+                    s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
+                    scale_log2, FMT: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PREC: tl.constexpr, DT: tl.constexpr):
+    """One key tile of attention over a compressed cache whose scales are per token and head
+    (or per layer and head), folded around the dots instead of applied to every element: keys
+    scale the scores per column (KIVI: per channel, into q, since a tile lies in one block), values
+    scale p per column (KIVI: plus a per-row offset). q: [M, D]; page/within/n/nmask: [N];
+    valid: [M, N]. Returns the updated (m_i, l_i, acc)."""
+    PER: tl.constexpr = 8 // BITS
+    d = tl.arange(0, HEAD_DIM)
+    dp = tl.arange(0, HEAD_DIM // PER)
+    pg = page[:, None]
+    wi = within[:, None]
+    if FMT == 3:
+        sealed = nmask & (n < full_end)
+        kb = tl.load(KC + pg * s_kcb + wi * s_kct + kvh * s_kch + dp[None, :], mask=sealed[:, None], other=0)
+        kc = _unpack(kb, BITS).to(DT)
+        sp = KS + tile_page * s_ksb + kvh * s_ksh + d * 2  # the tile's block: per-channel (scale, min)
+        ksc = tl.load(sp).to(tl.float32)
+        kmn = tl.load(sp + 1).to(tl.float32)
+        qf = q.to(tl.float32)
+        qs = (qf * ksc[None, :]).to(DT)
+        qk = tl.dot(qs, tl.trans(kc), input_precision=PREC) + tl.sum(qf * kmn[None, :], 1)[:, None]
+        if tile_end > full_end:  # the sequence's unsealed last block: full-precision keys
+            rm = nmask & (n >= full_end)
+            r = tl.load(RES + res_row + (n - full_end)[:, None] * s_rt + kvh * s_rh + d[None, :],
+                        mask=rm[:, None], other=0.0).to(DT)
+            qk = tl.where(rm[None, :], tl.dot(q, tl.trans(r), input_precision=PREC), qk)
+    else:
+        c = tl.load(KC + pg * s_kcb + wi * s_kct + kvh * s_kch + d[None, :], mask=nmask[:, None])  # no `other`: fp8
+        kc = tl.where(nmask[:, None], c.to(DT), 0.0).to(DT)
+        ksc = tl.load(KS + page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0).to(tl.float32)
+        qk = tl.dot(q, tl.trans(kc), input_precision=PREC) * ksc[None, :]
+    qk = tl.where(valid, qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FMT == 3:
+        vb = tl.load(VC + pg * s_vcb + wi * s_vct + kvh * s_vch + dp[None, :], mask=nmask[:, None], other=0)
+        vc = _unpack(vb, BITS).to(DT)
+        vp = VS + page * s_vsb + within * s_vst + kvh * s_vsh
+        vsc = tl.load(vp, mask=nmask, other=0.0).to(tl.float32)
+        vmn = tl.load(vp + 1, mask=nmask, other=0.0).to(tl.float32)
+        pv = tl.dot((p * vsc[None, :]).to(DT), vc, input_precision=PREC) + tl.sum(p * vmn[None, :], 1)[:, None]
+    else:
+        c = tl.load(VC + pg * s_vcb + wi * s_vct + kvh * s_vch + d[None, :], mask=nmask[:, None])
+        vc = tl.where(nmask[:, None], c.to(DT), 0.0).to(DT)
+        vsc = tl.load(VS + page * s_vsb + within * s_vst + kvh * s_vsh, mask=nmask, other=0.0).to(tl.float32)
+        pv = tl.dot((p * vsc[None, :]).to(DT), vc, input_precision=PREC)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc

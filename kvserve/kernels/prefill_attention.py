@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
-from kvserve.kernels.kv_quant import kernel_args, load_k_tile, load_v_tile
+from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_k_tile, load_v_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -32,7 +32,8 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     scale_log2,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr):
+                    PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
+                    FAST: tl.constexpr):
     mt = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -68,28 +69,43 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
         n = s + tl.arange(0, BLOCK_N)
         page = tl.load(bt_row + n // PAGE).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
-        kmask = dmask[None, :]  # whole tiles: every key is valid
-        k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
-                        full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
-                        FMT, BITS, QGROUP, DT)
-        v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
-                        stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
+        if FAST:
+            m_i, l_i, acc = compressed_tile(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, n >= 0, (n >= 0)[None, :], kvh,
+                tl.load(bt_row + s // PAGE).to(tl.int64), s + BLOCK_N, full_end, res_row,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT)
+        else:
+            kmask = dmask[None, :]  # whole tiles: every key is valid
+            k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
+                            full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
+                            FMT, BITS, QGROUP, DT)
+            v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
+                            stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         n = s + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
         page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
-        kmask = nmask[:, None] & dmask[None, :]
-        k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
-                        full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
-                        FMT, BITS, QGROUP, DT)
-        v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
-                        stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        qk = tl.where((n[None, :] <= qpos[:, None]) & nmask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)  # padding rows may see no key
+        causal = (n[None, :] <= qpos[:, None]) & nmask[None, :]
+        if FAST:
+            m_i, l_i, acc = compressed_tile(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, causal, kvh,
+                tl.load(bt_row + s // PAGE).to(tl.int64), s + BLOCK_N, full_end, res_row,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT)
+        else:
+            kmask = nmask[:, None] & dmask[None, :]
+            k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
+                            full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
+                            FMT, BITS, QGROUP, DT)
+            v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
+                            stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            qk = tl.where(causal, qk, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)  # padding rows may see no key
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
@@ -121,6 +137,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         block_m = 128 if on_gpu and max_query_len > 64 else (64 if on_gpu else 16)
     if block_n is None:  # 128 measured fastest on an H200 for head 128 (371 vs 344 TFLOP/s at 8k)
         block_n = (128 if D <= 128 and max_query_len > 64 and q.element_size() == 2 else 64) if on_gpu else 16
+    fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
+    if fast and fmt_kw["FMT"] == 3:
+        block_n = min(block_n, page)  # a KIVI key tile must lie in one block (its channel scales)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
@@ -134,7 +153,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         block_tables.stride(0), scale * _LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"],
-        BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], num_warps=num_warps, num_stages=num_stages)
+        BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -20,7 +20,8 @@ VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 _SUM = 16
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# uint8: a compressed cache's blocks (codes and scales as bytes; the KV format is in the key)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 
 
 class ChunkError(ValueError):

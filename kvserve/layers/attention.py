@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers import kv_format
+from kvserve.layers.kv_format import KVViews
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,12 +38,20 @@ class AttentionMetadata:
     cu_q: torch.Tensor | None = None  # triton: [B + 1] int32 on the device
     max_query_len: int = 0
     num_splits: int = 1  # triton decode: context splits per sequence
+    # KIVI-compressed caches (int4/int2): each sequence's row of the full-precision key residual,
+    # each token's place in it (row * block_size + offset, -1: its block is sealed this step),
+    # and the most key blocks any sequence fills (and seals) this step.
+    res_slots: list[int] | None = None
+    res_slots_t: torch.Tensor | None = None
+    res_mapping: torch.Tensor | None = None
+    max_seal: int = 0
 
 
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [blocks, bs, kvh, d]
+    # per layer (K, V): [blocks, bs, kvh, d]; a compressed cache: (KVViews, None)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | tuple[KVViews, None]]
     backend: type = None  # the attention backend class for this step
 
     def __post_init__(self):
@@ -87,6 +98,8 @@ class TorchPagedAttention:
         One SDPA call per sequence over exactly its keys, gathered with index_select: on the
         CPU this beats one padded, masked call for the batch (masks force a slow path)."""
         q, k = rope(positions, q, k)
+        if isinstance(k_cache, KVViews):
+            return _forward_compressed(q, k, v, k_cache, meta, scale)
         nb, bs, kvh, d = k_cache.shape
         k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -110,6 +123,44 @@ class TorchPagedAttention:
                 o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1).to(out.dtype)
         return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:
+    """q: [ql, H, D] (the last ql of L positions), keys/vals: [L, KVH, D] -> [ql, H, D]."""
+    ql = q.shape[0]
+    qs = q.transpose(0, 1).unsqueeze(0)
+    keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
+    if ql == 1 or ql == L:
+        o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=ql > 1, scale=scale, enable_gqa=True)
+    else:
+        qpos = torch.arange(L - ql, L, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The reference path for a compressed cache (``layers/kv_format.py``): quantize the step's
+    K/V into it, then attend over each sequence's dequantized blocks. As in the Triton backend, a
+    lone whole prompt attends to its own keys in full precision (it computed them just now)."""
+    f = views.fmt
+    if f.kivi:
+        for i, table in enumerate(meta.seq_tables):
+            s, e = meta.query_start[i], meta.query_start[i + 1]
+            kv_format.write_keys_kivi(views, k, s, e - s, meta.seq_lens[i], table, meta.res_slots[i])
+    kv_format.write_tokens(views, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    acc = torch.float32 if q.device.type == "cpu" else q.dtype
+    plain_prompt = len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1
+    for i, table in enumerate(meta.seq_tables):
+        s, e = meta.query_start[i], meta.query_start[i + 1]
+        L = meta.seq_lens[i]
+        if plain_prompt:
+            keys, vals = k[s:e], v[s:e]
+        else:
+            keys, vals = kv_format.read_kv(views, table, L, meta.res_slots[i] if f.kivi else -1)
+        out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), L, scale).to(out.dtype)
+    return out
 
 
 def get_backend(name: str = "torch"):

@@ -36,9 +36,10 @@ _TINY = 1e-6  # smallest scale stored: a group of zeros quantizes to codes 0 wit
 
 
 def default_group(kv_dtype: str, head_dim: int) -> int:
-    """Channels per scale along the head dimension when the user gives none: the whole head for
-    8-bit formats (one scale per token and head), 64 channels for 4 and 2 bits."""
-    return head_dim if _BITS.get(kv_dtype, 16) == 8 else min(64, head_dim)
+    """Channels per scale along the head dimension when the user gives none: the whole head,
+    one scale (KIVI: scale and min) per token and head. Smaller groups trade capacity for
+    accuracy (``--kv-group-size``)."""
+    return head_dim
 
 
 def default_block_size(kv_dtype: str) -> int:
@@ -55,6 +56,8 @@ class KVFormat:
     block_size: int
     model_dtype: torch.dtype
     group: int = 0  # channels per scale (values; keys too for 8-bit); 0: default_group
+    # fp8/int8 with calibrated scales (kvserve/calibrate.py): one per layer and KV head, none stored
+    static: bool = False
 
     def __post_init__(self):
         if self.name not in KV_DTYPES:
@@ -63,6 +66,14 @@ class KVFormat:
             object.__setattr__(self, "group", default_group(self.name, self.head_dim))
         if not self.quantized:
             return
+        if self.static:
+            if self.kivi:
+                raise ConfigError("kv_scales", f"calibrated scales apply to fp8 and int8; {self.name} keeps its "
+                                  f"scales per block (use kv_scales='off')")
+            object.__setattr__(self, "group", self.head_dim)
+        if self.kivi and self.block_size < 16:
+            raise ConfigError("block_size", f"{self.name} quantizes keys per channel over a block: needs "
+                              f"block_size >= 16 (default 64), got {self.block_size}")
         if self.head_dim & (self.head_dim - 1):
             raise ConfigError("kv_cache_dtype", f"{self.name} needs a power-of-two head size, the model has "
                               f"{self.head_dim}; use auto")
@@ -102,12 +113,16 @@ class KVFormat:
 
     @property
     def k_scale_elems(self) -> int:  # fp16 elements of K scales per block
+        if self.static:
+            return 0
         if self.kivi:
             return self.num_kv_heads * self.head_dim * 2
         return self.block_size * self.num_kv_heads * self.num_groups
 
     @property
     def v_scale_elems(self) -> int:
+        if self.static:
+            return 0
         return self.block_size * self.num_kv_heads * self.num_groups * (2 if self.kivi else 1)
 
     @property
@@ -130,12 +145,16 @@ class KVFormat:
         if self.kivi:
             return (f"{self.name}: keys per channel over {self.block_size}-token blocks, values per token in "
                     f"groups of {self.group}, fp16 scale+min")
+        if self.static:
+            return f"{self.name}: calibrated scales per layer and KV head"
         return f"{self.name}: per token, groups of {self.group} channels, fp16 scale"
 
     # -- views of one layer's bytes ---------------------------------------------------------
-    def views(self, layer: torch.Tensor, residual: torch.Tensor | None = None) -> "KVViews":
+    def views(self, layer: torch.Tensor, residual: torch.Tensor | None = None,
+              scales: torch.Tensor | None = None) -> "KVViews":
         """``layer``: [num_blocks, block_bytes] uint8; ``residual``: this layer's KIVI key buffer
-        [slots, block_size, kvh, D]. Returns typed views of the parts."""
+        [slots, block_size, kvh, D]; ``scales``: calibrated [2, kvh] float32 (static formats).
+        Returns typed views of the parts."""
         nb = layer.shape[0]
         bs, kvh, D = self.block_size, self.num_kv_heads, self.head_dim
         dp = D // self.per
@@ -145,7 +164,9 @@ class KVFormat:
         ks_end = 2 * cb + 2 * self.k_scale_elems
         ks = layer[:, 2 * cb:ks_end].view(SCALE_DTYPE)
         vs = layer[:, ks_end:ks_end + 2 * self.v_scale_elems].view(SCALE_DTYPE)
-        if self.kivi:
+        if self.static:
+            ks, vs = scales[0], scales[1]
+        elif self.kivi:
             ks = ks.view(nb, kvh, D, 2)
             vs = vs.view(nb, bs, kvh, self.num_groups, 2)
         else:
@@ -181,11 +202,15 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.view(*packed.shape[:-1], packed.shape[-1] * per)
 
 
-def quantize_sym(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [..., D] -> (codes [..., D] in fmt.code_dtype, scales [..., G] fp16) for fp8/int8."""
+def quantize_sym(x: torch.Tensor, fmt: KVFormat, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., kvh, D] -> (codes [..., D] in fmt.code_dtype, scales [..., G] fp16) for fp8/int8;
+    with ``static`` ([kvh] float32 calibrated scales) those are used and returned instead."""
     g = x.float().view(*x.shape[:-1], fmt.num_groups, fmt.group)
     qmax = FP8_MAX if fmt.name == "fp8" else INT8_MAX
-    scale = (g.abs().amax(-1) / qmax).clamp_min(_TINY).to(SCALE_DTYPE)
+    if static is not None:
+        scale = static.view(-1, 1)  # [kvh, 1], broadcast over the (single) group
+    else:
+        scale = (g.abs().amax(-1) / qmax).clamp_min(_TINY).to(SCALE_DTYPE)
     y = (g / scale.float()[..., None]).clamp(-qmax, qmax)
     if fmt.name == "fp8":
         codes = y.to(torch.float8_e4m3fn)
@@ -196,6 +221,8 @@ def quantize_sym(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Te
 
 def dequantize_sym(codes: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     c = codes.float().view(*codes.shape[:-1], fmt.num_groups, fmt.group)
+    if fmt.static:  # [kvh] per layer
+        return c.view(codes.shape) * scales.float().view(-1, 1)
     return (c * scales.float()[..., None]).view(codes.shape)
 
 
@@ -243,6 +270,8 @@ def dequantize_blocks(views: KVViews, blocks: torch.Tensor, fmt: KVFormat) -> tu
     """K and V of ``blocks`` ([n] block ids) as float32 [n, bs, kvh, D] (KIVI keys of a block that
     is not sealed yet come out as garbage: callers take those from the residual)."""
     kc, vc = views.k_codes[blocks], views.v_codes[blocks]
+    if fmt.static:
+        return dequantize_sym(kc, views.k_scales, fmt), dequantize_sym(vc, views.v_scales, fmt)
     ks, vs = views.k_scales[blocks], views.v_scales[blocks]
     if fmt.kivi:
         return dequantize_keys_kivi(kc, ks, fmt), dequantize_values_kivi(vc, vs, fmt)
@@ -263,9 +292,10 @@ def write_tokens(views: KVViews, k: torch.Tensor, v: torch.Tensor, slots: torch.
         views.v_scales[blk, off] = params
         return
     for x, c, s in ((k, views.k_codes, views.k_scales), (v, views.v_codes, views.v_scales)):
-        codes, scales = quantize_sym(x, f)
+        codes, scales = quantize_sym(x, f, s if f.static else None)
         c[blk, off] = codes
-        s[blk, off] = scales
+        if not f.static:
+            s[blk, off] = scales
 
 
 def write_keys_kivi(views: KVViews, k: torch.Tensor, q_start: int, q_len: int, seq_len: int,
@@ -279,14 +309,15 @@ def write_keys_kivi(views: KVViews, k: torch.Tensor, q_start: int, q_len: int, s
     res = views.residual[res_slot]
     ctx = seq_len - q_len
     full = seq_len // bs
-    for pg in range(ctx // bs, full):
-        lo, hi = pg * bs, (pg + 1) * bs
-        old = res[:max(0, ctx - lo)]
-        keys = torch.cat((old.to(new.dtype), new[max(lo, ctx) - ctx:hi - ctx]), 0)
-        codes, params = quantize_keys_kivi(keys, f)
-        blk = int(table[pg])
-        views.k_codes[blk] = codes
-        views.k_scales[blk] = params
+    first = ctx // bs
+    if full > first:  # seal blocks first..full-1, all at once
+        lo = first * bs
+        old = res[:ctx - lo].to(new.dtype)
+        keys = torch.cat((old, new[:full * bs - ctx]), 0).view(full - first, bs, *new.shape[1:])
+        codes, params = quantize_asym(keys, f.bits, 1)
+        blks = table[first:full].long()
+        views.k_codes[blks] = _pack(codes, f.bits)
+        views.k_scales[blks] = params.squeeze(1)
     tail = max(full * bs, ctx)
     if seq_len > tail:
         res[tail - full * bs:seq_len - full * bs] = new[tail - ctx:].to(res.dtype)

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.decode_attention import num_splits, paged_decode_attention
+from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention
 from kvserve.kernels.rope_kv_write import rope_kv_write
 from kvserve.layers.attention import AttentionMetadata
+from kvserve.layers.kv_format import KVViews
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -29,6 +31,8 @@ class TritonPagedAttention:
         meta.cu_q = torch.tensor(meta.query_start, dtype=torch.int32).to(device, non_blocking=True)
         meta.max_query_len = max(meta.query_lens) if meta.query_lens else 0
         meta.num_splits = 0  # 0: chosen in forward from the batch and KV head count
+        if meta.res_slots is not None:
+            meta.res_slots_t = torch.tensor(meta.res_slots, dtype=torch.int32).to(device, non_blocking=True)
 
     @staticmethod
     def forward(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
@@ -36,16 +40,26 @@ class TritonPagedAttention:
                 scale: float) -> torch.Tensor:
         B = len(meta.seq_lens)
         plain_prompt = B == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1 if meta.seq_lens else False
-        rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
-                      rotate_k_inplace=plain_prompt)
+        if isinstance(k_cache, KVViews):  # compressed: quantize on write (KIVI: seal full key blocks first)
+            kvh = k_cache.fmt.num_kv_heads
+            if k_cache.fmt.kivi:
+                seal_keys(k, rope.cos, rope.sin, meta.cu_q, meta.seq_lens_t, meta.block_tables, meta.res_slots_t,
+                          k_cache, meta.max_seal)
+            rope_kv_write_quant(q, k, v, positions, meta.slot_mapping, meta.res_mapping, rope.cos, rope.sin,
+                                k_cache, rotate_k_inplace=plain_prompt)
+        else:
+            kvh = k_cache.shape[2]
+            rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
+                          rotate_k_inplace=plain_prompt)
         if meta.max_query_len == 1:
-            splits = meta.num_splits or num_splits(B, k_cache.shape[2], q.device)
+            per_sm = 8 if isinstance(k_cache, KVViews) and not k_cache.fmt.kivi else 2
+            splits = meta.num_splits or num_splits(B, kvh, q.device, per_sm)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
-                                          splits=splits)
+                                          splits=splits, res_slots=meta.res_slots_t)
         if plain_prompt and sdpa_kernel is not None:
             return _sdpa_causal(q, k, v, scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q, meta.seq_lens_t,
-                                       meta.max_query_len, scale)
+                                       meta.max_query_len, scale, res_slots=meta.res_slots_t)
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Quality of a configuration on a real model: perplexity over a text, and greedy agreement
+with a reference run (for lossy options such as a compressed KV cache)."""
+from __future__ import annotations
+
+import math
+
+from kvserve.sampling_params import SamplingParams
+
+
+def perplexity(llm, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids[1:]``, each token given all before it,
+    through the engine: the text is one sequence, prefilled in chunks of the engine's
+    ``max_num_batched_tokens``, so every chunk after the first attends to the KV cache as
+    stored (compressed, if the cache is)."""
+    out = llm.generate([{"prompt_token_ids": list(token_ids)}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)[0]
+    lps = [p for p in out.prompt_logprobs if p is not None]
+    if len(lps) != len(token_ids) - 1:
+        raise RuntimeError(f"got {len(lps)} prompt log-probs for {len(token_ids)} tokens")
+    nll = -sum(_chosen(p, t) for p, t in zip(lps, token_ids[1:])) / len(lps)
+    return math.exp(nll)
+
+
+def _chosen(pos, token: int) -> float:
+    """The log-prob of ``token`` from one position's prompt log-probs (a {id: Logprob} dict)."""
+    lp = pos[token]
+    return lp.logprob if hasattr(lp, "logprob") else float(lp)
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where two sets of continuations hold the same token."""
+    same = total = 0
+    for x, y in zip(a, b):
+        n = max(len(x), len(y))
+        same += sum(1 for i in range(min(len(x), len(y))) if x[i] == y[i])
+        total += n
+    return same / max(1, total)
+
+
+def teacher_forced_agreement(llm, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """Fraction of positions where ``llm``'s greedy choice equals the reference's, each given
+    the reference's own history (prompt + reference continuation so far): per-step agreement,
+    without the cascade that makes free-running continuations part ways for good after one
+    near-tie. Read from prompt log-probs: the reference token must rank first."""
+    reqs = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompts, continuations)]
+    outs = llm.generate(reqs, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    same = total = 0
+    for p, c, o in zip(prompts, continuations, outs):
+        ids = list(p) + list(c)
+        for j in range(len(p), len(ids)):
+            same += o.prompt_logprobs[j][ids[j]].rank == 1
+            total += 1
+    return same / max(1, total)
