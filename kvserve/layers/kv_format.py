@@ -210,7 +210,10 @@ def quantize_sym(x: torch.Tensor, fmt: KVFormat, static: torch.Tensor | None = N
     if static is not None:
         scale = static.view(-1, 1)  # [kvh, 1], broadcast over the (single) group
     else:
-        scale = (g.abs().amax(-1) / qmax).clamp_min(_TINY).to(SCALE_DTYPE)
+        amax = g.abs().amax(-1)
+        # a tensor divisor: PyTorch divides by a Python scalar as a multiply by its reciprocal on
+        # CUDA, one ulp off the kernels' correctly rounded division
+        scale = (amax / torch.full_like(amax, qmax)).clamp_min(_TINY).to(SCALE_DTYPE)
     y = (g / scale.float()[..., None]).clamp(-qmax, qmax)
     if fmt.name == "fp8":
         codes = y.to(torch.float8_e4m3fn)
@@ -233,7 +236,8 @@ def quantize_asym(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, t
     x = x.float()
     mn = x.amin(dim, keepdim=True).to(SCALE_DTYPE)
     mx = x.amax(dim, keepdim=True)
-    scale = ((mx - mn.float()) / ((1 << bits) - 1)).clamp_min(_TINY).to(SCALE_DTYPE)
+    span = mx - mn.float()
+    scale = (span / torch.full_like(span, (1 << bits) - 1)).clamp_min(_TINY).to(SCALE_DTYPE)
     codes = torch.floor((x - mn.float()) / scale.float() + 0.5).clamp(0, (1 << bits) - 1).to(torch.int32)
     return codes, torch.stack((scale, mn), -1)
 
