@@ -55,6 +55,8 @@ def section(name):
                 TABLE.append(f"{name}: FAILED {e!r}"[:200])
             RESULTS["sections"].setdefault(name, {})["seconds"] = round(time.perf_counter() - t0, 1)
             save()
+            if torch.cuda.is_available():  # what the section left in the allocator's cache
+                torch.cuda.empty_cache()
         return run
     return wrap
 

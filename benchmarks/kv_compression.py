@@ -22,14 +22,12 @@ Sections (JSON saved after each, a table printed last):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
 import subprocess
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,35 +37,11 @@ from kvserve import LLM  # noqa: E402
 from kvserve.layers import kv_format as kf  # noqa: E402
 from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
 
-RESULTS: dict = {"date": time.strftime("%Y-%m-%d"), "sections": {}}
-TABLE: list[str] = []
-OUT = "benchmarks/results/kv_compression.json"
+from benchmarks import gpu_check  # noqa: E402
+from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402  (sections, JSON after each)
+
 FORMATS = ["auto", "fp8", "int8", "int4", "int2"]
 GiB = 2**30
-
-
-def save():
-    os.makedirs(os.path.dirname(OUT) or ".", exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-
-
-def section(name):
-    def wrap(fn):
-        def run(*a, **k):
-            t0 = time.perf_counter()
-            print(f"\n=== {name} ===", flush=True)
-            try:
-                RESULTS["sections"][name] = fn(*a, **k) or {}
-            except Exception as e:
-                traceback.print_exc()
-                RESULTS["sections"][name] = {"error": repr(e)}
-                TABLE.append(f"{name}: FAILED {e!r}"[:200])
-            RESULTS["sections"].setdefault(name, {})["seconds"] = round(time.perf_counter() - t0, 1)
-            save()
-            torch.cuda.empty_cache()
-        return run
-    return wrap
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke run of the script
@@ -187,7 +161,6 @@ def run_kernel(batch: int = 32, ctx: int = 32768):
 
 @section("decode")
 def run_decode(batch: int = 32, ctx: int = 32768, layers: int = 16):
-    import numpy as np
     cfg = dict(DUMMY_PRESETS["llama-3-8b"], num_hidden_layers=layers)
     DUMMY_PRESETS[f"llama-3-8b-{layers}l"] = cfg
     out, base = {}, None
@@ -216,7 +189,7 @@ def run_decode(batch: int = 32, ctx: int = 32768, layers: int = 16):
             data[:, 1, :n] = v0
         del lay0, v0
         torch.cuda.empty_cache()
-        ids = np.zeros(batch, dtype=np.int64).tolist()
+        ids = [0] * batch
         seqs = [(ctx, 1, list(range(i * bps, (i + 1) * bps))) for i in range(batch)]
         res = list(range(batch)) if f.kivi else None
 
@@ -240,7 +213,7 @@ def run_decode(batch: int = 32, ctx: int = 32768, layers: int = 16):
 
 @section("offline")
 def run_offline(n_req: int = 256):
-    from benchmarks.gpu_check import roofline_seconds, run_requests
+    roofline_seconds, run_requests = gpu_check.roofline_seconds, gpu_check.run_requests
     out = {}
     for name in ("auto", "fp8"):
         llm = LLM("dummy:llama-3-8b", device=DEV, dtype="bfloat16", kv_cache_memory="40GiB", max_num_seqs=256,
@@ -277,8 +250,7 @@ def main():
     ap.add_argument("--layers", type=int, default=16, help="depth of the decode section's model")
     ap.add_argument("--requests", type=int, default=256)
     args = ap.parse_args()
-    global OUT
-    OUT = os.path.join(args.out, "kv_compression.json")
+    gpu_check.OUT_PATH = os.path.join(args.out, "kv_compression.json")
     only = set(args.only.split(","))
     RESULTS["gpu"] = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     RESULTS["torch"] = torch.__version__

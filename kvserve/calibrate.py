@@ -35,8 +35,7 @@ def default_path(model: str | None) -> str | None:
 
 def default_text() -> str:
     """Calibration text that ships with Python: the docs of a few standard modules."""
-    import json as _json
-    return "\n\n".join(m.__doc__ or "" for m in (textwrap, difflib, _json, os))
+    return "\n\n".join(m.__doc__ or "" for m in (textwrap, difflib, json, os))
 
 
 class _Recorder:

@@ -17,14 +17,8 @@ def perplexity(llm, token_ids: list[int]) -> float:
     lps = [p for p in out.prompt_logprobs if p is not None]
     if len(lps) != len(token_ids) - 1:
         raise RuntimeError(f"got {len(lps)} prompt log-probs for {len(token_ids)} tokens")
-    nll = -sum(_chosen(p, t) for p, t in zip(lps, token_ids[1:])) / len(lps)
+    nll = -sum(p[t].logprob for p, t in zip(lps, token_ids[1:])) / len(lps)  # {id: Logprob} per position
     return math.exp(nll)
-
-
-def _chosen(pos, token: int) -> float:
-    """The log-prob of ``token`` from one position's prompt log-probs (a {id: Logprob} dict)."""
-    lp = pos[token]
-    return lp.logprob if hasattr(lp, "logprob") else float(lp)
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:

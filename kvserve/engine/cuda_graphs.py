@@ -68,7 +68,6 @@ class DecodeGraphs:
         meta.max_query_len = 1
         meta.num_splits = num_splits(bs, self.num_kv_heads, self.device, self.split_per_sm)
         if self.kivi:  # one token per sequence: it fills (and seals) at most one block
-            meta.res_slots = [0] * bs
             meta.res_slots_t, meta.res_mapping, meta.max_seal = self.res_slots[:bs], self.res_mapping[:bs], 1
         return meta
 

@@ -23,6 +23,7 @@ class KVCache:
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, swap_blocks: int = 0, fmt: KVFormat | None = None,
                  residual_slots: int = 0, scales: torch.Tensor | None = None):
+        """``scales``: calibrated [layers, 2, kv_heads] (static fp8/int8 formats)."""
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
         self.fmt = fmt or KVFormat("auto", arch.num_kv_heads, arch.head_dim, block_size, dtype)
         self.residual = None
@@ -36,7 +37,6 @@ class KVCache:
             if self.fmt.kivi:
                 self.residual = torch.zeros(arch.num_layers, max(1, residual_slots), block_size,
                                             arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
-            self.scales = scales  # calibrated [layers, 2, kv_heads] (static fp8/int8)
             self.layers = [(self.fmt.views(self.data[i, 0], None if self.residual is None else self.residual[i],
                                            None if scales is None else scales[i]), None)
                            for i in range(arch.num_layers)]

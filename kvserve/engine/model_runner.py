@@ -89,7 +89,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         cache = config.cache
-        self.kv_scales, self.kv_scales_path = self._load_kv_scales(src)
+        self.kv_scales = self._load_kv_scales(src)
         self.kv_format = KVFormat(cache.kv_cache_dtype, src.arch.num_kv_heads, src.arch.head_dim, self.block_size,
                                   self.dtype, cache.kv_group_size, static=self.kv_scales is not None)
         self._check_kv_format()
@@ -126,7 +126,7 @@ class ModelRunner:
         self.store = None  # kvserve.kvtier.TieredStore, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
-    def _load_kv_scales(self, src) -> tuple[torch.Tensor | None, str | None]:
+    def _load_kv_scales(self, src) -> torch.Tensor | None:
         """Calibrated fp8/int8 scales, [layers, 2, kv_heads] float32 on the device, or None."""
         from kvserve import calibrate
         from kvserve.errors import ConfigError
@@ -134,19 +134,19 @@ class ModelRunner:
         cache = self.config.cache
         name, path = cache.kv_cache_dtype, cache.kv_scales
         if path == "off":
-            return None, None
+            return None
         if path is None:
             if name not in ("fp8", "int8"):
-                return None, None
+                return None
             path = calibrate.default_path(self.config.model)
             if path is None or not os.path.exists(path):
-                return None, None
+                return None
         elif name not in ("fp8", "int8"):
             raise ConfigError("kv_scales", f"calibrated scales apply to kv_cache_dtype fp8 or int8, not {name!r}")
         amax = calibrate.load(path, src, self.config.seed, src.arch.num_layers, src.arch.num_kv_heads)
         qmax = FP8_MAX if name == "fp8" else INT8_MAX
         log.info("KV cache: calibrated %s scales from %s", name, path)
-        return (amax / qmax).clamp_min(1e-8).to(self.device), path
+        return (amax / qmax).clamp_min(1e-8).to(self.device)
 
     def _check_kv_format(self) -> None:
         from kvserve.errors import ConfigError
@@ -277,16 +277,14 @@ class ModelRunner:
         return res_map, max_seal
 
     def _res_slots_for(self, sched) -> list[int]:
-        out = []
-        for s in sched:
-            rid = s.request.request_id
-            slot = self._res_slot.get(rid)
-            if slot is None:
-                if not self._free_res:
-                    raise RuntimeError(f"no free KV residual row for {rid}: {len(self._res_slot)} held")
-                slot = self._res_slot[rid] = self._free_res.pop()
-            out.append(slot)
-        return out
+        ids = [s.request.request_id for s in sched]
+        return [self._res_slot[rid] if rid in self._res_slot else self._take_res_slot(rid) for rid in ids]
+
+    def _take_res_slot(self, request_id: str) -> int:
+        if not self._free_res:
+            raise RuntimeError(f"no free KV residual row for {request_id}: {len(self._res_slot)} held")
+        slot = self._res_slot[request_id] = self._free_res.pop()
+        return slot
 
     def _release_res_slot(self, request_id: str) -> None:
         slot = self._res_slot.pop(request_id, None)
@@ -298,10 +296,7 @@ class ModelRunner:
         parent's residual row."""
         if not self.kv_format.kivi or parent_id not in self._res_slot:
             return
-        if not self._free_res:
-            raise RuntimeError(f"no free KV residual row for {child_id}")
-        slot = self._res_slot[child_id] = self._free_res.pop()
-        self.kv_cache.copy_residual(self._res_slot[parent_id], slot)
+        self.kv_cache.copy_residual(self._res_slot[parent_id], self._take_res_slot(child_id))
 
     def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None):
         positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)

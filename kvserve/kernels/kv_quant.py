@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvserve import kernels
+from kvserve.kernels.online_softmax import online_softmax_probs
 from kvserve.layers.kv_format import _TINY, FP8_MAX, INT8_MAX, KVFormat, KVViews
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_KIVI = 0, 1, 2, 3
@@ -33,10 +34,9 @@ def load_k_tile(KC, KS, RES, page, within, n, kvh, d, mask, full_end, res_row,
                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
     """Keys of one tile as [N, D] in ``DT``. ``page``/``within``/``n``: [N, 1] (block id, slot in
     the block, position); ``d``: [1, D]; ``mask``: [N, D]. KIVI: positions >= ``full_end`` (the
-    sequence's unsealed last block) come from the residual row ``res_row`` (element offset)."""
-    if FMT == 0:
-        return tl.load(KC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask, other=0.0)
-    elif FMT == 3:
+    sequence's unsealed last block) come from the residual row ``res_row`` (element offset).
+    Keys of the other formats are stored like values, per token."""
+    if FMT == 3:
         PER: tl.constexpr = 8 // BITS
         sealed = n < full_end
         qm = mask & sealed
@@ -48,11 +48,8 @@ def load_k_tile(KC, KS, RES, page, within, n, kvh, d, mask, full_end, res_row,
         r = tl.load(RES + res_row + (n - full_end) * s_rt + kvh * s_rh + d, mask=mask & (n >= full_end),
                     other=0.0)
         return tl.where(sealed, (code * sc + mn).to(DT), r.to(DT))
-    else:
-        c = tl.load(KC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask)  # no `other`: fp8
-        c = tl.where(mask, c.to(tl.float32), 0.0)
-        sc = tl.load(KS + page * s_sb + within * s_st + kvh * s_sh + d // GROUP, mask=mask, other=0.0)
-        return (c * sc.to(tl.float32)).to(DT)
+    return load_v_tile(KC, KS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st, s_sh,
+                       FMT, BITS, GROUP, DT)
 
 
 @triton.jit
@@ -70,7 +67,7 @@ def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st
         mn = tl.load(sp + 1, mask=mask, other=0.0).to(tl.float32)
         return (code * sc + mn).to(DT)
     else:
-        c = tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask)
+        c = tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask)  # no `other`: fp8
         c = tl.where(mask, c.to(tl.float32), 0.0)
         sc = tl.load(VS + page * s_sb + within * s_st + kvh * s_sh + d // GROUP, mask=mask, other=0.0)
         return (c * sc.to(tl.float32)).to(DT)
@@ -409,11 +406,7 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
         ksc = tl.load(KS + page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0).to(tl.float32)
         qk = tl.dot(q, tl.trans(kc), input_precision=PREC) * ksc[None, :]
     qk = tl.where(valid, qk * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    p = tl.exp2(qk - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, p, alpha = online_softmax_probs(qk, m_i, l_i)
     if FMT == 3:
         vb = tl.load(VC + pg * s_vcb + wi * s_vct + kvh * s_vch + dp[None, :], mask=nmask[:, None], other=0)
         vc = _unpack(vb, BITS).to(DT)

@@ -110,29 +110,21 @@ class TorchPagedAttention:
         q = q.to(acc)
         for i, table in enumerate(meta.seq_tables):
             s, e = meta.query_start[i], meta.query_start[i + 1]
-            L, ql = meta.seq_lens[i], e - s
-            keys = k_cache.index_select(0, table).view(-1, kvh, d)[:L].transpose(0, 1).unsqueeze(0)
-            vals = v_cache.index_select(0, table).view(-1, kvh, d)[:L].transpose(0, 1).unsqueeze(0)
-            keys, vals = keys.to(acc), vals.to(acc)
-            qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
-            if ql == 1 or ql == L:  # one query sees every key; or a whole prompt, plainly causal
-                o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=ql > 1, scale=scale, enable_gqa=True)
-            else:  # a chunk after cached context: causal, offset by the context
-                qpos = torch.arange(L - ql, L, device=q.device)
-                mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[s:e] = o.squeeze(0).transpose(0, 1).to(out.dtype)
+            L = meta.seq_lens[i]
+            keys = k_cache.index_select(0, table).view(-1, kvh, d)[:L].to(acc)
+            vals = v_cache.index_select(0, table).view(-1, kvh, d)[:L].to(acc)
+            out[s:e] = _attend(q[s:e], keys, vals, L, scale).to(out.dtype)
         return out
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:
     """q: [ql, H, D] (the last ql of L positions), keys/vals: [L, KVH, D] -> [ql, H, D]."""
     ql = q.shape[0]
-    qs = q.transpose(0, 1).unsqueeze(0)
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
     keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
-    if ql == 1 or ql == L:
+    if ql == 1 or ql == L:  # one query sees every key; or a whole prompt, plainly causal
         o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=ql > 1, scale=scale, enable_gqa=True)
-    else:
+    else:  # a chunk after cached context: causal, offset by the context
         qpos = torch.arange(L - ql, L, device=q.device)
         mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
