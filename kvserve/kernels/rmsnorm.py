@@ -10,10 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl_kw
+from kvserve.kernels.pdl import wait_inputs
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -43,7 +47,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     assert r.stride(-1) == 1
     _rmsnorm_kernel[(T,)](x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), N, eps,
                           HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N),
-                          num_warps=4 if N <= 4096 else 8)
+                          num_warps=4 if N <= 4096 else 8, **pdl_kw(x))
     return y
 
 

@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl_kw
+from kvserve.kernels.pdl import wait_inputs
+
 
 @triton.jit
 def _rope_kv_write_kernel(Q, K, V, POS, SLOT, COS, SIN, KC, VC,
@@ -21,7 +24,8 @@ def _rope_kv_write_kernel(Q, K, V, POS, SLOT, COS, SIN, KC, VC,
                           stride_cos, stride_kcs, stride_kch, stride_vcs, stride_vch,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          WRITE_K: tl.constexpr):
+                          WRITE_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t).to(tl.int64)
     slot = tl.load(SLOT + t).to(tl.int64)
@@ -82,7 +86,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HALF=half, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), BLOCK_HALF=triton.next_power_of_2(half),
-        WRITE_K=rotate_k_inplace, num_warps=4,
+        WRITE_K=rotate_k_inplace, num_warps=4, **pdl_kw(q),
         enable_fp_fusion=False)  # no FMA contraction: each product is rounded, as in the reference
 
 

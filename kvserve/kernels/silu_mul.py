@@ -5,9 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl_kw
+from kvserve.kernels.pdl import wait_inputs
+
 
 @triton.jit
-def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -26,7 +30,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return y
     BLOCK = min(2048, triton.next_power_of_2(N))
-    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4, **pdl_kw(x))
     return y
 
 

@@ -1,0 +1,81 @@
+"""The skinny-GEMM kernel (``kvserve/kernels/gemv.py``) against PyTorch's linear in float64.
+
+Covers one row (the elementwise path) and 2..16 rows (the ``tl.dot`` path), K that the tile
+divides and K that it does not, N that the tile does not divide (the last program's rows are
+clamped reads whose results must be dropped), bias, the fused SiLU-and-mul epilogue and strided
+rows of x. The output is poisoned first so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels.gemv import gemv, gemv_ref
+
+from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
+
+# bfloat16 elementwise math is fine in the interpreter; its tl.dot is not (kernelutil).
+_bf16_dot = pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tl.dot: CUDA only")
+# bfloat16 keeps 8 bits: the fused SiLU path rounds four times (g, u, silu(g), the product)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _case(M, N, K, dtype, device, seed, silu=False, bias=False, x_stride=None):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.full((M, x_stride or K), float("nan"))
+    xs[:, :K] = torch.randn(M, K, generator=g)
+    x = xs.to(dtype).to(device)[:, :K]
+    w = (torch.randn(2 * N if silu else N, K, generator=g) * K ** -0.5).to(dtype).to(device)
+    b = (torch.randn(N, generator=g)).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _check(M, N, K, dtype, device, seed, **kw):
+    silu = kw.get("silu", False)
+    x, w, b = _case(M, N, K, dtype, device, seed, **kw)
+    y = gemv(x, w, b, silu_mul=silu)
+    ref = gemv_ref(x.double(), w.double(), None if b is None else b.double(), silu_mul=silu)
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert not y.isnan().any()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N,K", [(96, 256), (37, 100), (130, 1536)])
+@pytest.mark.parametrize("silu,bias", [(False, False), (False, True), (True, False)])
+def test_one_row(dtype, N, K, silu, bias, device):
+    _check(1, N, K, dtype, device, seed=N + K + DTYPE_NO[dtype], silu=silu, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=_bf16_dot)], ids=str)
+@pytest.mark.parametrize("M", [2, 5, 16])
+@pytest.mark.parametrize("N,K,silu,bias", [(64, 256, False, True), (37, 100, True, False), (70, 96, False, False)])
+def test_few_rows(dtype, M, N, K, silu, bias, device):
+    _check(M, N, K, dtype, device, seed=M * 7 + N + DTYPE_NO[dtype], silu=silu, bias=bias)
+
+
+def test_strided_rows(device):
+    _check(3, 48, 128, torch.float32, device, seed=5, x_stride=160)
+    _check(1, 48, 128, torch.float32, device, seed=6, x_stride=160)
+
+
+def test_bad_input(device):
+    x = torch.randn(17, 64, device=device)
+    with pytest.raises(AssertionError, match="1..16 rows"):
+        gemv(x, torch.randn(32, 64, device=device))
+    with pytest.raises(AssertionError, match="row-major"):
+        gemv(x[:2], torch.randn(32, 48, device=device))
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("N,K,silu", [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True),
+                                      (128256, 4096, False)])
+def test_real_size(M, N, K, silu):
+    _check(M, N, K, torch.bfloat16, torch.device("cuda"), seed=M + N, silu=silu)
