@@ -3,8 +3,9 @@
 Grid ``(batch, kv_heads, num_splits)``. A program owns one KV head of one sequence and one
 slice of its context: it reads each K/V page of that slice once for all the query heads that
 share the KV head (GQA: the group is the M side of the dot), keeps an online softmax, and writes
-a partial output and its log-sum-exp. A second kernel merges the splits. With one split the
-first kernel writes the output directly.
+a partial output and its log-sum-exp; the last program of a (sequence, KV head) to finish
+merges the splits (an atomic counter per pair says which), so one kernel does it all. With one
+split the program writes the output directly.
 
 Splitting the context lets a small batch with long contexts fill the GPU; the split count is a
 function of the batch size alone (``num_splits``), so a CUDA graph captured for a batch size
@@ -18,15 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import dot_precision
+from kvserve.kernels import dot_precision, pdl_kw
 from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_k_tile, load_v_tile
 from kvserve.kernels.online_softmax import online_softmax_step
+from kvserve.kernels.pdl import wait_inputs
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP,
+def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, COUNTS,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh,
                          s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, stride_bt,
@@ -34,14 +36,19 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          scale_log2,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
-                         FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                         FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    wait_inputs(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     n_chunks = tl.cdiv(seq_len, BLOCK_N)
-    per = tl.cdiv(n_chunks, NUM_SPLITS)
+    per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
+    active = tl.cdiv(n_chunks, per)  # splits with keys (a short context leaves the rest empty)
+    if split >= tl.maximum(active, 1):
+        return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
     start = split * per * BLOCK_N
     end = tl.minimum(start + per * BLOCK_N, seq_len)
 
@@ -80,40 +87,66 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
             v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
                             stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP,
                             Q.dtype.element_ty)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=omask)
+    o_ptrs = O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if NUM_SPLITS == 1:  # (compile-time: the partial buffers are placeholders then)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=omask)
+    elif active <= 1:  # the only split with keys: its output is final
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=omask)
     else:
         tl.store(OP + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
                  out, mask=omask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSEP + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+        # The last split of (sequence, kv head) to finish merges them all, so no second kernel:
+        # the barrier orders every thread's stores before the counter's release, the acquire
+        # makes the other splits' stores visible, and the merger resets the counter for the
+        # next launch.
+        tl.debug_barrier()
+        counter = COUNTS + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
+            for gi in range(GROUP):
+                _merge_head(OP, LSEP, O, b.to(tl.int64), kvh * GROUP + gi, active, stride_pb, stride_ph,
+                            stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _decode_merge_kernel(OP, LSEP, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                         stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+def _merge_head(OP, LSEP, O, b, h, n_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+                stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Combine head ``h``'s ``n_splits`` partials by their log-sum-exps. Loads bypass L1
+    (``.cg``): the other splits wrote them from other SMs."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = s < NUM_SPLITS
-    lse = tl.load(LSEP + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+    smask = s < n_splits
+    lse = tl.load(LSEP + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
     parts = tl.load(OP + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+                    mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_COUNTS: dict = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, kv head), that the split kernel leaves zeroed.
+    Allocated once per device, outside any graph capture (the graphs' warm-up runs first); a
+    larger batch gets a larger buffer and the old one stays alive for the graphs that use it."""
+    have = _COUNTS.get(device)
+    if have is None or have[-1].numel() < n:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            "split counters must exist before graph capture"
+        _COUNTS.setdefault(device, []).append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return _COUNTS[device][-1]
 
 
 _NUM_SMS: int | None = None
@@ -176,6 +209,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     rs = res_slots if res_slots is not None else seq_lens
     _decode_split_kernel[(B, KVH, splits)](
         q, kc, vc, ks, vs, res, block_tables, seq_lens, rs, out, op, lsep,
+        _split_counters(q.device, B * KVH) if splits > 1 else seq_lens,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0),
         out.stride(0), out.stride(1),
         op.stride(0) if splits > 1 else 0, op.stride(1) if splits > 1 else 0,
@@ -183,14 +217,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         lsep.stride(0) if splits > 1 else 0, lsep.stride(1) if splits > 1 else 0,
         scale * _LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"],
-        QGROUP=fmt_kw["GROUP"], FAST=fast, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        _decode_merge_kernel[(B, H)](
-            op, lsep, out, op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4)
+        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), PREC=dot_precision(q.dtype),
+        FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, num_warps=num_warps, num_stages=num_stages, **pdl_kw(q))
     return out
 
 

@@ -405,8 +405,8 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
         kc = tl.where(nmask[:, None], c.to(DT), 0.0).to(DT)
         ksc = tl.load(KS + page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0).to(tl.float32)
         qk = tl.dot(q, tl.trans(kc), input_precision=PREC) * ksc[None, :]
-    qk = tl.where(valid, qk * scale_log2, float("-inf"))
-    m_new, l_i, p, alpha = online_softmax_probs(qk, m_i, l_i)
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new, l_i, p, alpha = online_softmax_probs(qk, m_i, l_i, scale_log2)
     if FMT == 3:
         vb = tl.load(VC + pg * s_vcb + wi * s_vct + kvh * s_vch + dp[None, :], mask=nmask[:, None], other=0)
         vc = _unpack(vb, BITS).to(DT)

@@ -34,7 +34,9 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
                     FAST: tl.constexpr):
-    mt = tl.program_id(0)
+    # Query tiles in reverse: the causal tiles with the most keys start first and the light ones
+    # fill the tail (+1.5% at 8k on the H200).
+    mt = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(CU_Q + b)
@@ -47,7 +49,10 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < q_len
     d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
+    if BLOCK_D == HEAD_DIM:  # a constant mask: the loads stay unpredicated and vectorised
+        dmask = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dmask = d < HEAD_DIM
     tok = (q_start + rows).to(tl.int64)
     q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
@@ -82,8 +87,8 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                             FMT, BITS, QGROUP, DT)
             v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
                             stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         n = s + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
@@ -103,9 +108,9 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                             FMT, BITS, QGROUP, DT)
             v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
                             stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             qk = tl.where(causal, qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC)  # padding rows may see no key
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)  # padding rows may see no key
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])

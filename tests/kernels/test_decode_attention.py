@@ -133,3 +133,14 @@ def test_decode_real_size_shapes(device, paged_kv, rel, H, KVH, D, page):
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2
     assert (out[5] == 0).all()
+
+
+def test_split_merge_counters_reset(device, paged_kv, rel):
+    """The last split of each (sequence, KV head) merges the others and zeroes its counter again,
+    so launch after launch (as a graph replays) stays right and leaves every counter at 0."""
+    from kvserve.kernels.decode_attention import _split_counters
+    gen = torch.Generator().manual_seed(7)
+    for splits in (3, 5, 3, 2):
+        out, ref = _run(gen, device, paged_kv, 8, 2, 32, 4, torch.float32, [45, 0, 9, 61], splits)
+        assert rel(out, ref) < 1e-5, splits
+        assert (_split_counters(device, 1) == 0).all()
