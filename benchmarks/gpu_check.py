@@ -137,15 +137,16 @@ def run_kernels():
     sl = torch.tensor([T], dtype=torch.int32, device=dev)
     flops = 2 * 2 * T * T * D * H / 2  # QK^T and PV, causal half
     pv = {}
-    for cfg in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 128, 4, 3),
-                (64, 128, 4, 3), (256, 64, 8, 3), (128, 64, 8, 4)):
+    for cfg in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3)):
         bm, bn, w, st = cfg
+        key = f"bm={bm},bn={bn},w={w},s={st}"
         try:
             t = bench(lambda: paged_prefill_attention(q, kc, vc, table, cu, sl, T, D ** -0.5, block_m=bm,
                                                       block_n=bn, num_warps=w, num_stages=st), reps=10)
-            pv[f"bm={bm},bn={bn},w={w},s={st}"] = flops / t / 1e12
+            pv[key] = flops / t / 1e12
         except Exception as e:
-            pv[f"bm={bm},bn={bn},w={w},s={st}"] = repr(e)[:80]
+            pv[key] = repr(e)[:80]
+        print(key, pv[key], flush=True)
     t_ours = bench(lambda: paged_prefill_attention(q, kc, vc, table, cu, sl, T, D ** -0.5), reps=10)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     order = table[0].long()
@@ -347,7 +348,18 @@ def run_decode(llm, hf, args):
     kv_per_tok = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
     rng = random.Random(1)
     out = {"weight_bytes": weight_bytes}
-    for plen in (512, 8192 - 256):
+    from kvserve import kernels
+    from kvserve.layers import linear
+    rows_on, rows_off = dict(linear.GEMV_MAX_ROWS), dict.fromkeys(linear.GEMV_MAX_ROWS, 0)
+    modes = {"skinny GEMM + PDL": (rows_on, True), "skinny GEMM": (rows_on, False), "cuBLAS": (rows_off, False)}
+    runs = [(512, m) for m in modes] + [(8192 - 256, "skinny GEMM + PDL")]
+    for plen, mode in runs:
+        rows, pdl = modes[mode]
+        if (rows, pdl) != (linear.GEMV_MAX_ROWS, kernels.PDL):  # other kernels: graphs captured again
+            linear.GEMV_MAX_ROWS.update(rows)
+            kernels.PDL = pdl
+            if llm.engine.runner.graphs is not None:
+                llm.engine.runner.capture_graphs()
         prompt = [rng.randrange(128000) for _ in range(plen)]
         run_requests(llm, [prompt[:64]], 4)  # warm
         timer = llm.engine.runner.gpu_timer = GpuTimer()
@@ -357,10 +369,13 @@ def run_decode(llm, hf, args):
         mean_ctx = plen + 128
         mbu = (weight_bytes + kv_per_tok * mean_ctx) * tps / HBM
         gpu_step = timer.seconds / timer.steps
-        out[f"ctx{plen}"] = {"tok_s": tps, "mbu": mbu, "ttft": r["ttft"], "gpu_ms_per_step": gpu_step * 1e3}
-        line = (f"batch-1 decode, {plen}-token prompt: {tps:.1f} tok/s, MBU {mbu:.1%} (GPU {gpu_step * 1e3:.2f} ms "
-                f"of {1e3 / tps:.2f} ms per step)")
-        if hf is not None and not args.quick and plen == 512:
+        key = f"ctx{plen}" + ("" if mode == "skinny GEMM + PDL" else f" {mode}")
+        out[key] = {"tok_s": tps, "mbu": mbu, "ttft": r["ttft"], "gpu_ms_per_step": gpu_step * 1e3, "kernels": mode}
+        line = (f"batch-1 decode, {plen}-token prompt, {mode}: {tps:.1f} tok/s, MBU {mbu:.1%} (GPU "
+                f"{gpu_step * 1e3:.2f} ms of {1e3 / tps:.2f} ms per step)")
+        if key != f"ctx{plen}":
+            line += f"; default kernels / these {out[f'ctx{plen}']['tok_s'] / tps:.3f}x"
+        if hf is not None and not args.quick and key == "ctx512":
             ids = torch.tensor([prompt], device="cuda")
             with torch.no_grad():
                 hf.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -369,10 +384,15 @@ def run_decode(llm, hf, args):
                 hf.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False, pad_token_id=0)
                 torch.cuda.synchronize()
             hf_tps = 256 / (time.perf_counter() - t0)
-            out[f"ctx{plen}"]["transformers_generate_tok_s"] = hf_tps
+            out[key]["transformers_generate_tok_s"] = hf_tps
             line += f"; transformers eager generate {hf_tps:.1f} tok/s (ratio {tps / hf_tps:.2f}x)"
         TABLE.append(line)
         print(line, flush=True)
+    if (rows_on, True) != (linear.GEMV_MAX_ROWS, kernels.PDL):
+        linear.GEMV_MAX_ROWS.update(rows_on)
+        kernels.PDL = True
+        if llm.engine.runner.graphs is not None:
+            llm.engine.runner.capture_graphs()
     return out
 
 
@@ -403,11 +423,26 @@ def run_launches(llm, hf):
             eng.step()
         return dt
 
-    def count_kernels(fn) -> int:
+    def count_kernels(fn, label: str = "") -> int:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        if label:  # where the GPU time of one step goes, by kernel
+            by_name: dict = {}
+            for e in kernels:
+                n, t = by_name.get(e.name, (0, 0.0))
+                by_name[e.name] = (n + 1, t + e.time_range.elapsed_us())
+            total = sum(t for _, t in by_name.values())
+            top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]
+            profiles[label] = {"kernels": len(kernels), "busy_us": total,
+                               "top": [(name[:90], n, round(t, 1)) for name, (n, t) in top]}
+            print(f"{label}: {len(kernels)} kernels, {total:.0f} us busy")
+            for name, (n, t) in top:
+                print(f"   {t:8.1f} us  {n:4d}x  {name[:100]}")
+        return len(kernels)
+
+    profiles: dict = {}
 
     t_graph = decode_steps(64, runner.graphs)
     t_eager = decode_steps(64, None)
@@ -417,8 +452,9 @@ def run_launches(llm, hf):
     eng.add_request("prof", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     eng.step()
     eng.step()
-    n_ours = count_kernels(eng.step)
+    n_ours = count_kernels(eng.step, "eager step")
     runner.graphs = saved
+    count_kernels(eng.step, "graph step")
     while eng.has_unfinished_requests():
         eng.step()
     n_hf = None
@@ -432,7 +468,7 @@ def run_launches(llm, hf):
             hf(nxt, past_key_values=cache, use_cache=True)
             n_hf = count_kernels(lambda: hf(nxt, past_key_values=cache, use_cache=True))
     out = {"step_ms_graphs": t_graph * 1e3, "step_ms_eager": t_eager * 1e3, "kernels_per_step_kvserve_eager": n_ours,
-           "kernels_per_step_transformers_eager": n_hf}
+           "kernels_per_step_transformers_eager": n_hf, "profiles": profiles}
     TABLE.append(f"decode step batch 1: {t_graph * 1e3:.2f} ms with CUDA graphs, {t_eager * 1e3:.2f} ms eager; "
                  f"kernels/step kvserve {n_ours}, transformers {n_hf}")
     print(out)
@@ -495,7 +531,7 @@ def run_offline(llm, hf, args):
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - a.vocab_size * a.hidden_size * 2
     n_params = sum(p.numel() for p in model.parameters()) - a.vocab_size * a.hidden_size
     out = {}
-    for n_req in ((256,) if args.quick else (256, 1024)):
+    for n_req in ((256,) if args.quick else tuple(map(int, args.offline_sizes.split(",")))):
         rng = random.Random(10 + n_req)
         prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
         run_requests(llm, [p[:100] for p in prompts[:4]], 8)
@@ -541,6 +577,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip transformers generate peers and the 1,024 run")
     ap.add_argument("--only", default="tests,kernels,parity,decode,launches,prefill,offline")
     ap.add_argument("--kv-memory", default="40GiB")
+    ap.add_argument("--offline-sizes", default="256,1024", help="request counts of the offline runs")
     ap.add_argument("--tests", default="tests/kernels,tests/test_cuda.py", help="pytest paths, comma-separated")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -561,7 +598,8 @@ def main():
         g = llm.engine.runner.graphs
         if g is not None:
             RESULTS["graphs"] = {"buckets": g.buckets, "capture_s": g.capture_seconds, "mib": g.memory_bytes / 2**20}
-        hf = hf_peer(llm) if only & {"parity", "decode", "launches", "prefill", "offline"} else None
+        wants_peer = "parity" in only or not args.quick  # --quick runs no transformers peer
+        hf = hf_peer(llm) if wants_peer and only & {"parity", "decode", "launches", "prefill", "offline"} else None
         if "backends" in only:
             run_backends(llm)
         if "parity" in only and hf is not None:
