@@ -21,6 +21,7 @@ Ceilings from ../shared/GPU.md: 4.25 TB/s copy, 793 TFLOP/s bf16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -555,7 +556,41 @@ def run_offline(llm, hf, args):
         out[str(n_req)] = res
         TABLE.append(line)
         print(line, flush=True)
+        if args.async_ab and n_req == 256:  # the same workload with async scheduling, same engine
+            with async_scheduling(llm):
+                run_requests(llm, [p[:100] for p in prompts[:4]], 8)
+                timer = llm.engine.runner.gpu_timer = GpuTimer()
+                ra = run_requests(llm, prompts, 256)
+                llm.engine.runner.gpu_timer = None
+            same = ra["tokens"] == r["tokens"]
+            tps_a = ra["output_tokens"] / ra["seconds"]
+            out[f"{n_req} async"] = {"seconds": ra["seconds"], "out_tok_s": tps_a, "of_roofline": roof / ra["seconds"],
+                                     "steps": ra["steps"], "gpu_busy_s": timer.seconds, "same_tokens": same}
+            line = (f"offline {n_req} req, async scheduling: {ra['seconds']:.1f} s, {tps_a:.0f} out tok/s "
+                    f"({roof / ra['seconds']:.0%} of roofline; {tps_a / tps:.3f}x sync); GPU busy {timer.seconds:.1f} s"
+                    f" in {ra['steps']} steps; tokens equal to sync: {same}")
+            if "transformers_out_tok_s" in res:
+                line += f"; transformers generate_batch ratio {tps_a / res['transformers_out_tok_s']:.1f}x"
+            TABLE.append(line)
+            print(line, flush=True)
     return out
+
+
+@contextlib.contextmanager
+def async_scheduling(llm):
+    """Async scheduling on an engine built without it (its graphs copy tables without waiting)."""
+    import dataclasses
+    eng = llm.engine
+    saved = eng.config
+    eng.config = dataclasses.replace(saved, async_scheduling=True)
+    if eng.runner.graphs is not None:
+        eng.runner.graphs.async_copies = True
+    try:
+        yield
+    finally:
+        eng.config = saved
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.async_copies = False
 
 
 def run_generate_batch(hf, prompts, n_new):
@@ -578,6 +613,8 @@ def main():
     ap.add_argument("--only", default="tests,kernels,parity,decode,launches,prefill,offline")
     ap.add_argument("--kv-memory", default="40GiB")
     ap.add_argument("--offline-sizes", default="256,1024", help="request counts of the offline runs")
+    ap.add_argument("--no-async-ab", dest="async_ab", action="store_false",
+                    help="skip the offline rerun with async scheduling")
     ap.add_argument("--tests", default="tests/kernels,tests/test_cuda.py", help="pytest paths, comma-separated")
     args = ap.parse_args()
     only = set(args.only.split(","))

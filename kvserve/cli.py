@@ -42,6 +42,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule each step before the previous one's tokens reach the host (host work overlaps the GPU)")
     t = p.add_argument_group("KV tiers (blocks leaving the GPU; each tier on or off by itself)")
     t.add_argument("--cpu-kv-memory", default="0", help="CPU memory for KV blocks, e.g. 8GiB (0: off)")
     t.add_argument("--disk-kv-dir", default=None, help="directory for KV chunks (survives restarts)")
@@ -78,6 +80,7 @@ def _make_llm(args):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+               async_scheduling=args.async_scheduling,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds)
 

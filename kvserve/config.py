@@ -130,6 +130,9 @@ class EngineConfig:
     # at 512); enforce_eager turns them off.
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
+    # Schedule and launch each step before the previous step's tokens reach the host, so the
+    # host's bookkeeping overlaps the device (see LLMEngine.step). Off until measured on the GPU.
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -34,13 +34,15 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_layers, backend, device: torch.device, max_batch: int, max_blocks: int,
-                 block_size: int, num_kv_heads: int, kivi: bool = False, split_per_sm: int = 2):
+                 block_size: int, num_kv_heads: int, kivi: bool = False, split_per_sm: int = 2,
+                 async_copies: bool = False):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.device, self.block_size, self.num_kv_heads = device, block_size, num_kv_heads
         self.buckets = batch_buckets(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.kivi = kivi  # KIVI-compressed cache: residual rows and places are inputs too
         self.split_per_sm = split_per_sm
+        self.async_copies = async_copies
         with torch.device(device):
             self.input_ids = torch.zeros(max_batch, dtype=torch.long)
             self.positions = torch.zeros(max_batch, dtype=torch.long)
@@ -51,9 +53,14 @@ class DecodeGraphs:
             self.res_slots = torch.zeros(max_batch, dtype=torch.int32)
             self.res_mapping = torch.full((max_batch,), -1, dtype=torch.long)
         # One pinned staging row per step: ids, positions, slots, lens (KIVI: residual rows and
-        # places) -> one host-to-device copy.
+        # places) -> one host-to-device copy (with async scheduling the block tables too). Two of
+        # each, used in turn: the next step may be staged while this one's copy still waits in
+        # the stream.
         rows = 6 if kivi else 4
-        self._stage = torch.zeros(rows, max_batch, dtype=torch.long, pin_memory=True)
+        self._stages = [torch.zeros(rows, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._table_stages = [torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=True)
+                              for _ in range(2)]
+        self._turn = 0
         self._stage_dev = torch.zeros(rows, max_batch, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -97,12 +104,16 @@ class DecodeGraphs:
         return batch <= self.max_batch and width <= self.max_blocks
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: np.ndarray, res: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+            tables: np.ndarray, res: tuple[np.ndarray, np.ndarray] | None = None,
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the graph for ``len(ids)`` decode rows; returns their hidden states (a view of
-        the graph's output buffer, valid until the next replay)."""
+        the graph's output buffer, valid until the next replay). ``patch``: (rows, ids) on the
+        device that replace those rows' input ids (tokens not known on the host yet)."""
         n = len(ids)
         bs = next(b for b in self.buckets if b >= n)
-        st = self._stage.numpy()
+        self._turn ^= 1
+        stage = self._stages[self._turn]
+        st = stage.numpy()
         st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids, positions, slots, seq_lens
         st[2, n:bs], st[3, n:bs] = -1, 0  # padding rows: write nothing, attend to nothing
         st[0, n:bs] = st[1, n:bs] = 0
@@ -110,8 +121,10 @@ class DecodeGraphs:
             st[4, :n], st[5, :n] = res
             st[4, n:bs], st[5, n:bs] = 0, -1
         dev = self._stage_dev[:, :bs]
-        dev.copy_(self._stage[:, :bs], non_blocking=True)
+        dev.copy_(stage[:, :bs], non_blocking=True)
         self.input_ids[:bs].copy_(dev[0])
+        if patch is not None:
+            self.input_ids[patch[0]] = patch[1]
         self.positions[:bs].copy_(dev[1])
         self.slots[:bs].copy_(dev[2])
         self.seq_lens[:bs].copy_(dev[3])
@@ -119,6 +132,11 @@ class DecodeGraphs:
             self.res_slots[:bs].copy_(dev[4])
             self.res_mapping[:bs].copy_(dev[5])
         w = tables.shape[1]
-        self.tables[:n, :w].copy_(torch.from_numpy(tables), non_blocking=False)
+        if self.async_copies:  # the host must not wait here for the step in flight
+            host = self._table_stages[self._turn][:n * w].view(n, w)
+            host.numpy()[:] = tables
+            self.tables[:n, :w].copy_(host, non_blocking=True)
+        else:
+            self.tables[:n, :w].copy_(torch.from_numpy(tables), non_blocking=False)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -16,7 +16,7 @@ import struct
 from math import ceil
 
 from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.request import Request
+from kvserve.engine.request import PENDING_TOKEN, Request
 
 
 def hash_block(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
@@ -49,8 +49,11 @@ class KVCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
+            tokens = req.all_token_ids[i * bs:(i + 1) * bs]
+            if tokens[-1] == PENDING_TOKEN:  # a token still being sampled (async scheduling): later
+                break
             parent = hashes[-1] if hashes else b""
-            hashes.append(hash_block(parent, self.hash_extra, req.all_token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(parent, self.hash_extra, tokens))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """The longest run of cached blocks holding this request's leading tokens. At least one
@@ -125,6 +128,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         self._update_hashes(req)
+        num_full = min(num_full, len(req.block_hashes))  # (a block with a pending token waits)
         table = self.tables[req.request_id]
         for i in range(done, num_full):
             self.pool.cache_block(table[i], req.block_hashes[i])

@@ -3,21 +3,23 @@
     step():  Scheduler.schedule() -> ModelRunner.launch() (device work queued; the host does the
              step's bookkeeping meanwhile) -> finish() (sampled ids) -> tokens, text, stops, forks;
              finished requests free their blocks
+    async scheduling: schedule + launch step N+1 before finish() of step N (its sampled ids
+             feed N+1 on the device), then fold N's results in while N+1 runs
 """
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import Detokenizer, find_stop
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner, StepResult
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.stats import EngineStats, StepStats
 from kvserve.errors import InvalidRequestError
 from kvserve.models import loader
@@ -28,6 +30,18 @@ from kvserve.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step whose device work is queued: ``finish()`` waits for it and returns its results."""
+    out: SchedulerOutput
+    finish: Callable[[], list[StepResult]]
+    t0: float
+    io0: float
+    kv_usage: tuple[int, int]
+    advanced: bool = False  # counters moved and placeholders appended before the results came
+    n_prompt: int = 0  # prompt tokens it computed (counted when advanced)
 
 
 class LLMEngine:
@@ -77,6 +91,7 @@ class LLMEngine:
         self._next_idle_check = 0.0
         self.groups: dict[str, list[Request]] = {}
         self.stats = EngineStats()
+        self._inflight: _Launched | None = None  # async scheduling: the step launched ahead
         self.eos_token_ids = self._eos_ids()
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB, %s", num_blocks,
                  config.cache.block_size, num_blocks * config.cache.block_size, num_blocks * block_bytes / 2**30,
@@ -188,7 +203,7 @@ class LLMEngine:
         return self.kv.block_size
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # -- requests --------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -252,14 +267,30 @@ class LLMEngine:
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """One scheduling step. Returns an output for every request that moved (for streaming),
         or with ``only_finished`` just for those that finished (offline batches: building the
-        rest is wasted host time)."""
+        rest is wasted host time).
+
+        With ``async_scheduling`` the step after this one is scheduled and launched before this
+        one's tokens reach the host, wherever the data allows (``_can_look_ahead``): the host's
+        bookkeeping then runs while the device computes the next step, and a request that stops
+        here has computed one token too many, which is dropped."""
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            cur = self._schedule_and_launch()
+            if cur is None:
+                return []
+        if self.config.async_scheduling and self._can_look_ahead(cur.out):
+            self._advance(cur)
+            self._inflight = self._schedule_and_launch()
+        return self._complete(cur, only_finished)
+
+    def _schedule_and_launch(self) -> _Launched | None:
         t0 = time.perf_counter()
         io0 = self._tier_copy_seconds()
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
             if any(r.prefetch_state == "pending" for r in self.scheduler.waiting):
                 time.sleep(0.001)  # only requests whose KV is on its way from disk/Redis: wait for it
-                return []
+                return None
             # Admission checks make this unreachable; fail loudly rather than spin forever.
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting requests fit nowhere "
                                f"({self.kv.pool.num_free_blocks} free blocks)")
@@ -269,29 +300,74 @@ class LLMEngine:
             self._next_idle_check = time.monotonic() + 0.25
             self.offload_idle_sessions()
         try:
-            finish = self.runner.launch(out) if not out.is_empty else None
+            finish = self.runner.launch(out) if not out.is_empty else (lambda: [])
             # While the device computes: the KV usage of this step's state, for the stats.
             kv_usage = self.kv.kv_waste(self.scheduler.running)
-            results = finish() if finish is not None else []
         except BaseException:
-            # Blocks hash-registered for this step never got their KV: nothing may hit them.
-            self.kv.pool.reset_prefix_cache()
-            if self.store is not None:
-                for _, run in out.loads:
-                    self.store.release(run)
+            self._step_failed(out)
             raise
+        return _Launched(out, finish, t0, io0, kv_usage)
+
+    def _step_failed(self, out: SchedulerOutput) -> None:
+        # Blocks hash-registered for this step never got their KV: nothing may hit them.
+        self.kv.pool.reset_prefix_cache()
+        if self.store is not None:
+            for _, run in out.loads:
+                self.store.release(run)
+
+    def _can_look_ahead(self, out: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are known: not with
+        the KV tiers (their copies run beside the compute stream), nor when a request of this
+        step forks (n > 1), samples with penalties (they read the tokens on the host) or wants
+        prompt log-probs (read from this step's hidden states)."""
+        if self.store is not None or out.is_empty:
+            return False
+        for s in out.scheduled:
+            r = s.request
+            if s.samples and (r.pending_forks or r.params.needs_penalties):
+                return False
+            if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
+                return False
+        return True
+
+    def _advance(self, cur: _Launched) -> None:
+        """Move the step's counters now, as its results would: each sampling request gets a
+        placeholder for its token (``Request.resolve_pending`` fills it in)."""
+        cur.advanced = True
+        for s in cur.out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted since the launch
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                cur.n_prompt += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                req.append_token(PENDING_TOKEN)
+
+    def _complete(self, cur: _Launched, only_finished: bool) -> list[RequestOutput]:
+        """Wait for the step's results and fold them into the requests."""
+        try:
+            results = cur.finish()
+        except BaseException:
+            self._step_failed(cur.out)
+            raise
+        out = cur.out
         touched: dict[str, None] = {}
-        n_prompt = n_gen = 0
+        n_prompt, n_gen = cur.n_prompt, 0
         for s, res in zip(out.scheduled, results):
             req = s.request
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                n_prompt += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
-            if res.prompt_logprobs:
-                self._add_prompt_logprobs(req, res)
-            req.num_computed_tokens += s.num_new_tokens
+            if cur.advanced:
+                if req.is_finished:  # stopped or aborted after the launch: its token is dropped
+                    continue
+            else:
+                if req.num_computed_tokens < req.num_prompt_tokens:
+                    n_prompt += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+                if res.prompt_logprobs:
+                    self._add_prompt_logprobs(req, res)
+                req.num_computed_tokens += s.num_new_tokens
             if res.token_ids:
                 n_gen += len(res.token_ids)
-                self._append_tokens(req, res)
+                self._append_tokens(req, res, pending=cur.advanced)
             touched[req.group_id] = None
         if only_finished:
             touched = {g: None for g in touched if self._group_finished(g)}
@@ -303,17 +379,19 @@ class LLMEngine:
                     self.runner.drop_request(r.request_id)
                     if r.session_id is not None:
                         self._end_session_turn(r.session_id, list(r.block_hashes))
-        dt = time.perf_counter() - t0
-        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, dt, kv_usage))
+        dt = time.perf_counter() - cur.t0
+        self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, dt, cur.kv_usage))
         if self.store is not None and n_prompt >= 32 and n_prompt >= 4 * n_gen and not out.offloads:
             # Prefill speed, for load-or-recompute: the step's own compute, without the copies
             # to and from the tiers (the runner's eviction copies are not timed: skipped). With
             # them counted, the H200 multi-turn run ended at 752 tokens/s.
-            compute = time.perf_counter() - t0 - (self._tier_copy_seconds() - io0)
+            compute = time.perf_counter() - cur.t0 - (self._tier_copy_seconds() - cur.io0)
             self.store.cost.observe_prefill(n_prompt, compute)
         return outputs
 
-    def _append_tokens(self, req: Request, res: StepResult) -> None:
+    def _append_tokens(self, req: Request, res: StepResult, pending: bool = False) -> None:
+        """``pending``: the request's token was appended as a placeholder when the step was
+        launched (async scheduling, no forks then)."""
         now = time.time()
         siblings = [req]
         if req.pending_forks:
@@ -328,7 +406,10 @@ class LLMEngine:
             if gens is not None:
                 req.generators = gens[:1]
         for r, tok, lp in zip(siblings, res.token_ids, res.logprobs):
-            r.append_token(tok)
+            if pending:
+                r.resolve_pending(tok)
+            else:
+                r.append_token(tok)
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = now
             r.metrics.num_generation_tokens += 1

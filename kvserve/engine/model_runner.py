@@ -13,7 +13,7 @@ import torch
 from kvserve import kernels
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_cache import KVCache
-from kvserve.engine.request import Request
+from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
@@ -60,21 +60,21 @@ class GpuTimer:
     def __init__(self):
         self.seconds = 0.0
         self.steps = 0
-        self._ev = None
+        self._ev: list = []  # (start, end) per launched step, oldest first (async scheduling: two)
 
     def start(self):
-        self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._ev[0].record()
+        self._ev.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self._ev[-1][0].record()
 
     def stop(self):
-        self._ev[1].record()
+        self._ev[-1][1].record()
 
     def collect(self):
-        if self._ev is not None:
-            self._ev[1].synchronize()
-            self.seconds += self._ev[0].elapsed_time(self._ev[1]) / 1e3
+        if self._ev:
+            start, end = self._ev.pop(0)
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
             self.steps += 1
-            self._ev = None
 
 
 class ModelRunner:
@@ -123,6 +123,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
+        self._sampled = None  # (sampled ids on the device, request id -> row) of the last step
         self.store = None  # kvserve.kvtier.TieredStore, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
@@ -236,7 +237,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
                                    max_blocks, self.block_size, self.arch.num_kv_heads,
                                    kivi=self.kv_format.kivi,
-                                   split_per_sm=8 if self.kv_format.quantized and not self.kv_format.kivi else 2)
+                                   split_per_sm=8 if self.kv_format.quantized and not self.kv_format.kivi else 2,
+                                   async_copies=self.config.async_scheduling)
         self.graphs.capture()
         msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch} captured in "
                f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
@@ -330,15 +332,24 @@ class ModelRunner:
         for rid in out.preempted:  # recomputed from scratch (or a block boundary) when resumed
             self._release_res_slot(rid)
         sched = out.scheduled
-        ids = []
+        ids: list[int] = []
+        pending_rows, pending_src = [], []  # async scheduling: input tokens sampled by the step in flight
         for s in sched:
             r = s.request
             ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens])
+            if ids and ids[-1] == PENDING_TOKEN:
+                pending_rows.append(len(ids) - 1)
+                pending_src.append(self._sampled[1][r.request_id])
+        patch = None
+        if pending_rows:
+            assert ids.count(PENDING_TOKEN) == len(pending_rows), "only a request's last token can be pending"
+            src = torch.tensor(pending_src).to(self.device, non_blocking=True)
+            patch = (torch.tensor(pending_rows).to(self.device, non_blocking=True), self._sampled[0][src])
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
         if self.gpu_timer is not None:
             self.gpu_timer.start()
         res_slots = self._res_slots_for(sched) if self.kv_format.kivi else None
-        hidden, query_start = self._forward(ids, seqs, res_slots)
+        hidden, query_start = self._forward(ids, seqs, res_slots, patch)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -358,6 +369,12 @@ class ModelRunner:
             else:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
             pending = self.sampler.launch(self.model.compute_logits(picked), rows)
+            # The sampled ids stay on the device: a step scheduled before they reach the host
+            # takes its requests' input tokens from here (draw 0 is the request's own token).
+            self._sampled = (pending[0], {sched[i].request.request_id: k for k, i in enumerate(sample_of)
+                                          if k == 0 or sample_of[k - 1] != i})
+        else:
+            self._sampled = None
         if self.gpu_timer is not None:
             self.gpu_timer.stop()
 
@@ -415,9 +432,11 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).synchronize()
             self.store.loaded(run, time.perf_counter() - t0)
 
-    def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
+                 patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
-        else eagerly. Returns hidden states [T, hidden] and the query offsets."""
+        else eagerly. ``patch``: (rows, ids) on the device replacing pending input tokens.
+        Returns hidden states [T, hidden] and the query offsets."""
         g = self.graphs
         if g is not None and len(ids) == len(seqs) and g.fits(len(seqs), max(len(t) for _, _, t in seqs)):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
@@ -425,10 +444,12 @@ class ModelRunner:
             if res_slots is not None:
                 res = (np.asarray(res_slots, dtype=np.int64),
                        self._residual_metadata(positions, seq_lens, query_start, res_slots)[0])
-            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, tables, res)
+            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, tables, res, patch)
             return hidden, query_start.tolist()
         meta, positions = self._build_metadata(seqs, res_slots)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if patch is not None:
+            input_ids[patch[0]] = patch[1]
         with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend)):
             hidden = self.model(input_ids, positions)
         return hidden, meta.query_start

@@ -14,6 +14,11 @@ import torch
 from kvserve.outputs import PositionLogprobs, RequestMetrics
 from kvserve.sampling_params import SamplingParams
 
+# With async scheduling a step is scheduled before the previous step's tokens are known: each
+# request that samples in the step in flight holds this in place of its new token until the
+# results arrive (the runner feeds the model the sampled id straight from the device).
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -100,6 +105,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def token_pending(self) -> bool:
+        return bool(self.all_token_ids) and self.all_token_ids[-1] == PENDING_TOKEN
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The in-flight step's token is known: it replaces the placeholder."""
+        assert self.token_pending, "no token of this request is pending"
+        self.all_token_ids[-1] = token_id
+        self.output_token_ids[-1] = token_id
 
     @property
     def generator(self) -> torch.Generator | None:

@@ -93,7 +93,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:  # nothing to compute (cannot happen for a running request, kept safe)
+            if n <= 0 or (req.token_pending and self._length_done(req)):
+                # Nothing to compute; or (async scheduling) the token in flight is its last.
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
@@ -172,6 +173,9 @@ class Scheduler:
             out.offloads = [(b, k) for b, k in evicted if not self.store.holds(k)]
             self.store.load_stats.offloads_skipped += len(evicted) - len(out.offloads)
         return out
+
+    def _length_done(self, req: Request) -> bool:
+        return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
 
     def _awaiting_prefetch(self, req: Request, keys: list[bytes]) -> bool:
         """True while the store's prefetch thread is fetching ``req``'s chunks from disk/Redis.
