@@ -583,12 +583,14 @@ def async_scheduling(llm):
     eng = llm.engine
     saved = eng.config
     eng.config = dataclasses.replace(saved, async_scheduling=True)
+    eng.runner.sampler.copy_ahead = True
     if eng.runner.graphs is not None:
         eng.runner.graphs.async_copies = True
     try:
         yield
     finally:
         eng.config = saved
+        eng.runner.sampler.copy_ahead = False
         if eng.runner.graphs is not None:
             eng.runner.graphs.async_copies = False
 

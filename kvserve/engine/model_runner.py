@@ -120,7 +120,7 @@ class ModelRunner:
             raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
                               f"tests), got {self.device}; use torch or auto")
         self.backend = get_backend(name)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
         self._sampled = None  # (sampled ids on the device, request id -> row) of the last step

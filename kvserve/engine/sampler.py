@@ -85,9 +85,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, copy_ahead: bool = False):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Async scheduling: the ids start for the host as soon as they are sampled, so that
+        # ``finish`` waits for this step only, not for the next step queued behind it.
+        self.copy_ahead = copy_ahead and device.type == "cuda"
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.finish(self.launch(logits, rows))
@@ -126,12 +129,23 @@ class Sampler:
                     q[i] = torch.empty(vocab).exponential_(generator=r.generator).to(q.device)
             sampled = (probs / q).argmax(dim=-1)
             tokens = torch.where(torch.tensor(greedy).to(dev, non_blocking=True), logits.argmax(dim=-1), sampled)
-        return tokens, raw_logprobs, rows
+        ahead = None
+        if self.copy_ahead:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            ahead = (host, done)
+        return tokens, raw_logprobs, rows, ahead
 
     def finish(self, pending) -> SamplerOutput:
-        tokens, raw_logprobs, rows = pending
+        tokens, raw_logprobs, rows, ahead = pending
         n = len(rows)
-        token_list = tokens.tolist()
+        if ahead is not None:
+            ahead[1].synchronize()
+            token_list = ahead[0].tolist()
+        else:
+            token_list = tokens.tolist()
         lps: list = [None] * n
         if raw_logprobs is not None:
             for i, r in enumerate(rows):
