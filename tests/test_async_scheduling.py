@@ -128,3 +128,44 @@ def test_abort_of_a_request_in_flight():
     assert sorted(done) == ["0", "2", "3"]
     assert all(len(o.outputs[0].token_ids) == 20 for o in done.values())
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_finished_request_in_a_step_that_cannot_look_ahead():
+    """A request aborted while its next step is in flight, when that step cannot itself run
+    ahead (another request samples with a penalty), is dropped from it like any other."""
+    llm = LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory="64MiB", block_size=4,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, show_progress=False,
+              async_scheduling=True)
+    eng = llm.engine
+    eng.add_request("A", {"prompt_token_ids": [5] * 9}, SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.add_request("B", {"prompt_token_ids": [6] * 9},
+                    SamplingParams(max_tokens=5, repetition_penalty=1.2, ignore_eos=True))
+    eng.step()
+    eng.abort_request("A")
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        eng.check_invariants()
+    assert sorted(done) == ["B"] and len(done["B"].outputs[0].token_ids) == 5
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_step_times_do_not_overlap():
+    """Each step's recorded time is its own call's: with steps launched ahead the busy time
+    still adds up to no more than the wall time."""
+    import time
+    llm = LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory="64MiB", block_size=4,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, show_progress=False,
+              async_scheduling=True)
+    eng = llm.engine
+    for i in range(8):
+        eng.add_request(str(i), {"prompt_token_ids": [7 + i] * 5}, SamplingParams(max_tokens=30, ignore_eos=True))
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    wall = time.perf_counter() - t0
+    assert eng.stats.busy_time <= wall * 1.01

@@ -273,6 +273,7 @@ class LLMEngine:
         one's tokens reach the host, wherever the data allows (``_can_look_ahead``): the host's
         bookkeeping then runs while the device computes the next step, and a request that stops
         here has computed one token too many, which is dropped."""
+        t_call = time.perf_counter()
         cur, self._inflight = self._inflight, None
         if cur is None:
             cur = self._schedule_and_launch()
@@ -280,8 +281,12 @@ class LLMEngine:
                 return []
         if self.config.async_scheduling and self._can_look_ahead(cur.out):
             self._advance(cur)
-            self._inflight = self._schedule_and_launch()
-        return self._complete(cur, only_finished)
+            try:
+                self._inflight = self._schedule_and_launch()
+            except BaseException:
+                self._complete(cur, only_finished, t_call)  # no placeholder may outlive the error
+                raise
+        return self._complete(cur, only_finished, t_call)
 
     def _schedule_and_launch(self) -> _Launched | None:
         t0 = time.perf_counter()
@@ -344,8 +349,9 @@ class LLMEngine:
             if s.samples:
                 req.append_token(PENDING_TOKEN)
 
-    def _complete(self, cur: _Launched, only_finished: bool) -> list[RequestOutput]:
-        """Wait for the step's results and fold them into the requests."""
+    def _complete(self, cur: _Launched, only_finished: bool, t_call: float) -> list[RequestOutput]:
+        """Wait for the step's results and fold them into the requests. (``t_call``: when this
+        ``step()`` began; a step launched ahead was scheduled during the previous call.)"""
         try:
             results = cur.finish()
         except BaseException:
@@ -356,10 +362,9 @@ class LLMEngine:
         n_prompt, n_gen = cur.n_prompt, 0
         for s, res in zip(out.scheduled, results):
             req = s.request
-            if cur.advanced:
-                if req.is_finished:  # stopped or aborted after the launch: its token is dropped
-                    continue
-            else:
+            if req.is_finished:  # (async scheduling) stopped or aborted after the launch: dropped
+                continue
+            if not cur.advanced:
                 if req.num_computed_tokens < req.num_prompt_tokens:
                     n_prompt += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
                 if res.prompt_logprobs:
@@ -379,7 +384,7 @@ class LLMEngine:
                     self.runner.drop_request(r.request_id)
                     if r.session_id is not None:
                         self._end_session_turn(r.session_id, list(r.block_hashes))
-        dt = time.perf_counter() - cur.t0
+        dt = time.perf_counter() - t_call  # this call's time: steps launched ahead overlap
         self.stats.record(self._step_stats(out.num_batched_tokens, n_prompt, n_gen, dt, cur.kv_usage))
         if self.store is not None and n_prompt >= 32 and n_prompt >= 4 * n_gen and not out.offloads:
             # Prefill speed, for load-or-recompute: the step's own compute, without the copies
