@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision, pdl_kw
-from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_k_tile, load_v_tile
+from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_kv_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 from kvserve.kernels.pdl import wait_inputs
 
@@ -81,12 +81,9 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                 Q.dtype.element_ty)
         else:
             kmask = nmask[:, None] & dmask[None, :]
-            k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
-                            full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
-                            FMT, BITS, QGROUP, Q.dtype.element_ty)
-            v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
-                            stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP,
-                            Q.dtype.element_ty)
+            k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
+                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, Q.dtype.element_ty)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)

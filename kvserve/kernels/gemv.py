@@ -26,15 +26,9 @@ import triton.language as tl
 
 from kvserve.kernels import dot_precision, pdl_kw
 from kvserve.kernels.pdl import wait_inputs
+from kvserve.kernels.silu_mul import silu_mul_rounded
 
 MAX_ROWS = 16  # rows of x this kernel takes; more go to cuBLAS
-
-
-@triton.jit
-def _silu_mul(g, u, DTYPE: tl.constexpr):
-    g = g.to(DTYPE).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-    return act * u.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -109,7 +103,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)[None, :]
     if SILU_MUL:
-        y = _silu_mul(y, y_u, Y.dtype.element_ty)
+        y = silu_mul_rounded(y.to(Y.dtype.element_ty), y_u.to(Y.dtype.element_ty), Y.dtype.element_ty)
     rows = tl.arange(0, BLOCK_M)
     out = Y + rows[:, None] * stride_ym + rn[None, :]
     tl.store(out, y.to(Y.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])

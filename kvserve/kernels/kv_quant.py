@@ -53,6 +53,19 @@ def load_k_tile(KC, KS, RES, page, within, n, kvh, d, mask, full_end, res_row,
 
 
 @triton.jit
+def load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, mask, full_end, res_row,
+                 s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
+                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
+    """Keys and values of one tile of the general path, [N, D] each. ``page``/``within``/``n``:
+    [N]; ``d``: [D]; ``mask``: [N, D]. (The attention kernels' shared loader.)"""
+    k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], mask, full_end,
+                    res_row, s_kb, s_ks, s_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh, FMT, BITS, GROUP, DT)
+    v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], mask, s_vb, s_vs, s_vh,
+                    s_vsb, s_vst, s_vsh, FMT, BITS, GROUP, DT)
+    return k, v
+
+
+@triton.jit
 def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st, s_sh,
                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
     """Values of one tile as [N, D] in ``DT`` (every format quantizes values per token)."""

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
-from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_k_tile, load_v_tile
+from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_kv_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -82,11 +82,9 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                 s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT)
         else:
             kmask = dmask[None, :]  # whole tiles: every key is valid
-            k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
-                            full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
-                            FMT, BITS, QGROUP, DT)
-            v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
-                            stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
+            k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
+                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
@@ -103,11 +101,9 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                 s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT)
         else:
             kmask = nmask[:, None] & dmask[None, :]
-            k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], kmask,
-                            full_end, res_row, stride_kb, stride_ks, stride_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh,
-                            FMT, BITS, QGROUP, DT)
-            v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], kmask,
-                            stride_vb, stride_vs, stride_vh, s_vsb, s_vst, s_vsh, FMT, BITS, QGROUP, DT)
+            k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
+                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             qk = tl.where(causal, qk, float("-inf"))
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)  # padding rows may see no key

@@ -10,6 +10,15 @@ from kvserve.kernels.pdl import wait_inputs
 
 
 @triton.jit
+def silu_mul_rounded(g, u, DTYPE: tl.constexpr):
+    """silu(g) * u in float32 from ``DTYPE`` values, with silu rounded to ``DTYPE`` first, as
+    F.silu's output is (also the skinny GEMM's fused epilogue)."""
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(DTYPE)
+    return act.to(tl.float32) * u.to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -17,9 +26,7 @@ def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: 
     mask = cols < N
     g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded like F.silu's output
-    tl.store(Y + row * stride_y + cols, (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, silu_mul_rounded(g, u, g.dtype).to(Y.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +37,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return y
     BLOCK = min(2048, triton.next_power_of_2(N))
-    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4, **pdl_kw(x))
+    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4,
+                                                 **pdl_kw(x))
     return y
 
 
