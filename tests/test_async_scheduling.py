@@ -57,11 +57,31 @@ def _check_hashes(engine):
             assert h == parent, (req.request_id, i)
 
 
+def _engine(async_scheduling: bool = True, kv_memory: str = "64MiB", max_num_seqs: int = 8,
+            max_num_batched_tokens: int = 64):
+    return LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory=kv_memory, block_size=4,
+               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=256,
+               show_progress=False, async_scheduling=async_scheduling).engine
+
+
+def _drain(eng) -> dict:
+    """Step until every request is done, checking the invariants and block hashes after each
+    step; returns the finished outputs by request id."""
+    outs = {}
+    for _ in range(2000):
+        if not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        eng.check_invariants()
+        _check_hashes(eng)
+    assert not eng.has_unfinished_requests()
+    return outs
+
+
 def _run(async_scheduling: bool, seed: int, kv_memory: str):
-    llm = LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory=kv_memory, block_size=4,
-              max_num_seqs=6, max_num_batched_tokens=48, max_model_len=256, show_progress=False,
-              async_scheduling=async_scheduling)
-    eng = llm.engine
+    eng = _engine(async_scheduling, kv_memory, max_num_seqs=6, max_num_batched_tokens=48)
     prompts, params = _workload(seed)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(str(i), p, sp)
@@ -73,16 +93,7 @@ def _run(async_scheduling: bool, seed: int, kv_memory: str):
         ahead += 1
         advance(cur)
     eng._advance = counting
-    outs = {}
-    steps = 0
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-        eng.check_invariants()
-        _check_hashes(eng)
-        steps += 1
-        assert steps < 2000
+    outs = _drain(eng)
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks  # nothing leaked
     return outs, ahead, eng.scheduler.num_preemptions
 
@@ -109,22 +120,14 @@ def test_async_scheduling_changes_no_output(seed, kv_memory):
 def test_abort_of_a_request_in_flight():
     """Aborting a request whose next step is already launched drops that step's token for it;
     the others go on and the pool ends whole."""
-    llm = LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory="64MiB", block_size=4,
-              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, show_progress=False,
-              async_scheduling=True)
-    eng = llm.engine
+    eng = _engine()
     for i in range(4):
         eng.add_request(str(i), {"prompt_token_ids": [5 + i] * 9}, SamplingParams(max_tokens=20, ignore_eos=True))
     eng.step()
     eng.step()
     assert eng._inflight is not None and any(s.request.request_id == "1" for s in eng._inflight.out.scheduled)
     eng.abort_request("1")
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-        eng.check_invariants()
+    done = _drain(eng)
     assert sorted(done) == ["0", "2", "3"]
     assert all(len(o.outputs[0].token_ids) == 20 for o in done.values())
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
@@ -133,10 +136,7 @@ def test_abort_of_a_request_in_flight():
 def test_finished_request_in_a_step_that_cannot_look_ahead():
     """A request aborted while its next step is in flight, when that step cannot itself run
     ahead (another request samples with a penalty), is dropped from it like any other."""
-    llm = LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory="64MiB", block_size=4,
-              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, show_progress=False,
-              async_scheduling=True)
-    eng = llm.engine
+    eng = _engine()
     eng.add_request("A", {"prompt_token_ids": [5] * 9}, SamplingParams(max_tokens=20, ignore_eos=True))
     eng.step()
     eng.step()
@@ -144,12 +144,7 @@ def test_finished_request_in_a_step_that_cannot_look_ahead():
                     SamplingParams(max_tokens=5, repetition_penalty=1.2, ignore_eos=True))
     eng.step()
     eng.abort_request("A")
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-        eng.check_invariants()
+    done = _drain(eng)
     assert sorted(done) == ["B"] and len(done["B"].outputs[0].token_ids) == 5
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks
 
@@ -158,10 +153,7 @@ def test_step_times_do_not_overlap():
     """Each step's recorded time is its own call's: with steps launched ahead the busy time
     still adds up to no more than the wall time."""
     import time
-    llm = LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory="64MiB", block_size=4,
-              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, show_progress=False,
-              async_scheduling=True)
-    eng = llm.engine
+    eng = _engine()
     for i in range(8):
         eng.add_request(str(i), {"prompt_token_ids": [7 + i] * 5}, SamplingParams(max_tokens=30, ignore_eos=True))
     t0 = time.perf_counter()

@@ -58,8 +58,7 @@ class DecodeGraphs:
         # the stream.
         rows = 6 if kivi else 4
         self._stages = [torch.zeros(rows, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        self._table_stages = [torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=True)
-                              for _ in range(2)]
+        self._table_stages: list[torch.Tensor] = []  # allocated on first use (async scheduling only)
         self._turn = 0
         self._stage_dev = torch.zeros(rows, max_batch, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -133,6 +132,9 @@ class DecodeGraphs:
             self.res_mapping[:bs].copy_(dev[5])
         w = tables.shape[1]
         if self.async_copies:  # the host must not wait here for the step in flight
+            if not self._table_stages:
+                self._table_stages = [torch.zeros(self.max_batch * self.max_blocks, dtype=torch.int32,
+                                                  pin_memory=True) for _ in range(2)]
             host = self._table_stages[self._turn][:n * w].view(n, w)
             host.numpy()[:] = tables
             self.tables[:n, :w].copy_(host, non_blocking=True)

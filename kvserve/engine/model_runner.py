@@ -123,7 +123,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
-        self._sampled = None  # (sampled ids on the device, request id -> row) of the last step
+        self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.store = None  # kvserve.kvtier.TieredStore, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
@@ -339,12 +339,18 @@ class ModelRunner:
             ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens])
             if ids and ids[-1] == PENDING_TOKEN:
                 pending_rows.append(len(ids) - 1)
-                pending_src.append(self._sampled[1][r.request_id])
+                pending_src.append(r.request_id)
         patch = None
         if pending_rows:
+            tokens, prev_sched, prev_sample_of = self._sampled
+            # Each request's own token is its first draw in the step in flight.
+            row_of: dict[str, int] = {}
+            for k, i in enumerate(prev_sample_of):
+                row_of.setdefault(prev_sched[i].request.request_id, k)
+            pending_src = [row_of[rid] for rid in pending_src]
             assert ids.count(PENDING_TOKEN) == len(pending_rows), "only a request's last token can be pending"
             src = torch.tensor(pending_src).to(self.device, non_blocking=True)
-            patch = (torch.tensor(pending_rows).to(self.device, non_blocking=True), self._sampled[0][src])
+            patch = (torch.tensor(pending_rows).to(self.device, non_blocking=True), tokens[src])
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
         if self.gpu_timer is not None:
             self.gpu_timer.start()
@@ -370,9 +376,8 @@ class ModelRunner:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
             pending = self.sampler.launch(self.model.compute_logits(picked), rows)
             # The sampled ids stay on the device: a step scheduled before they reach the host
-            # takes its requests' input tokens from here (draw 0 is the request's own token).
-            self._sampled = (pending[0], {sched[i].request.request_id: k for k, i in enumerate(sample_of)
-                                          if k == 0 or sample_of[k - 1] != i})
+            # takes its requests' input tokens from here.
+            self._sampled = (pending[0], sched, sample_of)
         else:
             self._sampled = None
         if self.gpu_timer is not None:
