@@ -42,8 +42,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule each step before the previous one's tokens reach the host (host work overlaps the GPU)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
+                        "the GPU (default: on for CUDA, off on the CPU)")
     t = p.add_argument_group("KV tiers (blocks leaving the GPU; each tier on or off by itself)")
     t.add_argument("--cpu-kv-memory", default="0", help="CPU memory for KV blocks, e.g. 8GiB (0: off)")
     t.add_argument("--disk-kv-dir", default=None, help="directory for KV chunks (survives restarts)")

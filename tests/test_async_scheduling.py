@@ -161,3 +161,11 @@ def test_step_times_do_not_overlap():
         eng.step()
     wall = time.perf_counter() - t0
     assert eng.stats.busy_time <= wall * 1.01
+
+
+def test_async_scheduling_defaults_to_the_device():
+    """Unset, async scheduling follows the device (on for CUDA, off on the CPU, where a step
+    computes before it returns); set, it is what was asked."""
+    assert LLM("dummy:tiny", device="cpu", kv_cache_memory="16MiB", show_progress=False).engine.config.async_scheduling is False
+    eng = LLM("dummy:tiny", device="cpu", kv_cache_memory="16MiB", show_progress=False, async_scheduling=True).engine
+    assert eng.config.async_scheduling is True

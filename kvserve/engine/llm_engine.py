@@ -58,6 +58,7 @@ class LLMEngine:
             raise InvalidRequestError("max_model_len", f"must be <= the model's context length {limit}, got {want}")
         self.max_model_len = want or limit
         self.runner = ModelRunner(config, src, self.max_model_len)
+        self.config = config = self.runner.config  # with the device's defaults resolved
         kv_bytes = self.runner.determine_kv_memory()
         if self.runner.kv_format.kivi:
             max_seqs = self.runner.plan_residual(kv_bytes)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -79,8 +80,10 @@ class GpuTimer:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int):
-        self.config = config
         self.device = resolve_device(config.device)
+        if config.async_scheduling is None:
+            config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda")
+        self.config = config
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
