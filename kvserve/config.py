@@ -131,8 +131,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
     # Schedule and launch each step before the previous step's tokens reach the host, so the
-    # host's bookkeeping overlaps the device (see LLMEngine.step). None: on for CUDA (1.31x the
-    # offline throughput on an H200, same tokens), off on the CPU, whose steps run synchronously.
+    # host's bookkeeping overlaps the device (see LLMEngine.step). None: on for CUDA (same tokens
+    # as synchronous on an H200), off on the CPU, whose steps compute before they return.
     async_scheduling: bool | None = None
 
     def __post_init__(self):
