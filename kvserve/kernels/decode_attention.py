@@ -38,7 +38,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         VD: tl.constexpr, USE_PDL: tl.constexpr):
     wait_inputs(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -78,12 +78,12 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                 q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, nmask[None, :], kvh, tile_page,
                 s + BLOCK_N, full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC,
-                Q.dtype.element_ty)
+                Q.dtype.element_ty, VD)
         else:
             kmask = nmask[:, None] & dmask[None, :]
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
-                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, Q.dtype.element_ty)
+                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, Q.dtype.element_ty, VD)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
@@ -149,6 +149,14 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
 _NUM_SMS: int | None = None
 
 
+def split_per_sm(fmt) -> int:
+    """Programs per SM to aim for (``num_splits``) with a cache of format ``fmt`` (a KVFormat;
+    None: uncompressed). 8-bit caches: 16, their small programs (2 warps) hide the dequantizing
+    loads' latency by numbers (fp8 at batch 32 x 32k on an H200: 0.65 ms at 16, 0.76 at 8, 0.84
+    at 2); otherwise 2."""
+    return 16 if fmt is not None and fmt.quantized and not fmt.kivi else 2
+
+
 def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
     """Enough programs to fill the GPU ``per_sm`` times over; a function of the batch only
     (graph-safe). Dequantizing 8-bit caches hide their latency better with 8 per SM (measured)."""
@@ -165,8 +173,8 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int 
 def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None,
-                           res_slots: torch.Tensor | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           res_slots: torch.Tensor | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -190,13 +198,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         return out
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group))
-    if block_n is None:
-        block_n = max(16, min(64, page * 4)) if D <= 128 else 32
     fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
-    if fast and fmt_kw["FMT"] == 3:
-        block_n = min(block_n, page)  # a KIVI key tile must lie in one block (its channel scales)
-    elif fast and q.is_cuda and num_stages == 2:  # 8-bit: measured best on an H200 (batch 32 x 32k)
-        block_n, num_stages = 128, 3
+    eight_bit = fast and fmt_kw["FMT"] != 3
+    # 8-bit on CUDA: a tile per block (64 keys by default), 2 warps, 2 stages (and split_per_sm's
+    # 16 programs per SM): measured best on an H200 (batch 32 x 32k, GQA 32/8)
+    if block_n is None:
+        block_n = page if eight_bit and q.is_cuda else max(16, min(64, page * 4)) if D <= 128 else 32
+    if num_stages is None:
+        num_stages = 2
+    if num_warps is None:
+        num_warps = 2 if eight_bit and q.is_cuda else 4
+    if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
+        block_n = min(block_n, page)
     if splits > 1:
         op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
@@ -215,7 +228,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         scale * _LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), PREC=dot_precision(q.dtype),
-        FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, num_warps=num_warps, num_stages=num_stages, **pdl_kw(q))
+        FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"], num_warps=num_warps, num_stages=num_stages, **pdl_kw(q))
     return out
 
 

@@ -10,6 +10,8 @@ codes the reference does.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -49,26 +51,28 @@ def load_k_tile(KC, KS, RES, page, within, n, kvh, d, mask, full_end, res_row,
                     other=0.0)
         return tl.where(sealed, (code * sc + mn).to(DT), r.to(DT))
     return load_v_tile(KC, KS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st, s_sh,
-                       FMT, BITS, GROUP, DT)
+                       FMT, BITS, GROUP, DT, 1)
 
 
 @triton.jit
 def load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, mask, full_end, res_row,
                  s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
-                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
+                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr, VD: tl.constexpr):
     """Keys and values of one tile of the general path, [N, D] each. ``page``/``within``/``n``:
-    [N]; ``d``: [D]; ``mask``: [N, D]. (The attention kernels' shared loader.)"""
+    [N]; ``d``: [D]; ``mask``: [N, D]; ``VD``: the value codes' channel stride (``kernel_args``).
+    (The attention kernels' shared loader.)"""
     k = load_k_tile(KC, KS, RES, page[:, None], within[:, None], n[:, None], kvh, d[None, :], mask, full_end,
                     res_row, s_kb, s_ks, s_kh, s_ksb, s_kst, s_ksh, s_rt, s_rh, FMT, BITS, GROUP, DT)
     v = load_v_tile(VC, VS, page[:, None], within[:, None], kvh, d[None, :], mask, s_vb, s_vs, s_vh,
-                    s_vsb, s_vst, s_vsh, FMT, BITS, GROUP, DT)
+                    s_vsb, s_vst, s_vsh, FMT, BITS, GROUP, DT, VD)
     return k, v
 
 
 @triton.jit
 def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st, s_sh,
-                FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
-    """Values of one tile as [N, D] in ``DT`` (every format quantizes values per token)."""
+                FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr, CD: tl.constexpr):
+    """Values (or 8-bit keys) of one tile as [N, D] in ``DT`` (every format quantizes values per
+    token; ``CD``: the codes' channel stride, 1 or an 8-bit format's block size)."""
     if FMT == 0:
         return tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask, other=0.0)
     elif FMT == 3:
@@ -80,8 +84,8 @@ def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st
         mn = tl.load(sp + 1, mask=mask, other=0.0).to(tl.float32)
         return (code * sc + mn).to(DT)
     else:
-        c = tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d, mask=mask)  # no `other`: fp8
-        c = tl.where(mask, c.to(tl.float32), 0.0)
+        c = _codes(tl.load(VC + page * s_cb + within * s_ct + kvh * s_ch + d * CD, mask=mask, other=0), FMT,
+                   tl.float32)
         sc = tl.load(VS + page * s_sb + within * s_st + kvh * s_sh + d // GROUP, mask=mask, other=0.0)
         return (c * sc.to(tl.float32)).to(DT)
 
@@ -96,9 +100,11 @@ def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
         args = [kc, vc, kc, vc, kc,
                 kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
                 0, 0, 0, 0, 0, 0, 0, 0]
-        return args, dict(FMT=0, BITS=16, GROUP=1)
+        return args, dict(FMT=0, BITS=16, GROUP=1, VD=1)
     f = views.fmt
     kc, vc, ks, vs = views.k_codes, views.v_codes, views.k_scales, views.v_scales
+    if f.name == "fp8":  # the kernels load the bytes (masked lanes: 0) and bitcast them
+        kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
     res = views.residual if views.residual is not None else ks
     if f.static:  # one calibrated scale per KV head: [kvh]
         k_s, v_s = (0, 0, ks.stride(0)), (0, 0, vs.stride(0))
@@ -114,7 +120,8 @@ def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
     args = [kc, vc, ks, vs, res,
             kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
             *k_s, *v_s, *res_s]
-    return args, dict(FMT=fmt_code(f), BITS=f.bits, GROUP=f.group)
+    # VD: the value codes' channel stride (8-bit formats store them channel-major: the block size)
+    return args, dict(FMT=fmt_code(f), BITS=f.bits, GROUP=f.group, VD=vc.stride(3))
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -125,6 +132,24 @@ def _rotate(X, row_off, h_off, d, partner, sign, cos, sin, mask, DT: tl.constexp
     x = tl.load(X + row_off + h_off + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(X + row_off + h_off + partner, mask=mask, other=0.0).to(tl.float32)
     return ((x * cos).to(DT).to(tl.float32) + (sign * xp * sin).to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, RSQRT_D: tl.constexpr,
+              DT: tl.constexpr):
+    """x ([R, D] float32) times the orthonormal Hadamard matrix, rounded to ``DT``: the fast
+    transform's butterflies, stride 1 first, then the 1/sqrt(D) - ``kv_format.hadamard``'s order."""
+    for i in tl.static_range(LOG_D):
+        x = _butterflies(x, R, D, 1 << i)
+    return (x * RSQRT_D).to(DT)
+
+
+@triton.jit
+def _butterflies(x, R: tl.constexpr, D: tl.constexpr, S: tl.constexpr):
+    """One stage of the fast Hadamard transform: (a, b) -> (a + b, a - b) for channels S apart."""
+    y = tl.permute(tl.reshape(x, [R, D // (2 * S), 2, S]), [0, 1, 3, 2])
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, D])
 
 
 @triton.jit
@@ -153,7 +178,7 @@ def _fp8e4m3_bits(y):
 def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
                  NKV: tl.constexpr, BLOCK_KH: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr,
                  PER: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-                 TINY: tl.constexpr, SOFT_FP8: tl.constexpr, STATIC: tl.constexpr):
+                 TINY: tl.constexpr, SOFT_FP8: tl.constexpr, STATIC: tl.constexpr, CD: tl.constexpr = 1):
     """Quantize x ([BLOCK_KH, NG, GP, PER] float32: one token, channel d = (g * GP + j) * PER + p)
     per (head, group) and store codes and scales. 8-bit: symmetric; KIVI: asymmetric (scale,
     min), codes packed PER to a byte."""
@@ -190,7 +215,7 @@ def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
             code = tl.floor(y + 0.5).to(tl.int8)
         # PER == 1: x is [KH, NG, GP, 1]
         code3 = tl.reshape(code, (BLOCK_KH, NG, GP))
-        tl.store(C + base_c + h3 * s_ch + g3 * GP + j3, code3, mask=(h3 < NKV) & (j3 < GP))
+        tl.store(C + base_c + h3 * s_ch + (g3 * GP + j3) * CD, code3, mask=(h3 < NKV) & (j3 < GP))
         if not STATIC:
             tl.store(S + base_s + h2 * s_sh + g2, sc.to(tl.float16), mask=(h2 < NKV) & (g2 < NG))
 
@@ -204,7 +229,8 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
                                 BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
                                 FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                                 QMAX: tl.constexpr, TINY: tl.constexpr, WRITE_K: tl.constexpr,
-                                SOFT_FP8: tl.constexpr, STATIC: tl.constexpr):
+                                SOFT_FP8: tl.constexpr, STATIC: tl.constexpr, VD: tl.constexpr,
+                                ROT: tl.constexpr, LOG_D: tl.constexpr, RSQRT_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t).to(tl.int64)
     slot = tl.load(SLOT + t).to(tl.int64)
@@ -219,6 +245,11 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
     h2 = tl.arange(0, BLOCK_H)[:, None]
     qm = (h2 < NUM_HEADS) & (d2 < HEAD_DIM)
     qr = _rotate(Q, t * stride_qt, h2 * stride_qh, d2, partner2, sign2, cos2, sin2, qm, DT)
+    if ROT:  # keys are stored turned (KVFormat.rotate_keys): the queries turn with them
+        qr = _hadamard(qr.to(tl.float32), BLOCK_H, HEAD_DIM, LOG_D, RSQRT_D, DT)
+    # In place: a channel's partner is another thread's element, which must be read before it is
+    # overwritten (without the barrier the H200 tests failed now and then)
+    tl.debug_barrier()
     tl.store(Q + t * stride_qt + h2 * stride_qh + d2, qr, mask=qm)
 
     # k, v: [KH, NG, GP, PER] tiles, channel d = (g * GP + j) * PER + p
@@ -236,14 +267,18 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
     sin = tl.load(SIN + pos * stride_cos + d).to(DT).to(tl.float32)
     km = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     kr = _rotate(K, t * stride_kt, h * stride_kh, d, partner, sign, cos, sin, km, DT)
+    if ROT:
+        kr = tl.reshape(_hadamard(tl.reshape(kr.to(tl.float32), [BLOCK_KH, HEAD_DIM]), BLOCK_KH, HEAD_DIM, LOG_D,
+                                  RSQRT_D, DT), [BLOCK_KH, NG, GP, PER])
     if WRITE_K:
+        tl.debug_barrier()  # (in place, as q above)
         tl.store(K + t * stride_kt + h * stride_kh + d, kr, mask=km)
     if slot >= 0:
         vx = tl.load(V + t * stride_vt + h * stride_vh + d, mask=km, other=0.0).to(tl.float32)
         blk = slot // PAGE
         off = slot % PAGE
         _quant_store(vx, VC, VS, blk * s_vcb + off * s_vcs, blk * s_vsb + off * s_vss, s_vch, s_vsh,
-                     NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8, STATIC)
+                     NUM_KV_HEADS, BLOCK_KH, NG, GP, PER, FMT, BITS, QMAX, TINY, SOFT_FP8, STATIC, VD)
         if FMT == 3:  # keys wait in full precision until their block is sealed
             rslot = tl.load(RSLOT + t)
             if rslot >= 0:
@@ -337,7 +372,8 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         slot_mapping: torch.Tensor, res_mapping: torch.Tensor | None, cos: torch.Tensor,
                         sin: torch.Tensor, views: KVViews, rotate_k_inplace: bool = False) -> None:
     """Rotate q (in place) and k, quantize v (and k, for 8-bit formats) into the compressed cache
-    at each token's slot; KIVI keys go to the residual at ``res_mapping`` (row * block_size +
+    at each token's slot (formats with ``rotate_keys``: q and k also turned by the Hadamard
+    matrix); KIVI keys go to the residual at ``res_mapping`` (row * block_size +
     offset; < 0: none). Slots < 0 are padding."""
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -366,11 +402,21 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         *(vs_s if f.static else (vs.stride(0), vs.stride(1), vs.stride(2))), res_h, PAGE=f.block_size,
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), FMT=fmt_code(f), BITS=f.bits, GROUP=f.group,
-        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static, num_warps=4,
+        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static, VD=vc.stride(3), ROT=f.rotate_keys,
+        LOG_D=D.bit_length() - 1, RSQRT_D=1.0 / math.sqrt(D),
+        num_warps=4,
         enable_fp_fusion=False)
 
 
 # -- the fast path: one scale per token and head (the default group) --------------------------
+@triton.jit
+def _codes(c, FMT: tl.constexpr, CT: tl.constexpr):
+    """8-bit codes as loaded (fp8: their bytes, uint8; int8) -> values in ``CT``."""
+    if FMT == 1:
+        return c.to(tl.float8e4nv, bitcast=True).to(CT)
+    return c.to(CT)
+
+
 @triton.jit
 def _unpack(b, BITS: tl.constexpr):
     """Packed bytes [N, D // per] -> codes [N, D] (int32): channel d = byte d // per, bits
@@ -387,13 +433,16 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
                     tile_end, full_end, res_row,
                     s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
                     scale_log2, FMT: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr):
+                    PREC: tl.constexpr, DT: tl.constexpr, VD: tl.constexpr):
     """One key tile of attention over a compressed cache whose scales are per token and head
     (or per layer and head), folded around the dots instead of applied to every element: keys
     scale the scores per column (KIVI: per channel, into q, since a tile lies in one block), values
     scale p per column (KIVI: plus a per-row offset). q: [M, D]; page/within/n/nmask: [N];
     valid: [M, N]. Returns the updated (m_i, l_i, acc)."""
     PER: tl.constexpr = 8 // BITS
+    # 8-bit codes enter the dots as fp16 in a 16-bit model: e4m3 pairs convert to fp16 in one
+    # instruction (to bf16 it takes three per element), and int8 is exact in either
+    CT: tl.constexpr = tl.float16 if DT.primitive_bitwidth == 16 else DT
     d = tl.arange(0, HEAD_DIM)
     dp = tl.arange(0, HEAD_DIM // PER)
     pg = page[:, None]
@@ -414,10 +463,11 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
                         mask=rm[:, None], other=0.0).to(DT)
             qk = tl.where(rm[None, :], tl.dot(q, tl.trans(r), input_precision=PREC), qk)
     else:
-        c = tl.load(KC + pg * s_kcb + wi * s_kct + kvh * s_kch + d[None, :], mask=nmask[:, None])  # no `other`: fp8
-        kc = tl.where(nmask[:, None], c.to(DT), 0.0).to(DT)
-        ksc = tl.load(KS + page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0).to(tl.float32)
-        qk = tl.dot(q, tl.trans(kc), input_precision=PREC) * ksc[None, :]
+        # (the tile lies in one block, ``tile_page``: the launchers see to it)
+        kc = _codes(tl.load(KC + tile_page * s_kcb + wi * s_kct + kvh * s_kch + d[None, :], mask=nmask[:, None],
+                            other=0), FMT, CT)
+        ksc = tl.load(KS + tile_page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0).to(tl.float32)
+        qk = tl.dot(q.to(CT), tl.trans(kc), input_precision=PREC) * ksc[None, :]
     qk = tl.where(valid, qk, float("-inf"))
     m_new, l_i, p, alpha = online_softmax_probs(qk, m_i, l_i, scale_log2)
     if FMT == 3:
@@ -428,9 +478,15 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
         vmn = tl.load(vp + 1, mask=nmask, other=0.0).to(tl.float32)
         pv = tl.dot((p * vsc[None, :]).to(DT), vc, input_precision=PREC) + tl.sum(p * vmn[None, :], 1)[:, None]
     else:
-        c = tl.load(VC + pg * s_vcb + wi * s_vct + kvh * s_vch + d[None, :], mask=nmask[:, None])
-        vc = tl.where(nmask[:, None], c.to(DT), 0.0).to(DT)
-        vsc = tl.load(VS + page * s_vsb + within * s_vst + kvh * s_vsh, mask=nmask, other=0.0).to(tl.float32)
-        pv = tl.dot((p * vsc[None, :]).to(DT), vc, input_precision=PREC)
+        # Value codes are channel-major (VD = block size): the product's operand is read with the
+        # keys contiguous, in words (a token-major tile is read from shared memory byte by byte:
+        # Triton 3.6, sm90). Unmasked, or the loads would not vectorise: a key past the end reads
+        # its block's stale codes, which are finite (the cache starts zeroed and only the
+        # quantizer writes it, clamped) and meet p * scale = 0.
+        vc = _codes(tl.load(VC + tile_page * s_vcb + wi * s_vct + kvh * s_vch + d[None, :] * VD), FMT, CT)
+        vsc = tl.load(VS + tile_page * s_vsb + within * s_vst + kvh * s_vsh, mask=nmask, other=0.0).to(tl.float32)
+        # p times the value scales, divided by the tile's largest: in [0, 1], where fp16 is exact
+        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
+        pv = tl.dot((p * (vsc * (1.0 / vmax))[None, :]).to(CT), vc, input_precision=PREC) * vmax
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc

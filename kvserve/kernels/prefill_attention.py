@@ -33,7 +33,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
-                    FAST: tl.constexpr):
+                    FAST: tl.constexpr, VD: tl.constexpr):
     # Query tiles in reverse: the causal tiles with the most keys start first and the light ones
     # fill the tail (+1.5% at 8k on the H200).
     mt = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -79,12 +79,12 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                 q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, n >= 0, (n >= 0)[None, :], kvh,
                 tl.load(bt_row + s // PAGE).to(tl.int64), s + BLOCK_N, full_end, res_row,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT)
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT, VD)
         else:
             kmask = dmask[None, :]  # whole tiles: every key is valid
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
-                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT)
+                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT, VD)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
@@ -98,12 +98,12 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                 q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, causal, kvh,
                 tl.load(bt_row + s // PAGE).to(tl.int64), s + BLOCK_N, full_end, res_row,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT)
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT, VD)
         else:
             kmask = nmask[:, None] & dmask[None, :]
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
-                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT)
+                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT, VD)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             qk = tl.where(causal, qk, float("-inf"))
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)  # padding rows may see no key
@@ -139,8 +139,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     if block_n is None:  # 128 measured fastest on an H200 for head 128 (371 vs 344 TFLOP/s at 8k)
         block_n = (128 if D <= 128 and max_query_len > 64 and q.element_size() == 2 else 64) if on_gpu else 16
     fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
-    if fast and fmt_kw["FMT"] == 3:
-        block_n = min(block_n, page)  # a KIVI key tile must lie in one block (its channel scales)
+    if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
+        block_n = min(block_n, page)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
@@ -154,7 +154,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         block_tables.stride(0), scale * _LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"],
-        BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, num_warps=num_warps, num_stages=num_stages)
+        BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -136,6 +136,7 @@ def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale:
     K/V into it, then attend over each sequence's dequantized blocks. As in the Triton backend, a
     lone whole prompt attends to its own keys in full precision (it computed them just now)."""
     f = views.fmt
+    q, k = kv_format.rotate_qk(q, f), kv_format.rotate_qk(k, f)
     if f.kivi:
         for i, table in enumerate(meta.seq_tables):
             s, e = meta.query_start[i], meta.query_start[i + 1]

@@ -8,6 +8,11 @@ format stores a block as one run of bytes per layer::
 
 * ``fp8``  - e4m3 codes, one fp16 scale per (token, head, group of ``group`` channels), symmetric.
 * ``int8`` - int8 codes in [-127, 127], the same per-(token, head, group) fp16 scale.
+
+  The 8-bit formats store V codes channel-major, ``[kvh, D, block_size]`` (K codes token-major,
+  ``[block_size, kvh, D]``): the attention kernels' second product then finds a channel's codes
+  for a tile of tokens contiguous, as its first product does a token's (``KVFormat.views`` hides
+  the difference).
 * ``int4`` / ``int2`` - KIVI (Liu et al., 2024): keys per *channel*, values per *token*. Values are
   quantized as they are written: per (token, head, group) an fp16 (scale, min) pair, codes packed
   two (int4) or four (int2) to a byte. Keys have outlier channels, so a key block is quantized
@@ -18,9 +23,18 @@ format stores a block as one run of bytes per layer::
 
 The codes of channel ``d`` sit in byte ``d // per`` at bit ``(d % per) * bits`` (``per = 8 //
 bits``). Dequantization is ``code * scale`` (symmetric) or ``code * scale + min`` (asymmetric).
+
+**Rotated keys** (fp8 and int8 with per-token scales, ``KVFormat.rotate_keys``): after RoPE, queries
+and keys are both turned by the orthonormal Hadamard matrix of the head size (``hadamard``), so
+q . k is unchanged and the cache holds the turned keys. A few channels of real keys and queries
+are large together, and an 8-bit error in such a channel weighs on every score; turned, each
+channel is a mix of all of them and the error spreads evenly. On the default model's held-out
+text (CPU, 4,096 tokens) the perplexity cost of fp8 falls from +1.47% to +0.10%, int8's from
++0.18% to -0.03%. Values are not turned: their error's weight does not depend on the basis.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +58,9 @@ def default_group(kv_dtype: str, head_dim: int) -> int:
 
 def default_block_size(kv_dtype: str) -> int:
     """KIVI's key groups are the blocks: 64 tokens keeps the per-channel (scale, min) pairs at
-    1/16 of the codes. Other formats use the engine's usual 16."""
-    return 64 if kv_dtype in ("int4", "int2") else 16
+    1/16 of the codes. The 8-bit formats' attention tiles lie in one block (channel-major value
+    codes), so their blocks are 64 tokens too. Uncompressed caches use the engine's usual 16."""
+    return 16 if kv_dtype == "auto" else 64
 
 
 @dataclass(frozen=True)
@@ -71,9 +86,8 @@ class KVFormat:
                 raise ConfigError("kv_scales", f"calibrated scales apply to fp8 and int8; {self.name} keeps its "
                                   f"scales per block (use kv_scales='off')")
             object.__setattr__(self, "group", self.head_dim)
-        if self.kivi and self.block_size < 16:
-            raise ConfigError("block_size", f"{self.name} quantizes keys per channel over a block: needs "
-                              f"block_size >= 16 (default 64), got {self.block_size}")
+        if self.block_size < 16:  # KIVI: keys per channel over a block; all: a kernel tile in one block
+            raise ConfigError("block_size", f"{self.name} needs block_size >= 16 (default 64), got {self.block_size}")
         if self.head_dim & (self.head_dim - 1):
             raise ConfigError("kv_cache_dtype", f"{self.name} needs a power-of-two head size, the model has "
                               f"{self.head_dim}; use auto")
@@ -102,6 +116,18 @@ class KVFormat:
     @property
     def code_dtype(self) -> torch.dtype:
         return {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(self.name, torch.uint8)
+
+    @property
+    def rotate_keys(self) -> bool:
+        """Keys stored turned by a Hadamard matrix, queries turned to match (module docstring).
+        Calibrated scales were measured on unturned keys: those formats keep them as they are."""
+        return self.quantized and not self.kivi and not self.static
+
+    @property
+    def layout(self) -> str:
+        """Names the byte layout, for keys of blocks that outlive the process (KV tiers): "vT"
+        for 8-bit values stored channel-major, "+h" for turned keys."""
+        return ("vT" if self.quantized and not self.kivi else "v1") + ("+h" if self.rotate_keys else "")
 
     @property
     def num_groups(self) -> int:
@@ -160,7 +186,10 @@ class KVFormat:
         dp = D // self.per
         cb = self.code_bytes
         kc = layer[:, :cb].view(self.code_dtype).view(nb, bs, kvh, dp)
-        vc = layer[:, cb:2 * cb].view(self.code_dtype).view(nb, bs, kvh, dp)
+        if self.kivi:
+            vc = layer[:, cb:2 * cb].view(self.code_dtype).view(nb, bs, kvh, dp)
+        else:  # 8-bit values channel-major: [nb, kvh, D, bs] bytes, seen as [nb, bs, kvh, D]
+            vc = layer[:, cb:2 * cb].view(self.code_dtype).view(nb, kvh, D, bs).permute(0, 3, 1, 2)
         ks_end = 2 * cb + 2 * self.k_scale_elems
         ks = layer[:, 2 * cb:ks_end].view(SCALE_DTYPE)
         vs = layer[:, ks_end:ks_end + 2 * self.v_scale_elems].view(SCALE_DTYPE)
@@ -187,6 +216,26 @@ class KVViews:
 
 
 # -- plain-PyTorch quantization (reference for the kernels, and the CPU path) ------------------
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x times the orthonormal Hadamard matrix (Sylvester's, symmetric, its own inverse) along the
+    last dimension (a power of two), in float32: the fast transform's butterflies, stride 1 first,
+    then the 1/sqrt(D) - the order the write kernel adds in, so both round alike."""
+    D = x.shape[-1]
+    x = x.float()
+    s = 1
+    while s < D:
+        y = x.reshape(*x.shape[:-1], D // (2 * s), 2, s)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), -2).reshape(*x.shape[:-1], D)
+        s *= 2
+    return x * (1.0 / math.sqrt(D))
+
+
+def rotate_qk(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Queries or keys (after RoPE) in the basis the cache stores keys in (``rotate_keys``)."""
+    return hadamard(x).to(x.dtype) if fmt.rotate_keys else x
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes: [..., D] integers in [0, 2^bits); returns [..., D // per] uint8."""
     per = 8 // bits

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.decode_attention import num_splits, paged_decode_attention
+from kvserve.kernels.decode_attention import num_splits, paged_decode_attention, split_per_sm
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention
 from kvserve.kernels.rope_kv_write import rope_kv_write
@@ -52,7 +52,7 @@ class TritonPagedAttention:
             rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
                           rotate_k_inplace=plain_prompt)
         if meta.max_query_len == 1:
-            per_sm = 8 if isinstance(k_cache, KVViews) and not k_cache.fmt.kivi else 2
+            per_sm = split_per_sm(k_cache.fmt if isinstance(k_cache, KVViews) else None)
             splits = meta.num_splits or num_splits(B, kvh, q.device, per_sm)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
                                           splits=splits, res_slots=meta.res_slots_t)

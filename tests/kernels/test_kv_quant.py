@@ -39,8 +39,7 @@ def _fmt(name, kvh=2, D=32, bs=8, dtype=torch.float32, group=0):
     base, static = name.removesuffix("-static"), name.endswith("-static")
     if base.endswith("-g16"):
         base, group = base.removesuffix("-g16"), 16
-    if base in ("int4", "int2"):
-        bs = max(bs, 16)  # KIVI's key blocks (a key tile lies in one block; GPU dots need >= 16)
+    bs = max(bs, 16)  # a compressed attention tile lies in one block (and GPU dots need >= 16)
     return kf.KVFormat(base, kvh, D, bs, dtype, group, static=static)
 
 
@@ -51,6 +50,31 @@ def _outliers(x: torch.Tensor, gen) -> torch.Tensor:
     x = x.clone()
     x[..., ch] *= 8
     return x
+
+
+# -- turned keys -------------------------------------------------------------------------------
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_hadamard_is_orthonormal_and_keeps_scores(D):
+    """The reference transform against Sylvester's matrix built here in float64: the same
+    product, its own inverse, and q . k unchanged when both are turned."""
+    gen = torch.Generator().manual_seed(D)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < D:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h /= math.sqrt(D)
+    x = torch.randn(5, 3, D, generator=gen) * 4
+    q = torch.randn(5, 3, D, generator=gen)
+    torch.testing.assert_close(kf.hadamard(x).double(), x.double() @ h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kf.hadamard(kf.hadamard(x)), x, rtol=1e-5, atol=1e-5)
+    scores = (q.double() * x.double()).sum(-1)
+    torch.testing.assert_close((kf.hadamard(q).double() * kf.hadamard(x).double()).sum(-1), scores,
+                               rtol=1e-5, atol=1e-4)
+    # which formats turn: 8-bit with per-token scales; not KIVI, not calibrated, not uncompressed
+    assert kf.KVFormat("fp8", 2, D, 16, torch.float32).rotate_keys
+    assert kf.KVFormat("int8", 2, D, 16, torch.float32).rotate_keys
+    assert not kf.KVFormat("int4", 2, D, 16, torch.float32).rotate_keys
+    assert not kf.KVFormat("fp8", 2, D, 16, torch.float32, static=True).rotate_keys
+    assert not kf.KVFormat("auto", 2, D, 16, torch.float32).rotate_keys
 
 
 # -- round trip ------------------------------------------------------------------------------
@@ -94,6 +118,12 @@ def test_bad_group_and_dtype_are_config_errors():
         _fmt("int2", D=64, group=2)
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         _fmt("int3")
+    # an attention tile lies in one block, and tiles are at least 16 keys: every compressed format
+    for name in FORMATS:
+        with pytest.raises(ConfigError, match=r"block_size >= 16 \(default 64\), got 8"):
+            kf.KVFormat(name, 2, 32, 8, torch.float32)
+    assert kf.KVFormat("fp8", 2, 32, 16, torch.float32).block_size == 16  # the smallest allowed
+    assert kf.KVFormat("auto", 2, 32, 8, torch.float32).block_size == 8  # uncompressed: any
 
 
 def test_bytes_per_block_count_scales():
@@ -174,6 +204,7 @@ def test_write_kernel_matches_reference(name, rotate_k):
 
     # the reference
     qr_ref, kr_ref = rope(positions.to(DEV), q.clone(), k.clone())
+    qr_ref, kr_ref = kf.rotate_qk(qr_ref, f), kf.rotate_qk(kr_ref, f)  # turned (8-bit, per-token scales)
     if f.kivi:
         for i in range(len(batch)):
             kf.write_keys_kivi(views_ref, kr_ref, cu[i], cu[i + 1] - cu[i], seq_lens[i], tables[i], res_slots[i])
