@@ -1,5 +1,6 @@
 """Calibrated KV scales (``kvserve calibrate-kv``): a short run records, per layer and KV head,
-the largest |K| (after RoPE) and |V| the model produces on a calibration text; fp8 and int8
+the largest |K| (after RoPE, turned by the Hadamard matrix as the 8-bit caches store keys:
+``kv_format.rotate_keys``) and |V| the model produces on a calibration text; fp8 and int8
 caches then use one static scale per layer and head instead of a scale per token, so a block
 holds codes only (exactly half of bf16) and nothing is computed per token to write one.
 
@@ -17,10 +18,11 @@ import textwrap
 import torch
 
 from kvserve.errors import ConfigError
+from kvserve.layers.kv_format import hadamard
 from kvserve.models import loader
 
 FORMAT = "kvserve-kv-scales"
-VERSION = 1
+VERSION = 2  # 2: keys' maxima measured turned (version 1 files measured them unturned)
 
 
 def default_path(model: str | None) -> str | None:
@@ -39,7 +41,7 @@ def default_text() -> str:
 
 
 class _Recorder:
-    """Wraps the attention backend: notes max |K| (rotated) and |V| per layer and KV head."""
+    """Wraps the attention backend: notes max |K| (rotated and turned) and |V| per layer and KV head."""
 
     def __init__(self, inner, num_layers: int, num_kv_heads: int):
         self.inner, self.name = inner, inner.name
@@ -53,6 +55,7 @@ class _Recorder:
     def forward(self, positions, q, k, v, rope, k_cache, v_cache, meta, scale):
         i = self.layer_of.setdefault(id(k_cache), len(self.layer_of))
         _, kr = rope(positions, q.clone(), k.clone())
+        kr = hadamard(kr)
         self.k_amax[i] = torch.maximum(self.k_amax[i], kr.abs().amax(dim=(0, 2)).double().cpu())
         self.v_amax[i] = torch.maximum(self.v_amax[i], v.abs().amax(dim=(0, 2)).double().cpu())
         return self.inner.forward(positions, q, k, v, rope, k_cache, v_cache, meta, scale)
@@ -106,7 +109,9 @@ def load(path: str, src: loader.ModelSource, seed: int, num_layers: int, num_kv_
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError("kv_scales", f"{path}: not valid JSON ({e})") from None
     if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ConfigError("kv_scales", f"{path}: not a {FORMAT} v{VERSION} file (run kvserve calibrate-kv)")
+        old = doc.get("format") == FORMAT and doc.get("version") == 1
+        why = " (version 1 measured the keys unturned)" if old else ""
+        raise ConfigError("kv_scales", f"{path}: not a {FORMAT} v{VERSION} file{why}: run kvserve calibrate-kv")
     fp = loader.fingerprint(src, seed)
     if doc.get("fingerprint") != fp:
         raise ConfigError("kv_scales", f"{path} was calibrated on other weights ({doc.get('model')}, "

@@ -81,7 +81,8 @@ class LLMEngine:
         # for the same weights, so the weights' fingerprint is part of it (tiers outlive processes).
         fmt = self.runner.kv_format
         extra = (f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}|{loader.fingerprint(src, config.seed)}"
-                 f"|kv={fmt.name}/{fmt.group}/{fmt.block_size}/{fmt.layout}/{self._scales_id()}").encode()
+                 f"|kv={fmt.name}/{fmt.group}/{fmt.block_size}/{fmt.layout + '/' if fmt.layout else ''}"
+                 f"{self._scales_id()}").encode()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, extra)
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.runner.store = self.store

@@ -200,10 +200,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     BLOCK_G = max(16, triton.next_power_of_2(group))
     fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
     eight_bit = fast and fmt_kw["FMT"] != 3
-    # 8-bit on CUDA: a tile per block (64 keys by default), 2 warps, 2 stages (and split_per_sm's
-    # 16 programs per SM): measured best on an H200 (batch 32 x 32k, GQA 32/8)
-    if block_n is None:
-        block_n = page if eight_bit and q.is_cuda else max(16, min(64, page * 4)) if D <= 128 else 32
+    # 8-bit on CUDA: 64-key tiles (a block's worth by default), 2 warps, 2 stages (and
+    # split_per_sm's 16 programs per SM): measured best on an H200 (batch 32 x 32k, GQA 32/8).
+    # Larger blocks keep 64-key tiles: 2 warps hold a tile in registers.
+    if block_n is None and eight_bit and q.is_cuda:
+        block_n = 64 if D <= 128 else 32
+    elif block_n is None:
+        block_n = max(16, min(64, page * 4)) if D <= 128 else 32
     if num_stages is None:
         num_stages = 2
     if num_warps is None:

@@ -206,7 +206,7 @@ def _quant_store(x, C, S, base_c, base_s, s_ch, s_sh,
             amax = tl.max(tl.max(tl.abs(x), 3), 2)
             sc = tl.maximum(tl.math.div_rn(amax, QMAX), TINY).to(tl.float16).to(tl.float32)
         y = tl.math.div_rn(x, sc[:, :, None, None])
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        y = tl.minimum(tl.maximum(tl.where(y == y, y, 0.0), -QMAX), QMAX)  # NaN -> 0 (kv_format.quantize_sym)
         if FMT == 1 and SOFT_FP8:
             code = _fp8e4m3_bits(y).to(tl.uint8)
         elif FMT == 1:
@@ -452,8 +452,9 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
         kb = tl.load(KC + pg * s_kcb + wi * s_kct + kvh * s_kch + dp[None, :], mask=sealed[:, None], other=0)
         kc = _unpack(kb, BITS).to(DT)
         sp = KS + tile_page * s_ksb + kvh * s_ksh + d * 2  # the tile's block: per-channel (scale, min)
-        ksc = tl.load(sp).to(tl.float32)
-        kmn = tl.load(sp + 1).to(tl.float32)
+        tile_sealed = tile_end - 1 < full_end  # (else its keys are all in the residual: stale params)
+        ksc = tl.load(sp, mask=tile_sealed, other=0.0).to(tl.float32)
+        kmn = tl.load(sp + 1, mask=tile_sealed, other=0.0).to(tl.float32)
         qf = q.to(tl.float32)
         qs = (qf * ksc[None, :]).to(DT)
         qk = tl.dot(qs, tl.trans(kc), input_precision=PREC) + tl.sum(qf * kmn[None, :], 1)[:, None]

@@ -24,7 +24,7 @@ format stores a block as one run of bytes per layer::
 The codes of channel ``d`` sit in byte ``d // per`` at bit ``(d % per) * bits`` (``per = 8 //
 bits``). Dequantization is ``code * scale`` (symmetric) or ``code * scale + min`` (asymmetric).
 
-**Rotated keys** (fp8 and int8 with per-token scales, ``KVFormat.rotate_keys``): after RoPE, queries
+**Rotated keys** (fp8 and int8, ``KVFormat.rotate_keys``): after RoPE, queries
 and keys are both turned by the orthonormal Hadamard matrix of the head size (``hadamard``), so
 q . k is unchanged and the cache holds the turned keys. A few channels of real keys and queries
 are large together, and an 8-bit error in such a channel weighs on every score; turned, each
@@ -119,15 +119,16 @@ class KVFormat:
 
     @property
     def rotate_keys(self) -> bool:
-        """Keys stored turned by a Hadamard matrix, queries turned to match (module docstring).
-        Calibrated scales were measured on unturned keys: those formats keep them as they are."""
-        return self.quantized and not self.kivi and not self.static
+        """Keys stored turned by a Hadamard matrix, queries turned to match (module docstring):
+        the 8-bit formats, calibrated ones too (``kvserve calibrate-kv`` measures turned keys)."""
+        return self.quantized and not self.kivi
 
     @property
     def layout(self) -> str:
-        """Names the byte layout, for keys of blocks that outlive the process (KV tiers): "vT"
-        for 8-bit values stored channel-major, "+h" for turned keys."""
-        return ("vT" if self.quantized and not self.kivi else "v1") + ("+h" if self.rotate_keys else "")
+        """Names a byte layout that changed, for keys of blocks that outlive the process (KV
+        tiers): "vT+h" for the 8-bit formats (values channel-major, keys turned); "" for the
+        others, whose layout is the original one (their existing chunks stay valid)."""
+        return "vT+h" if self.quantized and not self.kivi else ""
 
     @property
     def num_groups(self) -> int:
@@ -263,7 +264,9 @@ def quantize_sym(x: torch.Tensor, fmt: KVFormat, static: torch.Tensor | None = N
         # a tensor divisor: PyTorch divides by a Python scalar as a multiply by its reciprocal on
         # CUDA, one ulp off the kernels' correctly rounded division
         scale = (amax / torch.full_like(amax, qmax)).clamp_min(_TINY).to(SCALE_DTYPE)
-    y = (g / scale.float()[..., None]).clamp(-qmax, qmax)
+    # NaN to 0, +-inf to +-qmax, as the write kernel does: no NaN code ever enters a block (the
+    # attention kernels read the stale codes past a sequence's end, times a zero weight)
+    y = torch.nan_to_num(g / scale.float()[..., None], nan=0.0).clamp(-qmax, qmax)
     if fmt.name == "fp8":
         codes = y.to(torch.float8_e4m3fn)
     else:

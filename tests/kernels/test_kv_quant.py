@@ -69,11 +69,11 @@ def test_hadamard_is_orthonormal_and_keeps_scores(D):
     scores = (q.double() * x.double()).sum(-1)
     torch.testing.assert_close((kf.hadamard(q).double() * kf.hadamard(x).double()).sum(-1), scores,
                                rtol=1e-5, atol=1e-4)
-    # which formats turn: 8-bit with per-token scales; not KIVI, not calibrated, not uncompressed
+    # which formats turn: the 8-bit ones (calibrated too); not KIVI, not uncompressed
     assert kf.KVFormat("fp8", 2, D, 16, torch.float32).rotate_keys
     assert kf.KVFormat("int8", 2, D, 16, torch.float32).rotate_keys
+    assert kf.KVFormat("fp8", 2, D, 16, torch.float32, static=True).rotate_keys
     assert not kf.KVFormat("int4", 2, D, 16, torch.float32).rotate_keys
-    assert not kf.KVFormat("fp8", 2, D, 16, torch.float32, static=True).rotate_keys
     assert not kf.KVFormat("auto", 2, D, 16, torch.float32).rotate_keys
 
 
@@ -160,7 +160,15 @@ def _step(gen, batch, bs, nb):
 
 
 def _views(f, nb, slots=4, fill=0xFF):
-    data = torch.full((nb, f.block_bytes), fill, dtype=torch.uint8, device=DEV)
+    """``fill``: a byte, or "stale": random bytes as a reused block holds (finite codes: e4m3's
+    NaN patterns 0x7F/0xFF never occur, the writers clamp)."""
+    if fill == "stale":
+        data = torch.randint(0, 256, (nb, f.block_bytes), generator=torch.Generator().manual_seed(nb),
+                             dtype=torch.uint8)
+        data[(data & 0x7F) == 0x7F] = 0
+        data = data.to(DEV)
+    else:
+        data = torch.full((nb, f.block_bytes), fill, dtype=torch.uint8, device=DEV)
     res = torch.randn(slots, f.block_size, f.num_kv_heads, f.head_dim, device=DEV).to(f.model_dtype) if f.kivi else None
     scales = None
     if f.static:  # calibrated-looking: max |x| of the test data over the code range, per head
@@ -235,7 +243,7 @@ def _compressed_batch(gen, f, batch, H, nb, slots_per_seq=None):
     """Fill a compressed cache through the reference writer (each sequence's context, then this
     step's tokens), return views, tables, dequantized dense caches for the reference kernels."""
     bs, KVH, D = f.block_size, f.num_kv_heads, f.head_dim
-    data, views = _views(f, nb, slots=len(batch) + 1, fill=0)
+    data, views = _views(f, nb, slots=len(batch) + 1, fill="stale")  # past each end: a reused block's codes
     tables, _, _ = _step(gen, batch, bs, nb)
     res_slots = list(range(1, len(batch) + 1))
     for i, (c, n) in enumerate(batch):
@@ -265,8 +273,9 @@ def _compressed_batch(gen, f, batch, H, nb, slots_per_seq=None):
 
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_attention_compressed(name, splits):
+@pytest.mark.parametrize("splits,block_n", [(1, None), (3, None), (3, 64)])
+def test_decode_attention_compressed(name, splits, block_n):
+    """block_n 64 over 16-token blocks: the launcher must bring a compressed tile into one block."""
     gen = torch.Generator().manual_seed(31 + KERNEL_FORMATS.index(name) + 10 * splits)
     H, KVH, D, bs = 4, 2, 32, 8
     f = _fmt(name, KVH, D, bs)
@@ -276,13 +285,15 @@ def test_decode_attention_compressed(name, splits):
     q = torch.randn(len(batch), H, D, generator=gen).to(DEV)
     seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, out=out, res_slots=rs)
+    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, out=out, res_slots=rs,
+                           block_n=block_n)
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
-def test_prefill_attention_compressed(name):
+@pytest.mark.parametrize("block_n", [None, 64])
+def test_prefill_attention_compressed(name, block_n):
     gen = torch.Generator().manual_seed(53 + KERNEL_FORMATS.index(name))
     H, KVH, D, bs = 4, 2, 32, 8
     f = _fmt(name, KVH, D, bs)
@@ -297,7 +308,7 @@ def test_prefill_attention_compressed(name):
     seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, views, None, tables, cu, seq_lens, max(n for _, n in batch), D ** -0.5, out=out,
-                            res_slots=rs)
+                            res_slots=rs, block_n=block_n)
     ref = paged_prefill_attention_ref(q, kd, vd, tables, cu, seq_lens, D ** -0.5)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
