@@ -284,11 +284,43 @@ class LLMEngine:
         if self.config.async_scheduling and self._can_look_ahead(cur.out):
             self._advance(cur)
             try:
-                self._inflight = self._schedule_and_launch()
+                nxt = self._schedule_and_launch()
             except BaseException:
                 self._complete(cur, only_finished, t_call)  # no placeholder may outlive the error
                 raise
-        return self._complete(cur, only_finished, t_call)
+            # An empty schedule launched nothing (every request of this step may stop here):
+            # keeping it "in flight" would keep has_unfinished_requests() true for a call.
+            self._inflight = nxt if nxt is not None and not nxt.out.is_empty else None
+        try:
+            return self._complete(cur, only_finished, t_call)
+        except BaseException:
+            self._drop_inflight()  # it was built on this step's tokens
+            raise
+
+    def _drop_inflight(self) -> None:
+        """Discard the step launched ahead, as a failed step: wait for its work (its buffers),
+        ignore its results and errors. Its requests' counters never moved (they move when a
+        step completes, or just before the next is launched ahead)."""
+        nxt, self._inflight = self._inflight, None
+        if nxt is None:
+            return
+        try:
+            nxt.finish()
+        except BaseException:  # noqa: BLE001 - the first failure is the one raised
+            pass
+        self._step_failed(nxt.out)
+
+    def _rollback(self, cur: _Launched) -> None:
+        """Undo ``_advance`` for a step whose results never came: the requests stand where the
+        step found them, as after a failed synchronous step."""
+        for s in cur.out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            if s.samples and req.token_pending:
+                req.all_token_ids.pop()
+                req.output_token_ids.pop()
+            req.num_computed_tokens -= s.num_new_tokens
 
     def _schedule_and_launch(self) -> _Launched | None:
         t0 = time.perf_counter()
@@ -358,6 +390,8 @@ class LLMEngine:
             results = cur.finish()
         except BaseException:
             self._step_failed(cur.out)
+            if cur.advanced:
+                self._rollback(cur)
             raise
         out = cur.out
         touched: dict[str, None] = {}
