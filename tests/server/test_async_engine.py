@@ -15,10 +15,12 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.app import build_app
 
 
-@pytest.fixture()
-def engine():
+@pytest.fixture(params=[None, True], ids=["device-default", "async-scheduling"])
+def engine(request):
+    """Both schedulings: the CPU's default (synchronous) and async, CUDA's default, which CI
+    could not otherwise run the server on."""
     return LLMEngine(EngineConfig(model="dummy:tiny", cache=CacheConfig(kv_cache_memory=16 << 20),
-                                  show_progress=False))
+                                  show_progress=False, async_scheduling=request.param))
 
 
 def test_stream_validate_cancel(engine):
