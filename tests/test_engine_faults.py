@@ -6,6 +6,21 @@ import pytest
 from kvserve import LLM, SamplingParams
 
 
+def _inject_fault(eng):
+    """From now on each step's work is queued and the fault shows when its results are read.
+    Returns the real launcher, to put back."""
+    real = eng.runner.launch
+
+    def boom(out):
+        real(out)
+
+        def fail():
+            raise RuntimeError("injected fault")
+        return fail
+    eng.runner.launch = boom
+    return real
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_failed_step_drops_prefix_cache_entries(async_scheduling):
     """(With async scheduling the next step was launched ahead on the failed one's tokens: it is
@@ -14,15 +29,7 @@ def test_failed_step_drops_prefix_cache_entries(async_scheduling):
     eng = llm.engine
     prompt = {"prompt_token_ids": list(range(1, 70))}  # four full 16-token blocks get hashed
     eng.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0))
-    real = eng.runner.launch
-
-    def boom(out):  # the step's work was queued; the fault shows when its results are read
-        real(out)
-
-        def fail():
-            raise RuntimeError("injected fault")
-        return fail
-    eng.runner.launch = boom
+    real = _inject_fault(eng)
     with pytest.raises(RuntimeError, match="injected fault"):
         eng.step()
     assert eng.kv.pool.num_cached_blocks == 0  # nothing can hit the unwritten blocks
@@ -56,15 +63,7 @@ def test_a_failed_decode_step_can_be_retried(async_scheduling):
                 done[o.request_id] = o.outputs[0].token_ids
     for _ in range(4):  # prefill and a few decode steps
         step()
-    real = eng.runner.launch
-
-    def boom(out):
-        real(out)
-
-        def fail():
-            raise RuntimeError("injected fault")
-        return fail
-    eng.runner.launch = boom
+    real = _inject_fault(eng)
     with pytest.raises(RuntimeError, match="injected fault"):
         for _ in range(2):  # (async: the step in flight was launched before the fault; the next one fails)
             step()

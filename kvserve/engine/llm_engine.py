@@ -318,8 +318,7 @@ class LLMEngine:
             if req.is_finished:
                 continue
             if s.samples and req.token_pending:
-                req.all_token_ids.pop()
-                req.output_token_ids.pop()
+                req.drop_pending()
             req.num_computed_tokens -= s.num_new_tokens
 
     def _schedule_and_launch(self) -> _Launched | None:

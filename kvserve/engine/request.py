@@ -116,6 +116,12 @@ class Request:
         self.all_token_ids[-1] = token_id
         self.output_token_ids[-1] = token_id
 
+    def drop_pending(self) -> None:
+        """The in-flight step failed: its placeholder goes, as if it was never launched."""
+        assert self.token_pending, "no token of this request is pending"
+        self.all_token_ids.pop()
+        self.output_token_ids.pop()
+
     @property
     def generator(self) -> torch.Generator | None:
         return None if self.generators is None else self.generators[0]

@@ -158,8 +158,8 @@ def split_per_sm(fmt) -> int:
 
 
 def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
-    """Enough programs to fill the GPU ``per_sm`` times over; a function of the batch only
-    (graph-safe). Dequantizing 8-bit caches hide their latency better with 8 per SM (measured)."""
+    """Enough programs to fill the GPU ``per_sm`` times over (``split_per_sm``); a function of the
+    batch only (graph-safe)."""
     global _NUM_SMS
     if device.type == "cuda":
         if _NUM_SMS is None:
@@ -174,7 +174,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            seq_lens: torch.Tensor, scale: float, splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None,
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -207,8 +207,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         block_n = 64 if D <= 128 else 32
     elif block_n is None:
         block_n = max(16, min(64, page * 4)) if D <= 128 else 32
-    if num_stages is None:
-        num_stages = 2
     if num_warps is None:
         num_warps = 2 if eight_bit and q.is_cuda else 4
     if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
@@ -231,7 +229,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         scale * _LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), PREC=dot_precision(q.dtype),
-        FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"], num_warps=num_warps, num_stages=num_stages, **pdl_kw(q))
+        FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
+        num_warps=num_warps, num_stages=num_stages, **pdl_kw(q))
     return out
 
 

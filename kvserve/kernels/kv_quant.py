@@ -402,10 +402,9 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         *(vs_s if f.static else (vs.stride(0), vs.stride(1), vs.stride(2))), res_h, PAGE=f.block_size,
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), FMT=fmt_code(f), BITS=f.bits, GROUP=f.group,
-        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static, VD=vc.stride(3), ROT=f.rotate_keys,
-        LOG_D=D.bit_length() - 1, RSQRT_D=1.0 / math.sqrt(D),
-        num_warps=4,
-        enable_fp_fusion=False)
+        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static,
+        VD=vc.stride(3), ROT=f.rotate_keys, LOG_D=D.bit_length() - 1, RSQRT_D=1.0 / math.sqrt(D),
+        num_warps=4, enable_fp_fusion=False)
 
 
 # -- the fast path: one scale per token and head (the default group) --------------------------

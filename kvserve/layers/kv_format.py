@@ -29,8 +29,9 @@ and keys are both turned by the orthonormal Hadamard matrix of the head size (``
 q . k is unchanged and the cache holds the turned keys. A few channels of real keys and queries
 are large together, and an 8-bit error in such a channel weighs on every score; turned, each
 channel is a mix of all of them and the error spreads evenly. On the default model's held-out
-text (CPU, 4,096 tokens) the perplexity cost of fp8 falls from +1.47% to +0.10%, int8's from
-+0.18% to -0.03%. Values are not turned: their error's weight does not depend on the basis.
+text (CPU, 4,096 tokens) the perplexity cost of fp8 falls from +1.47% to +0.07%, int8's from
++0.18% to +0.01% (BENCHMARKS.md). Values are not turned: their error's weight does not depend on
+the basis.
 """
 from __future__ import annotations
 
