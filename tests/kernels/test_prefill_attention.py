@@ -88,6 +88,17 @@ def test_prefill_tile_shapes(device, paged_kv, block_m, block_n):
     _check(out, ref, cu, 1e-5)
 
 
+@pytest.mark.parametrize("page,block_n", [(32, 16), (16, 64), (1, 16)])
+def test_prefill_page_against_tile(device, paged_kv, page, block_n):
+    """The two ways a key tile finds its pages: a tile of whole pages takes one table entry per
+    page and 32-bit offsets; a page wider than the tile, one entry per key and 64-bit offsets."""
+    gen = torch.Generator().manual_seed(page * 100 + block_n)
+    batch = [(0, 70), (40, 33), (77, 1), (5, 90)]
+    out, ref, cu = _run(gen, device, paged_kv, 8, 2, 32, page, torch.float32, batch,
+                        block_m=16, block_n=block_n)
+    _check(out, ref, cu, 1e-5)
+
+
 def test_prefill_chunked_equals_whole(device, paged_kv):
     """The same prompt, whole and as chunks after cached context, gives the reference both ways
     (the chunks in one batch, each seeing all keys up to itself)."""
