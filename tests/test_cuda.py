@@ -53,6 +53,12 @@ def test_cuda_parity_float32(tmp_path, kind):
                         SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), use_tqdm=False)
     for p, o, w in zip(prompts, outs, want):
         assert o.outputs[0].token_ids == w, f"{kind}: prompt of {len(p)} tokens"
+    # One request alone decodes one row a step: the skinny-GEMM products replayed from the
+    # batch-1 graph
+    for i in (0, 3):
+        o = llm.generate([{"prompt_token_ids": prompts[i]}], SamplingParams(max_tokens=64, temperature=0,
+                         ignore_eos=True), use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == want[i], f"{kind} alone: prompt of {len(prompts[i])} tokens"
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
