@@ -46,9 +46,11 @@ def _check(M, N, K, dtype, device, seed, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("N,K", [(96, 256), (37, 100), (130, 1536)])
+@pytest.mark.parametrize("N,K", [(96, 256), (37, 100), (130, 1536), (37, 2048), (131, 4096)])
 @pytest.mark.parametrize("silu,bias", [(False, False), (False, True), (True, False)])
 def test_one_row(dtype, N, K, silu, bias, device):
+    """K a multiple of the tile (unmasked loads, one or several tiles) and not; N=37 and 131
+    end in a partial row block."""
     _check(1, N, K, dtype, device, seed=N + K + DTYPE_NO[dtype], silu=silu, bias=bias)
 
 
