@@ -4,6 +4,7 @@ format's cache is filled by the reference writer, its default launch timed first
 configuration of the grid against bf16's default. One call:
 
     PYTHONPATH=$PWD python benchmarks/kv_decode_sweep.py --out $OUT [--seconds 240]
+    PYTHONPATH=$PWD python benchmarks/kv_decode_sweep.py --out $OUT --formats fp8,int4 --defaults-only
 
 Prints a line per configuration and saves ``kv_decode_sweep.json``; ``--seconds`` bounds the
 sweep (configurations left when it runs out are skipped). The defaults it found are in
@@ -26,7 +27,7 @@ from kvserve.kernels import decode_attention as da  # noqa: E402
 from kvserve.layers import kv_format as kf  # noqa: E402
 
 # (format, block size): bf16 first, the baseline of the ratios
-CACHES = [("auto", 16), ("fp8", 64), ("int8", 64), ("int4", 64)]
+CACHES = [("auto", 16), ("fp8", 64), ("int8", 64), ("int4", 64), ("int2", 64)]
 EIGHT_BIT_GRID = dict(block_n=[64, 32], num_stages=[2, 3], num_warps=[1, 2, 4], per_sm=[2, 8, 16, 32])
 KIVI_GRID = dict(num_warps=[4, 8], per_sm=[2, 8])
 
@@ -41,7 +42,11 @@ def main():
     ap.add_argument("--seconds", type=float, default=240)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--formats", default=",".join(n for n, _ in CACHES),
+                    help="formats to time, comma-separated (bf16, 'auto', is always first: the baseline)")
+    ap.add_argument("--defaults-only", action="store_true", help="each format's default launch, no grid")
     args = ap.parse_args()
+    wanted = {"auto", *args.formats.split(",")}
     t_end = time.time() + args.seconds
     a = arch_8b()
     H, D = a.num_heads, a.head_dim
@@ -50,11 +55,15 @@ def main():
     lens = torch.full((args.batch,), args.ctx, dtype=torch.int32, device="cuda")
     res, base = {}, None
     for name, bs in CACHES:
+        if name not in wanted:
+            continue
         f = kf.KVFormat(name, a.num_kv_heads, D, bs, torch.bfloat16)
         (kc, vc), tables, rs = _fill(f, args.batch, args.ctx, gen)
         nbytes = args.batch * args.ctx * f.block_bytes / f.block_size  # codes and scales read
         cfgs = [{}]
-        if name in ("fp8", "int8"):
+        if args.defaults_only:
+            pass
+        elif name in ("fp8", "int8"):
             cfgs += grid(EIGHT_BIT_GRID)
         elif f.kivi:
             cfgs += grid(KIVI_GRID)
