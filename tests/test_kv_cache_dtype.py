@@ -284,6 +284,20 @@ def test_bad_kv_options_name_the_option(kw, option, words):
     assert option in msg and all(w in msg for w in words), msg
 
 
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_kivi_16_token_blocks_refused_for_16_bit_triton(monkeypatch, name):
+    """The Triton kernels give wrong 4/2-bit attention with 16-key tiles in a 16-bit model on
+    the H200: the engine refuses that at start-up (the interpreter stands in for CUDA here) and
+    keeps 32-token blocks and the float32 model."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(show_progress=False, kv_cache_memory="16MiB", kv_cache_dtype=name, attention_backend="triton")
+    with pytest.raises(ConfigError) as e:
+        LLM("dummy:smollm2-135m", block_size=16, dtype="bfloat16", **kw)
+    assert "block_size" in str(e.value) and ">= 32" in str(e.value) and "16" in str(e.value)
+    assert LLM("dummy:smollm2-135m", block_size=32, dtype="bfloat16", **kw).engine.runner.kv_format.block_size == 32
+    assert LLM("dummy:smollm2-135m", block_size=16, dtype="float32", **kw).engine.runner.kv_format.block_size == 16
+
+
 def test_cli_rejects_unknown_kv_dtype(capsys):
     from kvserve.cli import main
     with pytest.raises(SystemExit):

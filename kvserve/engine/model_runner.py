@@ -123,6 +123,13 @@ class ModelRunner:
             raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
                               f"tests), got {self.device}; use torch or auto")
         self.backend = get_backend(name)
+        f = self.kv_format
+        if name == "triton" and f.kivi and f.block_size < 32 and self.dtype in (torch.float16, torch.bfloat16):
+            # Measured on the H200 (Triton 3.6): 16-key tiles of 4/2-bit codes give wrong attention
+            # in a 16-bit model (every other block size from 32 up, and float32, are right).
+            from kvserve.errors import ConfigError
+            raise ConfigError("block_size", f"{f.name} with the Triton kernels in a 16-bit model needs "
+                              f"block_size >= 32 (default 64), got {f.block_size}")
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision, pdl_kw
-from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_kv_tile
+from kvserve.kernels.kv_quant import check_kivi_tile, compressed_tile, kernel_args, load_kv_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 from kvserve.kernels.pdl import wait_inputs
 
@@ -182,6 +182,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
+    check_kivi_tile(views, q)
     if views is not None:
         page, KVH = views.fmt.block_size, views.fmt.num_kv_heads
         k_cache = views.k_codes

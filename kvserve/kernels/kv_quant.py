@@ -90,6 +90,15 @@ def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st
         return (c * sc.to(tl.float32)).to(DT)
 
 
+def check_kivi_tile(views: KVViews | None, q: torch.Tensor) -> None:
+    """16-key tiles of 4/2-bit codes give wrong attention on the GPU in a 16-bit model (measured
+    on the H200 with Triton 3.6; float32 and 32+ key blocks are right); the engine refuses the
+    configuration at start-up, and the launchers refuse it here."""
+    if views is not None and views.fmt.kivi and q.is_cuda and q.element_size() == 2:
+        assert views.fmt.block_size >= 32, (
+            f"{views.fmt.name} attention in {q.dtype} on CUDA needs blocks of >= 32 tokens, got {views.fmt.block_size}")
+
+
 def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
                 v_cache: torch.Tensor | None = None) -> tuple[list, dict]:
     """The cache pointers, strides and constexprs the attention kernels take, for either an

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
-from kvserve.kernels.kv_quant import compressed_tile, kernel_args, load_kv_tile
+from kvserve.kernels.kv_quant import check_kivi_tile, compressed_tile, kernel_args, load_kv_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -132,6 +132,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     T, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
+    check_kivi_tile(views, q)
     if views is not None:
         page, KVH = views.fmt.block_size, views.fmt.num_kv_heads
     else:

@@ -292,6 +292,24 @@ def test_decode_attention_compressed(name, splits, block_n):
 
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
+def test_decode_attention_compressed_half(name):
+    """A 16-bit model: the codes enter the dots as fp16 (8-bit ones converted, 4/2-bit ones read
+    through fp16's exponent bits), with q times KIVI's channel scales and p times the value
+    scales (over the tile's largest) rounded to fp16."""
+    gen = torch.Generator().manual_seed(71 + KERNEL_FORMATS.index(name))
+    H, KVH, D = 4, 2, 32
+    f = _fmt(name, KVH, D, 32, torch.float16)  # (KIVI's 16-token blocks are refused on the GPU here)
+    batch = [(40, 1), (7, 1), (63, 1), (0, 1)]
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=24)
+    q = torch.randn(len(batch), H, D, generator=gen).to(DEV).half()
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=2, out=out, res_slots=rs)
+    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("name", KERNEL_FORMATS)
 @pytest.mark.parametrize("block_n", [None, 64])
 def test_prefill_attention_compressed(name, block_n):
     gen = torch.Generator().manual_seed(53 + KERNEL_FORMATS.index(name))
