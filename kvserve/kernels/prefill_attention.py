@@ -154,9 +154,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
         num_stages = 3 if on_gpu else 1
-    # 32-bit key offsets and whole pages per tile: an uncompressed cache under 2^31 elements
-    idx32 = (views is None and block_n % page == 0 and k_cache.numel() < 2 ** 31
-             and v_cache.numel() < 2 ** 31)
+    # 32-bit key offsets and whole pages per tile: an uncompressed cache whose farthest element
+    # lies under 2^31 elements from its start (strided views included)
+    idx32 = (views is None and block_n % page == 0 and _last_offset(k_cache) < 2 ** 31
+             and _last_offset(v_cache) < 2 ** 31)
     grid = (triton.cdiv(max_query_len, block_m), B, H)
     kc, vc, ks, vs, res, *strides = cache_args
     rs = res_slots if res_slots is not None else seq_lens
@@ -169,6 +170,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
         IDX32=idx32, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale):
