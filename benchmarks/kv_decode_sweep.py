@@ -47,6 +47,9 @@ def main():
     ap.add_argument("--defaults-only", action="store_true", help="each format's default launch, no grid")
     args = ap.parse_args()
     wanted = {"auto", *args.formats.split(",")}
+    unknown = wanted - {n for n, _ in CACHES}
+    if unknown:
+        ap.error(f"--formats: unknown {sorted(unknown)}; choose from {[n for n, _ in CACHES]}")
     t_end = time.time() + args.seconds
     a = arch_8b()
     H, D = a.num_heads, a.head_dim

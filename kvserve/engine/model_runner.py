@@ -92,6 +92,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         cache = config.cache
+        name = config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" and kernels.has_triton() else "torch"
+        self.backend_name = name
         self.kv_scales = self._load_kv_scales(src)
         self.kv_format = KVFormat(cache.kv_cache_dtype, src.arch.num_kv_heads, src.arch.head_dim, self.block_size,
                                   self.dtype, cache.kv_group_size, static=self.kv_scales is not None)
@@ -115,21 +119,12 @@ class ModelRunner:
                 self.model.load_weights(weights)
         self.model.eval()
         self.load_time = time.perf_counter() - t0
-        name = config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" and kernels.has_triton() else "torch"
+        name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
             from kvserve.errors import ConfigError
             raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
                               f"tests), got {self.device}; use torch or auto")
         self.backend = get_backend(name)
-        f = self.kv_format
-        if name == "triton" and f.kivi and f.block_size < 32 and self.dtype in (torch.float16, torch.bfloat16):
-            # Measured on the H200 (Triton 3.6): 16-key tiles of 4/2-bit codes give wrong attention
-            # in a 16-bit model (every other block size from 32 up, and float32, are right).
-            from kvserve.errors import ConfigError
-            raise ConfigError("block_size", f"{f.name} with the Triton kernels in a 16-bit model needs "
-                              f"block_size >= 32 (default 64), got {f.block_size}")
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
@@ -162,6 +157,13 @@ class ModelRunner:
     def _check_kv_format(self) -> None:
         from kvserve.errors import ConfigError
         f = self.kv_format
+        sixteen_bit = self.dtype in (torch.float16, torch.bfloat16)
+        if self.backend_name == "triton" and f.kivi and f.block_size < 32 and sixteen_bit:
+            # Measured on the H200 (Triton 3.6): 16-key tiles of 4/2-bit codes gave wrong attention
+            # in a 16-bit model (blocks of 32, 64 and 128 tokens, and float32, were right).
+            raise ConfigError("block_size", f"{f.name} with the Triton kernels in a 16-bit model needs "
+                              f"block_size >= 32 (default 64), got {f.block_size}; or use dtype float32 "
+                              f"or attention_backend torch")
         if f.name == "fp8" and self.device.type == "cuda":
             cap = torch.cuda.get_device_capability(self.device)
             if cap < (8, 9):

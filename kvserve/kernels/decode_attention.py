@@ -182,7 +182,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
-    check_kivi_tile(views, q)
     if views is not None:
         page, KVH = views.fmt.block_size, views.fmt.num_kv_heads
         k_cache = views.k_codes
@@ -212,6 +211,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         num_warps = 2 if eight_bit and q.is_cuda else 4
     if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
         block_n = min(block_n, page)
+    check_kivi_tile(views, q, block_n)
     if splits > 1:
         op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)

@@ -90,13 +90,13 @@ def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st
         return (c * sc.to(tl.float32)).to(DT)
 
 
-def check_kivi_tile(views: KVViews | None, q: torch.Tensor) -> None:
-    """16-key tiles of 4/2-bit codes give wrong attention on the GPU in a 16-bit model (measured
-    on the H200 with Triton 3.6; float32 and 32+ key blocks are right); the engine refuses the
-    configuration at start-up, and the launchers refuse it here."""
-    if views is not None and views.fmt.kivi and q.is_cuda and q.element_size() == 2:
-        assert views.fmt.block_size >= 32, (
-            f"{views.fmt.name} attention in {q.dtype} on CUDA needs blocks of >= 32 tokens, got {views.fmt.block_size}")
+def check_kivi_tile(views: KVViews | None, q: torch.Tensor, block_n: int) -> None:
+    """4/2-bit attention over 16-token blocks (so 16-key tiles) was wrong on the GPU in a 16-bit
+    model (measured on the H200, Triton 3.6; float32 and blocks of 32+ tokens right). The engine
+    refuses such blocks at start-up; the launchers refuse any key tile under 32 here."""
+    if views is not None and views.fmt.kivi and q.is_cuda and q.element_size() == 2 and block_n < 32:
+        raise ValueError(f"{views.fmt.name} attention in {q.dtype} on CUDA needs key tiles of >= 32 "
+                         f"(blocks of >= 32 tokens), got {block_n} (block_size {views.fmt.block_size})")
 
 
 def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,

@@ -132,7 +132,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     T, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
-    check_kivi_tile(views, q)
     if views is not None:
         page, KVH = views.fmt.block_size, views.fmt.num_kv_heads
     else:
@@ -150,6 +149,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
     if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
         block_n = min(block_n, page)
+    check_kivi_tile(views, q, block_n)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
