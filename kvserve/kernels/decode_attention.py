@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision, pdl_kw
-from kvserve.kernels.kv_quant import check_kivi_tile, compressed_tile, kernel_args, load_kv_tile
+from kvserve.kernels.kv_quant import compressed_tile, fit_tile, kernel_args, load_kv_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 from kvserve.kernels.pdl import wait_inputs
 
@@ -209,9 +209,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         block_n = max(16, min(64, page * 4)) if D <= 128 else 32
     if num_warps is None:
         num_warps = 2 if eight_bit and q.is_cuda else 4
-    if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
-        block_n = min(block_n, page)
-    check_kivi_tile(views, q, block_n)
+    block_n = fit_tile(views, q, block_n, fast)
     if splits > 1:
         op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)

@@ -90,13 +90,19 @@ def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st
         return (c * sc.to(tl.float32)).to(DT)
 
 
-def check_kivi_tile(views: KVViews | None, q: torch.Tensor, block_n: int) -> None:
-    """4/2-bit attention over 16-token blocks (so 16-key tiles) was wrong on the GPU in a 16-bit
+def fit_tile(views: KVViews | None, q: torch.Tensor, block_n: int, fast: bool) -> int:
+    """The attention launchers' key tile for a cache: on the compressed fast path a tile lies in
+    one block (KIVI: its channel scales; 8-bit: the values' layout), so at most a block.
+
+    4/2-bit attention over 16-token blocks (so 16-key tiles) was wrong on the GPU in a 16-bit
     model (measured on the H200, Triton 3.6; float32 and blocks of 32+ tokens right). The engine
-    refuses such blocks at start-up; the launchers refuse any key tile under 32 here."""
+    refuses such blocks at start-up; any KIVI key tile under 32 is refused here."""
+    if fast:
+        block_n = min(block_n, views.fmt.block_size)
     if views is not None and views.fmt.kivi and q.is_cuda and q.element_size() == 2 and block_n < 32:
         raise ValueError(f"{views.fmt.name} attention in {q.dtype} on CUDA needs key tiles of >= 32 "
                          f"(blocks of >= 32 tokens), got {block_n} (block_size {views.fmt.block_size})")
+    return block_n
 
 
 def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
-from kvserve.kernels.kv_quant import check_kivi_tile, compressed_tile, kernel_args, load_kv_tile
+from kvserve.kernels.kv_quant import compressed_tile, fit_tile, kernel_args, load_kv_tile
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -147,9 +147,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     if block_n is None:  # 128 measured fastest on an H200 for head 128 (371 vs 344 TFLOP/s at 8k)
         block_n = (128 if D <= 128 and max_query_len > 64 and q.element_size() == 2 else 64) if on_gpu else 16
     fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
-    if fast:  # a compressed tile lies in one block (KIVI: its channel scales; 8-bit: the values' layout)
-        block_n = min(block_n, page)
-    check_kivi_tile(views, q, block_n)
+    block_n = fit_tile(views, q, block_n, fast)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
