@@ -28,8 +28,8 @@ from kvserve.layers import kv_format as kf  # noqa: E402
 
 # (format, block size): bf16 first, the baseline of the ratios
 CACHES = [("auto", 16), ("fp8", 64), ("int8", 64), ("int4", 64), ("int2", 64)]
-EIGHT_BIT_GRID = dict(block_n=[64, 32], num_stages=[2, 3], num_warps=[1, 2, 4], per_sm=[2, 8, 16, 32])
-KIVI_GRID = dict(num_warps=[4, 8], per_sm=[2, 8])
+EIGHT_BIT_GRID = dict(block_n=[64, 32], num_stages=[2, 3], num_warps=[2, 4], per_sm=[8, 16, 32])
+KIVI_GRID = dict(num_warps=[2, 4], num_stages=[2, 3], per_sm=[2, 4, 8])
 
 
 def grid(g: dict) -> list[dict]:

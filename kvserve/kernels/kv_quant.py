@@ -90,19 +90,19 @@ def load_v_tile(VC, VS, page, within, kvh, d, mask, s_cb, s_ct, s_ch, s_sb, s_st
         return (c * sc.to(tl.float32)).to(DT)
 
 
-def fit_tile(views: KVViews | None, q: torch.Tensor, block_n: int, fast: bool) -> int:
-    """The attention launchers' key tile for a cache: on the compressed fast path a tile lies in
-    one block (KIVI: its channel scales; 8-bit: the values' layout), so at most a block.
+def fast_path(fmt_kw: dict, head_dim: int) -> bool:
+    """Whether the attention kernels take a compressed cache through ``compressed_tile``: one
+    scale group per head (the default), and for 4/2-bit codes parts of >= 16 channels (the dots
+    over each part need K >= 16 on the GPU: int2 with 32-channel heads takes the general path)."""
+    if fmt_kw["FMT"] == FMT_PLAIN or fmt_kw["GROUP"] != head_dim:
+        return False
+    return fmt_kw["FMT"] != FMT_KIVI or head_dim // (8 // fmt_kw["BITS"]) >= 16
 
-    4/2-bit attention over 16-token blocks (so 16-key tiles) was wrong on the GPU in a 16-bit
-    model (measured on the H200, Triton 3.6; float32 and blocks of 32+ tokens right). The engine
-    refuses such blocks at start-up; any KIVI key tile under 32 is refused here."""
-    if fast:
-        block_n = min(block_n, views.fmt.block_size)
-    if views is not None and views.fmt.kivi and q.is_cuda and q.element_size() == 2 and block_n < 32:
-        raise ValueError(f"{views.fmt.name} attention in {q.dtype} on CUDA needs key tiles of >= 32 "
-                         f"(blocks of >= 32 tokens), got {block_n} (block_size {views.fmt.block_size})")
-    return block_n
+
+def fit_tile(views: KVViews | None, block_n: int, fast: bool) -> int:
+    """The attention launchers' key tile for a cache: on the compressed fast path a tile lies in
+    one block (KIVI: its channel scales; 8-bit: the values' layout), so at most a block."""
+    return min(block_n, views.fmt.block_size) if fast else block_n
 
 
 def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
@@ -432,66 +432,146 @@ def _codes(c, FMT: tl.constexpr, CT: tl.constexpr):
 
 
 @triton.jit
-def _unpack(b, BITS: tl.constexpr):
-    """Packed bytes [N, D // per] -> codes [N, D] (int32): channel d = byte d // per, bits
-    (d % per) * BITS - unpacked with shifts and interleaves, no gathers."""
-    b = b.to(tl.int32)
-    if BITS == 4:
-        return tl.interleave(b & 15, (b >> 4) & 15)
-    else:
-        return tl.interleave(tl.interleave(b & 3, (b >> 4) & 3), tl.interleave((b >> 2) & 3, (b >> 6) & 3))
+def _parts(x, PER: tl.constexpr):
+    """x [M, D] -> its channels in ``PER`` parts [M, D // PER], part k holding channels
+    PER * j + k: the order in which a byte packs its codes (``_code_parts``)."""
+    M: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    if PER == 2:
+        return tl.split(tl.reshape(x, [M, D // 2, 2]))
+    else:  # 4: channel 4j + 2 * k1 + k0
+        e, o = tl.split(tl.reshape(x, [M, D // 4, 2, 2]))  # k0 = 0 / 1
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        return x0, x1, x2, x3
 
 
 @triton.jit
-def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, valid, kvh, tile_page,
-                    tile_end, full_end, res_row,
-                    s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
-                    scale_log2, FMT: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr, VD: tl.constexpr):
+def _magic(c, DT: tl.constexpr):
+    """Codes c (int16, 0..255) as ``DT`` values OFF + c, by writing them into the
+    mantissa of the offset: logic ops, where an integer-to-float conversion runs at a quarter of
+    the rate (int4 decode attention on the H200: 1.54 -> 1.33 ms). float32: c itself."""
+    if DT == tl.bfloat16:
+        return (c | 0x4300).to(tl.bfloat16, bitcast=True)  # 128 + c (bf16's ulp at 128 is 1)
+    elif DT == tl.float16:
+        return (c | 0x6400).to(tl.float16, bitcast=True)  # 1024 + c
+    else:
+        return c.to(DT)
+
+
+@triton.jit
+def _code_parts(b, BITS: tl.constexpr, DT: tl.constexpr):
+    """Packed bytes [N, D // per] -> the codes in ``per`` parts [N, D // per] (``_parts``'
+    order), each as ``_magic`` values. No interleave: the dots take the parts one by one."""
+    c = b.to(tl.int16)
+    if BITS == 4:
+        return _magic(c & 15, DT), _magic(c >> 4, DT)
+    else:
+        return _magic(c & 3, DT), _magic((c >> 2) & 3, DT), _magic((c >> 4) & 3, DT), _magic(c >> 6, DT)
+
+
+@triton.jit
+def _kivi_dot(a, b, PER: tl.constexpr, PREC: tl.constexpr):
+    """sum over channels of a [M, D] times packed codes b [N, D // per]: a's parts times the
+    codes' parts (``_magic`` values), one dot each. Returns [M, N] float32."""
+    DT: tl.constexpr = a.dtype
+    if PER == 2:
+        a0, a1 = _parts(a, 2)
+        c0, c1 = _code_parts(b, 4, DT)
+        return tl.dot(a0, tl.trans(c0), input_precision=PREC) + tl.dot(a1, tl.trans(c1), input_precision=PREC)
+    else:
+        a0, a1, a2, a3 = _parts(a, 4)
+        c0, c1, c2, c3 = _code_parts(b, 2, DT)
+        return (tl.dot(a0, tl.trans(c0), input_precision=PREC) + tl.dot(a1, tl.trans(c1), input_precision=PREC)
+                + tl.dot(a2, tl.trans(c2), input_precision=PREC) + tl.dot(a3, tl.trans(c3), input_precision=PREC))
+
+
+@triton.jit
+def _kivi_pv(p, b, PER: tl.constexpr, PREC: tl.constexpr):
+    """p [M, N] times packed value codes b [N, D // per] (``_magic`` values): one dot per part,
+    the parts' results interleaved back into channel order. Returns [M, D] float32."""
+    DT: tl.constexpr = p.dtype
+    if PER == 2:
+        c0, c1 = _code_parts(b, 4, DT)
+        return tl.interleave(tl.dot(p, c0, input_precision=PREC), tl.dot(p, c1, input_precision=PREC))
+    else:
+        c0, c1, c2, c3 = _code_parts(b, 2, DT)
+        return tl.interleave(tl.interleave(tl.dot(p, c0, input_precision=PREC), tl.dot(p, c2, input_precision=PREC)),
+                             tl.interleave(tl.dot(p, c1, input_precision=PREC), tl.dot(p, c3, input_precision=PREC)))
+
+
+@triton.jit
+def tile_scales(KS, VS, tile_page, within, nmask, kvh, tile_sealed, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
+                FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The scales of one key tile of the fast path, as loaded (fp16), for ``compressed_tile``.
+    Apart from the codes, so that the decode loop can fetch them a tile ahead: Triton does not
+    pipeline 2-byte loads, and waited for in the tile that uses them they cost a memory latency
+    per tile. Returns (keys', values'): KIVI: the tile's block's key (scale, min) per channel
+    [D, 2] (zeros unless ``tile_sealed``) and the values' (scale, min) per token [N, 2], each
+    loaded as pairs; 8-bit: the key and the value scale per token, [N] each."""
+    if FMT == 3:
+        pair = tl.arange(0, 2)[None, :]
+        ks = tl.load(KS + tile_page * s_ksb + kvh * s_ksh + tl.arange(0, HEAD_DIM)[:, None] * 2 + pair,
+                     mask=tile_sealed, other=0.0)
+        vs = tl.load(VS + tile_page * s_vsb + within[:, None] * s_vst + kvh * s_vsh + pair, mask=nmask[:, None],
+                     other=0.0)
+    else:
+        ks = tl.load(KS + tile_page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0)
+        vs = tl.load(VS + tile_page * s_vsb + within * s_vst + kvh * s_vsh, mask=nmask, other=0.0)
+    return ks, vs
+
+
+@triton.jit
+def compressed_tile(q, m_i, l_i, acc, KC, VC, RES, within, n, nmask, valid, kvh, tile_page, tile_end, full_end,
+                    res_row, ks, vs, s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_rt, s_rh, scale_log2,
+                    FMT: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr,
+                    DT: tl.constexpr, VD: tl.constexpr):
     """One key tile of attention over a compressed cache whose scales are per token and head
     (or per layer and head), folded around the dots instead of applied to every element: keys
     scale the scores per column (KIVI: per channel, into q, since a tile lies in one block), values
-    scale p per column (KIVI: plus a per-row offset). q: [M, D]; page/within/n/nmask: [N];
-    valid: [M, N]. Returns the updated (m_i, l_i, acc)."""
+    scale p per column (KIVI: plus a per-row offset). The tile lies in block ``tile_page`` (the
+    launchers see to it); its scales ``ks, vs`` come from ``tile_scales``. q: [M, D];
+    within/n/nmask: [N]; valid: [M, N]. Returns the updated (m_i, l_i, acc)."""
     PER: tl.constexpr = 8 // BITS
+    OFF: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)  # (_magic's)
     # 8-bit codes enter the dots as fp16 in a 16-bit model: e4m3 pairs convert to fp16 in one
     # instruction (to bf16 it takes three per element), and int8 is exact in either
     CT: tl.constexpr = tl.float16 if DT.primitive_bitwidth == 16 else DT
     d = tl.arange(0, HEAD_DIM)
     dp = tl.arange(0, HEAD_DIM // PER)
-    pg = page[:, None]
     wi = within[:, None]
+    if FMT == 3:  # (split where used: a split moves the pairs through shared memory, a wait)
+        ka, kb = tl.split(ks.to(tl.float32))
+        va, vb = tl.split(vs.to(tl.float32))
+    else:
+        ka = ks.to(tl.float32)
+        va = vs.to(tl.float32)
     if FMT == 3:
         sealed = nmask & (n < full_end)
-        kb = tl.load(KC + pg * s_kcb + wi * s_kct + kvh * s_kch + dp[None, :], mask=sealed[:, None], other=0)
-        kc = _unpack(kb, BITS).to(DT)
-        sp = KS + tile_page * s_ksb + kvh * s_ksh + d * 2  # the tile's block: per-channel (scale, min)
-        tile_sealed = tile_end - 1 < full_end  # (else its keys are all in the residual: stale params)
-        ksc = tl.load(sp, mask=tile_sealed, other=0.0).to(tl.float32)
-        kmn = tl.load(sp + 1, mask=tile_sealed, other=0.0).to(tl.float32)
+        kcode = tl.load(KC + tile_page * s_kcb + wi * s_kct + kvh * s_kch + dp[None, :], mask=sealed[:, None],
+                        other=0)
         qf = q.to(tl.float32)
-        qs = (qf * ksc[None, :]).to(DT)
-        qk = tl.dot(qs, tl.trans(kc), input_precision=PREC) + tl.sum(qf * kmn[None, :], 1)[:, None]
+        qs = (qf * ka[None, :]).to(DT)
+        # the codes come as OFF + c: their dot carries OFF * sum(qs), taken off with the mins' term
+        corr = tl.sum(qf * kb[None, :], 1) - OFF * tl.sum(qs.to(tl.float32), 1)
+        qk = _kivi_dot(qs, kcode, PER, PREC) + corr[:, None]
         if tile_end > full_end:  # the sequence's unsealed last block: full-precision keys
             rm = nmask & (n >= full_end)
             r = tl.load(RES + res_row + (n - full_end)[:, None] * s_rt + kvh * s_rh + d[None, :],
                         mask=rm[:, None], other=0.0).to(DT)
             qk = tl.where(rm[None, :], tl.dot(q, tl.trans(r), input_precision=PREC), qk)
     else:
-        # (the tile lies in one block, ``tile_page``: the launchers see to it)
         kc = _codes(tl.load(KC + tile_page * s_kcb + wi * s_kct + kvh * s_kch + d[None, :], mask=nmask[:, None],
                             other=0), FMT, CT)
-        ksc = tl.load(KS + tile_page * s_ksb + within * s_kst + kvh * s_ksh, mask=nmask, other=0.0).to(tl.float32)
-        qk = tl.dot(q.to(CT), tl.trans(kc), input_precision=PREC) * ksc[None, :]
+        qk = tl.dot(q.to(CT), tl.trans(kc), input_precision=PREC) * ka[None, :]
     qk = tl.where(valid, qk, float("-inf"))
     m_new, l_i, p, alpha = online_softmax_probs(qk, m_i, l_i, scale_log2)
     if FMT == 3:
-        vb = tl.load(VC + pg * s_vcb + wi * s_vct + kvh * s_vch + dp[None, :], mask=nmask[:, None], other=0)
-        vc = _unpack(vb, BITS).to(DT)
-        vp = VS + page * s_vsb + within * s_vst + kvh * s_vsh
-        vsc = tl.load(vp, mask=nmask, other=0.0).to(tl.float32)
-        vmn = tl.load(vp + 1, mask=nmask, other=0.0).to(tl.float32)
-        pv = tl.dot((p * vsc[None, :]).to(DT), vc, input_precision=PREC) + tl.sum(p * vmn[None, :], 1)[:, None]
+        vcode = tl.load(VC + tile_page * s_vcb + wi * s_vct + kvh * s_vch + dp[None, :], mask=nmask[:, None],
+                        other=0)
+        pa = (p * va[None, :]).to(DT)
+        corr = tl.sum(p * vb[None, :], 1) - OFF * tl.sum(pa.to(tl.float32), 1)
+        pv = _kivi_pv(pa, vcode, PER, PREC) + corr[:, None]
     else:
         # Value codes are channel-major (VD = block size): the product's operand is read with the
         # keys contiguous, in words (a token-major tile is read from shared memory byte by byte:
@@ -499,9 +579,8 @@ def compressed_tile(q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmas
         # its block's stale codes, which are finite (the cache starts zeroed and only the
         # quantizer writes it, clamped) and meet p * scale = 0.
         vc = _codes(tl.load(VC + tile_page * s_vcb + wi * s_vct + kvh * s_vch + d[None, :] * VD), FMT, CT)
-        vsc = tl.load(VS + tile_page * s_vsb + within * s_vst + kvh * s_vsh, mask=nmask, other=0.0).to(tl.float32)
         # p times the value scales, divided by the tile's largest: in [0, 1], where fp16 is exact
-        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
-        pv = tl.dot((p * (vsc * (1.0 / vmax))[None, :]).to(CT), vc, input_precision=PREC) * vmax
+        vmax = tl.maximum(tl.max(va, 0), 1e-30)
+        pv = tl.dot((p * (va * (1.0 / vmax))[None, :]).to(CT), vc, input_precision=PREC) * vmax
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import dot_precision
-from kvserve.kernels.kv_quant import compressed_tile, fit_tile, kernel_args, load_kv_tile
+from kvserve.kernels.kv_quant import (compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile,
+                                      tile_scales)
 from kvserve.kernels.online_softmax import online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -83,11 +84,11 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
             page = tl.load(bt_row + n // PAGE).to(tl.int64)
             within = (n % PAGE).to(tl.int64)
         if FAST:
-            m_i, l_i, acc = compressed_tile(
-                q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, n >= 0, (n >= 0)[None, :], kvh,
-                tl.load(bt_row + s // PAGE).to(tl.int64), s + BLOCK_N, full_end, res_row,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT, VD)
+            m_i, l_i, acc = _compressed_step(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, n >= 0, (n >= 0)[None, :], kvh,
+                full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PAGE,
+                BLOCK_N, PREC, DT, VD)
         else:
             kmask = dmask[None, :]  # whole tiles: every key is valid
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
@@ -102,11 +103,11 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
         within = (n % PAGE).to(tl.int64)
         causal = (n[None, :] <= qpos[:, None]) & nmask[None, :]
         if FAST:
-            m_i, l_i, acc = compressed_tile(
-                q, m_i, l_i, acc, KC, VC, KS, VS, RES, page, within, n, nmask, causal, kvh,
-                tl.load(bt_row + s // PAGE).to(tl.int64), s + BLOCK_N, full_end, res_row,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PREC, DT, VD)
+            m_i, l_i, acc = _compressed_step(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, nmask, causal, kvh,
+                full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PAGE,
+                BLOCK_N, PREC, DT, VD)
         else:
             kmask = nmask[:, None] & dmask[None, :]
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
@@ -118,6 +119,22 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _compressed_step(q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, nmask, valid, kvh, full_end,
+                     res_row, s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
+                     s_rt, s_rh, scale_log2, FMT: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                     VD: tl.constexpr):
+    """The compressed fast path's tile at key ``s`` (it lies in one block), its scales loaded
+    in place (a prefill tile's dots hide their latency; decode fetches them a tile ahead)."""
+    tp = tl.load(bt_row + s // PAGE).to(tl.int64)
+    ks, vs = tile_scales(KS, VS, tp, within, nmask, kvh, s + BLOCK_N - 1 < full_end,
+                         s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, FMT, HEAD_DIM)
+    return compressed_tile(q, m_i, l_i, acc, KC, VC, RES, within, n, nmask, valid, kvh, tp, s + BLOCK_N, full_end,
+                           res_row, ks, vs, s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_rt, s_rh,
+                           scale_log2, FMT, BITS, HEAD_DIM, PREC, DT, VD)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
@@ -146,8 +163,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         block_m = 128 if on_gpu and max_query_len > 64 else (64 if on_gpu else 16)
     if block_n is None:  # 128 measured fastest on an H200 for head 128 (371 vs 344 TFLOP/s at 8k)
         block_n = (128 if D <= 128 and max_query_len > 64 and q.element_size() == 2 else 64) if on_gpu else 16
-    fast = fmt_kw["FMT"] != 0 and fmt_kw["GROUP"] == D
-    block_n = fit_tile(views, q, block_n, fast)
+    fast = fast_path(fmt_kw, D)
+    block_n = fit_tile(views, block_n, fast)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:

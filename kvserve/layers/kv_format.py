@@ -12,7 +12,8 @@ format stores a block as one run of bytes per layer::
   The 8-bit formats store V codes channel-major, ``[kvh, D, block_size]`` (K codes token-major,
   ``[block_size, kvh, D]``): the attention kernels' second product then finds a channel's codes
   for a tile of tokens contiguous, as its first product does a token's (``KVFormat.views`` hides
-  the difference).
+  the difference). Per-token scales (all formats) are stored head-major, ``[kvh, block_size, G]``:
+  a tile's scales for one head are contiguous.
 * ``int4`` / ``int2`` - KIVI (Liu et al., 2024): keys per *channel*, values per *token*. Values are
   quantized as they are written: per (token, head, group) an fp16 (scale, min) pair, codes packed
   two (int4) or four (int2) to a byte. Keys have outlier channels, so a key block is quantized
@@ -199,10 +200,10 @@ class KVFormat:
             ks, vs = scales[0], scales[1]
         elif self.kivi:
             ks = ks.view(nb, kvh, D, 2)
-            vs = vs.view(nb, bs, kvh, self.num_groups, 2)
+            vs = vs.view(nb, kvh, bs, self.num_groups, 2).permute(0, 2, 1, 3, 4)
         else:
-            ks = ks.view(nb, bs, kvh, self.num_groups)
-            vs = vs.view(nb, bs, kvh, self.num_groups)
+            ks = ks.view(nb, kvh, bs, self.num_groups).permute(0, 2, 1, 3)
+            vs = vs.view(nb, kvh, bs, self.num_groups).permute(0, 2, 1, 3)
         return KVViews(self, kc, vc, ks, vs, residual)
 
 
