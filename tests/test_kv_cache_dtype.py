@@ -240,7 +240,7 @@ def test_kivi_forks_and_preemption_keep_residual_rows(qwen):
     must agree token for token (a child with a wrong row would not). A pool too small for the
     batch preempts: every request still finishes, and no block or residual row is left held."""
     llm = LLM(qwen, show_progress=False, kv_cache_memory="16MiB", kv_cache_dtype="int4", block_size=16,
-              enable_prefix_caching=False, dtype="float32")  # (16-token KIVI blocks: float32 on a GPU too)
+              enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(5)
     p = torch.randint(0, 1000, (29,), generator=gen).tolist()  # 1 block + 13 keys in the residual
     one = _run(llm, [p], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
@@ -282,20 +282,6 @@ def test_bad_kv_options_name_the_option(kw, option, words):
         LLM(show_progress=False, kv_cache_memory="64MiB", **kw)
     msg = str(e.value)
     assert option in msg and all(w in msg for w in words), msg
-
-
-@pytest.mark.parametrize("name,dtype", [("int4", "bfloat16"), ("int2", "float16")])
-def test_kivi_16_token_blocks_refused_for_16_bit_triton(monkeypatch, name, dtype):
-    """The Triton kernels give wrong 4/2-bit attention with 16-key tiles in a 16-bit model on
-    the H200: the engine refuses that at start-up (the interpreter stands in for CUDA here) and
-    keeps 32-token blocks and the float32 model."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kw = dict(show_progress=False, kv_cache_memory="16MiB", kv_cache_dtype=name, attention_backend="triton")
-    with pytest.raises(ConfigError) as e:
-        LLM("dummy:smollm2-135m", block_size=16, dtype=dtype, **kw)
-    assert "block_size" in str(e.value) and ">= 32" in str(e.value) and "16" in str(e.value)
-    assert LLM("dummy:smollm2-135m", block_size=32, dtype=dtype, **kw).engine.runner.kv_format.block_size == 32
-    assert LLM("dummy:smollm2-135m", block_size=16, dtype="float32", **kw).engine.runner.kv_format.block_size == 16
 
 
 def test_cli_rejects_unknown_kv_dtype(capsys):

@@ -157,13 +157,6 @@ class ModelRunner:
     def _check_kv_format(self) -> None:
         from kvserve.errors import ConfigError
         f = self.kv_format
-        sixteen_bit = self.dtype in (torch.float16, torch.bfloat16)
-        if self.backend_name == "triton" and f.kivi and f.block_size < 32 and sixteen_bit:
-            # Measured on the H200 (Triton 3.6): 16-key tiles of 4/2-bit codes gave wrong attention
-            # in a 16-bit model (blocks of 32, 64 and 128 tokens, and float32, were right).
-            raise ConfigError("block_size", f"{f.name} with the Triton kernels in a 16-bit model needs "
-                              f"block_size >= 32 (default 64), got {f.block_size}; or use dtype float32 "
-                              f"or attention_backend torch")
         if f.name == "fp8" and self.device.type == "cuda":
             cap = torch.cuda.get_device_capability(self.device)
             if cap < (8, 9):
