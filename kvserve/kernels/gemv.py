@@ -48,7 +48,7 @@ def _load_w(w_ptrs, u_ptrs, k0, rk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.conste
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                 PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 1):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -60,13 +60,16 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        # The first weight tile streams in before waiting on the previous kernel (weights are
-        # never written while the engine runs); each iteration then asks for the next tile
-        # before using this one, so two are in flight (past the end the mask is all false).
+        # The first weight tiles (``PREFETCH`` of them: 1 or 2) stream in before waiting on the
+        # previous kernel (weights are never written while the engine runs); each iteration then
+        # asks for the tile ``PREFETCH`` ahead before using this one, so ``PREFETCH + 1`` are in
+        # flight (past the end the mask is all false).
         w, wu = _load_w(w_ptrs, u_ptrs, 0, rk, K, SILU_MUL, EVEN_K)
+        if PREFETCH == 2:
+            w1, wu1 = _load_w(w_ptrs, u_ptrs, BLOCK_K, rk, K, SILU_MUL, False)
         wait_inputs(USE_PDL)
         for k0 in range(0, K, BLOCK_K):
-            w_next, wu_next = _load_w(w_ptrs, u_ptrs, k0 + BLOCK_K, rk, K, SILU_MUL, False)
+            w_next, wu_next = _load_w(w_ptrs, u_ptrs, k0 + PREFETCH * BLOCK_K, rk, K, SILU_MUL, False)
             if EVEN_K:
                 x = tl.load(X + k0 + rk).to(tl.float32)
             else:
@@ -74,7 +77,10 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
             acc += w.to(tl.float32) * x[None, :]
             if SILU_MUL:
                 acc_u += wu.to(tl.float32) * x[None, :]
-            w, wu = w_next, wu_next
+            if PREFETCH == 2:
+                w, wu, w1, wu1 = w1, wu1, w_next, wu_next
+            else:
+                w, wu = w_next, wu_next
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         if SILU_MUL:
             y_u = tl.sum(acc_u, axis=1)[None, :]
@@ -112,10 +118,13 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_bytes: int = 2) -> dict:
     """Tile per shape, from the sweep at the Llama-3-8B shapes on the H200
     (``benchmarks/gemv_tune.py``). One row: 4 output rows per program (2 gate + 2 up rows with
-    the fused SiLU), whole 2-4 KiB row segments per load. More rows: 16-row dot tiles, 3 stages
-    of (x, W[, W_up]) tiles in shared memory (float32 takes shorter tiles to fit)."""
+    the fused SiLU), 1 KiB row segments per load, two tiles asked for ahead: measured in the
+    engine's batch-1 decode (graphs, PDL), 223.4 tok/s against 218.9 with one 2-4 KiB tile ahead
+    (three or four ahead: 194-200; isolated timings, which see no kernel to overlap, ranked these
+    the other way). More rows: 16-row dot tiles, 3 stages of (x, W[, W_up]) tiles in shared
+    memory (float32 takes shorter tiles to fit)."""
     if M == 1:
-        return {"BLOCK_N": 2 if silu_mul else 4, "BLOCK_K": (2048 if K > 4096 else 1024) * 2 // elem_bytes,
+        return {"BLOCK_N": 2 if silu_mul else 4, "BLOCK_K": 512 * 2 // elem_bytes, "PREFETCH": 2,
                 "num_warps": 4, "num_stages": 1}
     block_k = 128 if N > 65536 else 256
     return {"BLOCK_N": 64, "BLOCK_K": block_k * 2 // elem_bytes // (2 if silu_mul and elem_bytes > 2 else 1),

@@ -34,10 +34,10 @@ def _case(M, N, K, dtype, device, seed, silu=False, bias=False, x_stride=None):
     return x, w, b
 
 
-def _check(M, N, K, dtype, device, seed, **kw):
+def _check(M, N, K, dtype, device, seed, config=None, **kw):
     silu = kw.get("silu", False)
     x, w, b = _case(M, N, K, dtype, device, seed, **kw)
-    y = gemv(x, w, b, silu_mul=silu)
+    y = gemv(x, w, b, silu_mul=silu, config=config)
     ref = gemv_ref(x.double(), w.double(), None if b is None else b.double(), silu_mul=silu)
     assert y.shape == (M, N) and y.dtype == dtype
     assert not y.isnan().any()
@@ -52,6 +52,15 @@ def test_one_row(dtype, N, K, silu, bias, device):
     """K a multiple of the tile (unmasked loads, one or several tiles) and not; N=37 and 131
     end in a partial row block."""
     _check(1, N, K, dtype, device, seed=N + K + DTYPE_NO[dtype], silu=silu, bias=bias)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("N,K,silu", [(37, 100, False), (131, 1536, True), (96, 2048, False)])
+def test_one_row_prefetch_depth(prefetch, N, K, silu, device):
+    """One and two weight tiles asked for ahead, over K of one tile, of several, and not a
+    multiple of the tile (the tiles ahead run past K: masked)."""
+    cfg = {"BLOCK_N": 2, "BLOCK_K": 256, "PREFETCH": prefetch, "num_warps": 4, "num_stages": 1}
+    _check(1, N, K, torch.float32, device, seed=N + K + prefetch, config=cfg, silu=silu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
