@@ -128,9 +128,14 @@ class KVFormat:
     @property
     def layout(self) -> str:
         """Names a byte layout that changed, for keys of blocks that outlive the process (KV
-        tiers): "vT+h" for the 8-bit formats (values channel-major, keys turned); "" for the
-        others, whose layout is the original one (their existing chunks stay valid)."""
-        return "vT+h" if self.quantized and not self.kivi else ""
+        tiers: a chunk written in another layout must not be found): "vT" values channel-major,
+        "h" keys turned (the 8-bit formats), "sH" per-token scales head-major in the block (every
+        format that stores them); "" for the original layout (bf16)."""
+        if not self.quantized:
+            return ""
+        if self.kivi:
+            return "sH"
+        return "vT+h" if self.static else "vT+h+sH"
 
     @property
     def num_groups(self) -> int:
