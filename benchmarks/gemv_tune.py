@@ -1,6 +1,9 @@
 """Tile sweep for the skinny-GEMM kernel (``kvserve/kernels/gemv.py``) against cuBLAS at the
-Llama-3-8B decode shapes, on the GPU. Its results set ``gemv.default_config`` and
-``layers/linear.GEMV_MAX_ROWS``.
+Llama-3-8B decode shapes, on the GPU. Its results set ``gemv.default_config`` for several rows
+and ``layers/linear.GEMV_MAX_ROWS``. The one-row default does not come from here: timed alone, a
+kernel has no previous kernel to overlap its prefetch with (PDL), and this sweep ranked the
+one-row prefetch variants the other way from the engine's batch-1 decode (BENCHMARKS.md, seventh
+session). Try one-row changes in the engine.
 
     PYTHONPATH=$PWD python benchmarks/gemv_tune.py --out $OUT
 
@@ -95,7 +98,7 @@ def main():
         res["rows"][f"per_step,M={M}"] = tot
         print(f"per decode step (32 layers + lm_head), M={M}: cuBLAS {tot['cublas'] / 1e3:.3f} ms, "
               f"ours {tot['default'] / 1e3:.3f} ms", flush=True)
-    res["default_config_M1"] = default_config(1, 4096, 4096, dt)
+    res["default_config_M1"] = default_config(1, 4096, 4096)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemv_tune.json"), "w") as f:
         json.dump(res, f, indent=1)

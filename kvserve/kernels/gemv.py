@@ -64,6 +64,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
         # previous kernel (weights are never written while the engine runs); each iteration then
         # asks for the tile ``PREFETCH`` ahead before using this one, so ``PREFETCH + 1`` are in
         # flight (past the end the mask is all false).
+        tl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
         w, wu = _load_w(w_ptrs, u_ptrs, 0, rk, K, SILU_MUL, EVEN_K)
         if PREFETCH == 2:
             w1, wu1 = _load_w(w_ptrs, u_ptrs, BLOCK_K, rk, K, SILU_MUL, False)
@@ -116,7 +117,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_bytes: int = 2) -> dict:
-    """Tile per shape, from the sweep at the Llama-3-8B shapes on the H200
+    """Tile per shape at the Llama-3-8B shapes on the H200. Several rows: from the sweep
     (``benchmarks/gemv_tune.py``). One row: 4 output rows per program (2 gate + 2 up rows with
     the fused SiLU), 1 KiB row segments per load, two tiles asked for ahead: measured in the
     engine's batch-1 decode (graphs, PDL), 223.4 tok/s against 218.9 with one 2-4 KiB tile ahead

@@ -73,23 +73,23 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
     unmasked_end = (first_q // BLOCK_N) * BLOCK_N  # key tiles every query of the tile sees whole
     for s in range(0, unmasked_end, BLOCK_N):
         n = s + tl.arange(0, BLOCK_N)
-        if IDX32:
-            # One table entry per page of the tile, broadcast to its keys, and 32-bit offsets
-            # (the launcher checks the cache fits): the key/value addresses cost a third fewer
-            # integer ops on the tensor cores' warps (382 -> 432 TFLOP/s at 8k, pages of 16).
-            pg = tl.load(bt_row + s // PAGE + tl.arange(0, BLOCK_N // PAGE))
-            page = tl.reshape(tl.broadcast_to(pg[:, None], [BLOCK_N // PAGE, PAGE]), [BLOCK_N])
-            within = n % PAGE
-        else:
-            page = tl.load(bt_row + n // PAGE).to(tl.int64)
-            within = (n % PAGE).to(tl.int64)
-        if FAST:
+        if FAST:  # (the tile lies in one block: its entry is read in _compressed_step)
             m_i, l_i, acc = _compressed_step(
-                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, n >= 0, (n >= 0)[None, :], kvh,
-                full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PAGE,
-                BLOCK_N, PREC, DT, VD)
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, (n % PAGE).to(tl.int64), n, n >= 0,
+                (n >= 0)[None, :], kvh, full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM,
+                PAGE, BLOCK_N, PREC, DT, VD)
         else:
+            if IDX32:
+                # One table entry per page of the tile, broadcast to its keys, and 32-bit offsets
+                # (the launcher checks the cache fits): the key/value addresses cost a third fewer
+                # integer ops on the tensor cores' warps (382 -> 432 TFLOP/s at 8k, pages of 16).
+                pg = tl.load(bt_row + s // PAGE + tl.arange(0, BLOCK_N // PAGE))
+                page = tl.reshape(tl.broadcast_to(pg[:, None], [BLOCK_N // PAGE, PAGE]), [BLOCK_N])
+                within = n % PAGE
+            else:
+                page = tl.load(bt_row + n // PAGE).to(tl.int64)
+                within = (n % PAGE).to(tl.int64)
             kmask = dmask[None, :]  # whole tiles: every key is valid
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
@@ -99,7 +99,6 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         n = s + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
-        page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
         within = (n % PAGE).to(tl.int64)
         causal = (n[None, :] <= qpos[:, None]) & nmask[None, :]
         if FAST:
@@ -109,6 +108,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                 s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PAGE,
                 BLOCK_N, PREC, DT, VD)
         else:
+            page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
             kmask = nmask[:, None] & dmask[None, :]
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,

@@ -126,6 +126,25 @@ def test_bad_group_and_dtype_are_config_errors():
     assert kf.KVFormat("auto", 2, 32, 8, torch.float32).block_size == 8  # uncompressed: any
 
 
+def test_layout_names_and_scale_strides():
+    """A layout change must change ``KVFormat.layout``, which keys chunks that outlive the process
+    (KV tiers): a chunk of another layout is then not found, never misread. Pinned here with
+    the byte layout it names: per-token scales head-major in the block, a tile's contiguous."""
+    bs, kvh, D = 16, 4, 32
+    expect = {"auto": "", "fp8": "vT+h+sH", "int8": "vT+h+sH", "int4": "sH", "int2": "sH"}
+    for name, lay in expect.items():
+        assert kf.KVFormat(name, kvh, D, bs, torch.float32).layout == lay, name
+    assert kf.KVFormat("fp8", kvh, D, bs, torch.float32, static=True).layout == "vT+h"  # no per-token scales
+    for name in ("fp8", "int4"):
+        f = kf.KVFormat(name, kvh, D, bs, torch.float32)
+        v = f.views(torch.zeros(3, f.block_bytes, dtype=torch.uint8))
+        vs = v.v_scales  # [nb, bs, kvh, G(, 2)]
+        per = 2 if f.kivi else 1
+        assert vs.stride(1) == f.num_groups * per and vs.stride(2) == bs * f.num_groups * per, name
+        if not f.kivi:
+            assert v.k_scales.stride(1) == f.num_groups and v.k_scales.stride(2) == bs * f.num_groups
+
+
 def test_bytes_per_block_count_scales():
     f16 = kf.KVFormat("auto", 8, 128, 16, torch.bfloat16)
     f8 = kf.KVFormat("fp8", 8, 128, 16, torch.bfloat16)
@@ -291,16 +310,17 @@ def test_decode_attention_compressed(name, splits, block_n):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("bs,block_n", [(16, None), (32, None), (64, 16)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
-def test_decode_attention_compressed_half(name, dtype, bs):
+def test_decode_attention_compressed_half(name, dtype, bs, block_n):
     """A 16-bit model: 8-bit codes enter the dots as fp16; 4/2-bit ones as OFF + c in the
     model's dtype (written into the mantissa of 1024 in fp16, of 128 in bf16: ``_magic``), with
     q times KIVI's channel scales and p times the value scales rounded to that dtype. Heads of
     64: 2-bit codes in four parts of 16 channels take the fast path. 16-token blocks: 16-key
     tiles (4/2-bit ones were wrong on the H200 when the codes were interleaved back into channel
-    order before one dot)."""
+    order before one dot); 16-key tiles in 64-token blocks: tiles starting mid-block, the
+    unsealed block's tiles in the residual."""
     if dtype == torch.bfloat16 and DEV == "cpu":
         pytest.skip("bfloat16 case: needs CUDA (Triton 3.6's interpreter computes bf16 dots wrong, any input)")
     gen = torch.Generator().manual_seed(71 + KERNEL_FORMATS.index(name))
@@ -311,9 +331,34 @@ def test_decode_attention_compressed_half(name, dtype, bs):
     q = torch.randn(len(batch), H, D, generator=gen).to(DEV, dtype)
     seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=2, out=out, res_slots=rs)
+    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=2, out=out, res_slots=rs,
+                           block_n=block_n)
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     tol = 5e-3 if dtype == torch.float16 else 2e-2  # (bf16 rounds q * scale and p * scale to 8 bits)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name,D,dtype", [("int2", 64, torch.float32), ("int4", 64, torch.float32),
+                                          ("int2", 32, torch.float16)])
+def test_decode_attention_kivi_parts(name, D, dtype):
+    """Which path a KIVI cache takes, and that both are right: heads whose parts have >= 16
+    channels (int4 from 32, int2 from 64) take the fast path, here in float32 (codes as
+    themselves, no offset); int2 over 32-channel heads the general path, here in float16."""
+    from kvserve.kernels.kv_quant import fast_path
+    kw = dict(FMT=3, BITS=2 if name == "int2" else 4, GROUP=D)
+    assert fast_path(kw, D) == (D // (8 // kw["BITS"]) >= 16)
+    assert fast_path(dict(kw, GROUP=16), D) is False and fast_path(dict(FMT=1, BITS=8, GROUP=D), D)
+    gen = torch.Generator().manual_seed(D + kw["BITS"])
+    H, KVH = 4, 2
+    f = _fmt(name, KVH, D, 32, dtype)
+    batch = [(40, 1), (7, 1), (63, 1), (95, 1)]
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=24)
+    q = torch.randn(len(batch), H, D, generator=gen).to(DEV, dtype)
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=2, out=out, res_slots=rs)
+    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
