@@ -21,7 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or with a unit (4GiB, 512MiB); "
                    "a bare number under 1024 is GiB (default: 2 GiB on the CPU, free memory on CUDA)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16; 64 for a compressed --kv-cache-dtype)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 16; 64 for a compressed --kv-cache-dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "int4", "int2"],
                    help="KV-cache storage: auto = the model dtype; fp8 (e4m3) and int8 with per-token scales; "
                    "int4/int2 KIVI-style (keys per channel, values per token)")

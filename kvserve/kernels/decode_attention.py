@@ -74,10 +74,10 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         # folded around the dots. A tile lies in one block. The loop fetches the next tile's
         # scales, and the block of the one after, while it works on this one: Triton pipelines
         # no 2-byte load, and waited for in their own tile they cost a memory latency per tile
-        # (fp8 at batch 32 x 32k on the H200: 1.48x -> 1.64x bf16's time). The codes' block is read again
-        # in the loop, from the table: the pipeliner prefetches loads addressed through an
-        # in-loop load, and stopped prefetching the codes when their block came from the
-        # previous iteration (seen in the SASS).
+        # (fp8 at batch 32 x 32k on the H200: 1.48x -> 1.64x bf16's speed). The codes' block is
+        # read again in the loop, from the table: the pipeliner prefetches loads addressed
+        # through an in-loop load, and stopped prefetching the codes when their block came from
+        # the previous iteration (seen in the SASS).
         tp = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
         ks, vs = tile_scales(KS, VS, tp, start % PAGE + w, start + w < end, kvh, start + BLOCK_N - 1 < full_end,
                              s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, FMT, HEAD_DIM)

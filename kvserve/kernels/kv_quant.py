@@ -449,8 +449,9 @@ def _parts(x, PER: tl.constexpr):
 @triton.jit
 def _magic(c, DT: tl.constexpr):
     """Codes c (int16; 4/2-bit, so 0..15; bf16's mantissa holds 0..127) as ``DT`` values
-    OFF + c, by writing them into the mantissa of the offset: logic ops, where an integer-to-float conversion runs at a quarter of
-    the rate (int4 decode attention on the H200: 1.54 -> 1.33 ms). float32: c itself."""
+    OFF + c, by writing them into the mantissa of the offset: logic ops, where an
+    integer-to-float conversion runs at a quarter of the rate (int4 decode attention on the
+    H200: 1.54 -> 1.33 ms). float32: c itself."""
     if DT == tl.bfloat16:
         return (c | 0x4300).to(tl.bfloat16, bitcast=True)  # 128 + c (bf16's ulp at 128 is 1)
     elif DT == tl.float16:
