@@ -291,6 +291,33 @@ def _compressed_batch(gen, f, batch, H, nb, slots_per_seq=None):
     return views, tables.to(DEV), kd, vd, torch.tensor(res_slots, dtype=torch.int32, device=DEV)
 
 
+def _decode_against_ref(gen, f, batch, H, nb, tol, **launch):
+    """Decode attention over a cache filled by ``_compressed_batch`` (the output poisoned first)
+    against float64 attention over the dequantized cache. q in the format's model dtype."""
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=nb)
+    D = f.head_dim
+    q = torch.randn(len(batch), H, D, generator=gen).to(DEV, f.model_dtype)
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, out=out, res_slots=rs, **launch)
+    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def _prefill_against_ref(gen, f, batch, H, nb, tol, **launch):
+    """The same for the prefill kernel: ``batch`` is (cached keys, new tokens) per sequence."""
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=nb)
+    D = f.head_dim
+    q = torch.randn(sum(n for _, n in batch), H, D, generator=gen).to(DEV, f.model_dtype)
+    cu = torch.tensor([0] + list(torch.tensor([n for _, n in batch]).cumsum(0)), dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, views, None, tables, cu, seq_lens, max(n for _, n in batch), D ** -0.5, out=out,
+                            res_slots=rs, **launch)
+    ref = paged_prefill_attention_ref(q, kd, vd, tables, cu, seq_lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
 @pytest.mark.parametrize("splits,block_n", [(1, None), (3, None), (3, 64)])
 def test_decode_attention_compressed(name, splits, block_n):
@@ -298,16 +325,8 @@ def test_decode_attention_compressed(name, splits, block_n):
     gen = torch.Generator().manual_seed(31 + KERNEL_FORMATS.index(name) + 10 * splits)
     H, KVH, D, bs = 4, 2, 32, 8
     f = _fmt(name, KVH, D, bs)
-    bs = f.block_size
     batch = [(20, 1), (7, 1), (31, 1), (0, 1)]  # keys 21 (5 unsealed), 8 (one full block), 32, 1
-    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=24)
-    q = torch.randn(len(batch), H, D, generator=gen).to(DEV)
-    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, out=out, res_slots=rs,
-                           block_n=block_n)
-    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    _decode_against_ref(gen, f, batch, H, 24, 1e-4, splits=splits, block_n=block_n)
 
 
 @pytest.mark.parametrize("bs,block_n", [(16, None), (32, None), (64, 16)])
@@ -327,15 +346,8 @@ def test_decode_attention_compressed_half(name, dtype, bs, block_n):
     H, KVH, D = 4, 2, 64
     f = _fmt(name, KVH, D, bs, dtype)
     batch = [(40, 1), (7, 1), (63, 1), (0, 1)]
-    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=24)
-    q = torch.randn(len(batch), H, D, generator=gen).to(DEV, dtype)
-    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=2, out=out, res_slots=rs,
-                           block_n=block_n)
-    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     tol = 5e-3 if dtype == torch.float16 else 2e-2  # (bf16 rounds q * scale and p * scale to 8 bits)
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    _decode_against_ref(gen, f, batch, H, 24, tol, splits=2, block_n=block_n)
 
 
 @pytest.mark.parametrize("name,D,dtype", [("int2", 64, torch.float32), ("int4", 64, torch.float32),
@@ -352,14 +364,7 @@ def test_decode_attention_kivi_parts(name, D, dtype):
     H, KVH = 4, 2
     f = _fmt(name, KVH, D, 32, dtype)
     batch = [(40, 1), (7, 1), (63, 1), (95, 1)]
-    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=24)
-    q = torch.randn(len(batch), H, D, generator=gen).to(DEV, dtype)
-    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=2, out=out, res_slots=rs)
-    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
-    tol = 1e-4 if dtype == torch.float32 else 5e-3
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    _decode_against_ref(gen, f, batch, H, 24, 1e-4 if dtype == torch.float32 else 5e-3, splits=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -373,17 +378,8 @@ def test_prefill_attention_compressed_half(name, dtype):
     H, KVH, D = 4, 2, 64
     f = _fmt(name, KVH, D, 16, dtype)
     batch = [(16, 21), (13, 9), (0, 30), (40, 1)]
-    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=40)
-    T = sum(n for _, n in batch)
-    q = torch.randn(T, H, D, generator=gen).to(DEV, dtype)
-    cu = torch.tensor([0] + list(torch.tensor([n for _, n in batch]).cumsum(0)), dtype=torch.int32, device=DEV)
-    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
-    out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, views, None, tables, cu, seq_lens, max(n for _, n in batch), D ** -0.5, out=out,
-                            res_slots=rs)
-    ref = paged_prefill_attention_ref(q, kd, vd, tables, cu, seq_lens, D ** -0.5)
     tol = 1e-2 if dtype == torch.float16 else 4e-2  # (p rounded to the model's dtype before the values' dot)
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    _prefill_against_ref(gen, f, batch, H, 40, tol)
 
 
 @pytest.mark.parametrize("name", KERNEL_FORMATS)
@@ -392,20 +388,10 @@ def test_prefill_attention_compressed(name, block_n):
     gen = torch.Generator().manual_seed(53 + KERNEL_FORMATS.index(name))
     H, KVH, D, bs = 4, 2, 32, 8
     f = _fmt(name, KVH, D, bs)
-    bs = f.block_size
     # a prompt after a prefix hit (ctx a whole block), a chunk starting mid-block, a plain prompt
     # ending mid-block, a decode row riding along
     batch = [(16, 21), (13, 9), (0, 30), (40, 1)]
-    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=40)
-    T = sum(n for _, n in batch)
-    q = torch.randn(T, H, D, generator=gen).to(DEV)
-    cu = torch.tensor([0] + list(torch.tensor([n for _, n in batch]).cumsum(0)), dtype=torch.int32, device=DEV)
-    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
-    out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, views, None, tables, cu, seq_lens, max(n for _, n in batch), D ** -0.5, out=out,
-                            res_slots=rs, block_n=block_n)
-    ref = paged_prefill_attention_ref(q, kd, vd, tables, cu, seq_lens, D ** -0.5)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    _prefill_against_ref(gen, f, batch, H, 40, 1e-4, block_n=block_n)
 
 
 @needs_cuda
@@ -416,10 +402,5 @@ def test_decode_attention_compressed_real_size(name):
     f = _fmt(name, KVH, D, kf.default_block_size(name.split("-")[0]), torch.bfloat16)
     batch = [(1000, 1), (4095, 1), (77, 1)]
     nb = sum(math.ceil((c + n) / f.block_size) for c, n in batch) + 3
-    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=nb)
-    q = torch.randn(len(batch), H, D, generator=gen).to(DEV).bfloat16()
-    seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device=DEV)
-    out = paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, res_slots=rs)
-    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     # bf16: the dequantized keys/values (or q times the KIVI channel scales) round to bf16 first
-    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    _decode_against_ref(gen, f, batch, H, nb, 3e-2)
