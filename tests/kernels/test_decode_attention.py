@@ -135,6 +135,26 @@ def test_decode_real_size_shapes(device, paged_kv, rel, H, KVH, D, page):
     assert (out[5] == 0).all()
 
 
+def test_split_merge_in_rounds(device, paged_kv, rel):
+    """The merge takes the splits a few at a time (``merge_splits``: 2 per round for a group of 8
+    heads of 128 channels at 4 warps): 800 keys in 13 splits of one 64-key tile merge in 7 rounds,
+    the last one partial. A group of 3 pads to 4 heads (GROUP_P), the fourth masked, 8 splits per
+    round: 700 keys in 11 splits, 2 rounds."""
+    from kvserve.kernels.decode_attention import merge_splits
+    assert merge_splits(8, 128, 4) == (8, 2) and merge_splits(3, 64, 4) == (4, 8)
+    assert merge_splits(8, 128, 4, small_grid=True) == (8, 8)
+    gen = torch.Generator().manual_seed(21)
+    for H, KVH, D, seq_lens in ((16, 2, 128, [800, 300, 17, 0, 129]), (6, 2, 64, [700, 3, 0, 65])):
+        out, ref = _run(gen, device, paged_kv, H, KVH, D, 16, torch.float32, seq_lens, 13)
+        assert not out.isnan().any()
+        assert rel(out, ref) < 1e-5, (H, D)
+        for b, L in enumerate(seq_lens):
+            if L:
+                assert rel(out[b], ref[b]) < 1e-5, (H, D, b, L)
+            else:
+                assert (out[b] == 0).all()
+
+
 def test_split_merge_counters_reset(device, paged_kv, rel):
     """The last split of each (sequence, KV head) merges the others and zeroes its counter again,
     so launch after launch (as a graph replays) stays right and leaves every counter at 0."""
