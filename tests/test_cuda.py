@@ -31,8 +31,13 @@ def _random_model(tmp_path, kind):
     return model.cuda(), str(path)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["rope_kv_write", "fused_rope_decode"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_cuda_parity_float32(tmp_path, kind):
+def test_cuda_parity_float32(tmp_path, kind, fused, monkeypatch):
+    """fused_rope_decode: decode steps with the RoPE + KV write done inside the decode attention
+    kernel (``triton_attention.FUSED_ROPE_DECODE``)."""
+    from kvserve.layers import triton_attention
+    monkeypatch.setattr(triton_attention, "FUSED_ROPE_DECODE", fused)
     torch.backends.cuda.matmul.allow_tf32 = False
     hf, path = _random_model(tmp_path, kind)
     gen = torch.Generator().manual_seed(3)

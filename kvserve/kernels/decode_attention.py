@@ -30,6 +30,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, COUNTS,
+                         POS, SLOT, KN, VN, COS, SIN, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh,
                          s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, stride_bt,
@@ -40,7 +41,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
                          VD: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         ROPE: tl.constexpr, USE_PDL: tl.constexpr):
     wait_inputs(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,6 +55,16 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     # context's critical path; an empty split's load is wasted, and cheap
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if ROPE:  # RoPE + KV write fused in (uncompressed caches): q is rotated here, not in memory
+        DT: tl.constexpr = Q.dtype.element_ty
+        pos = tl.load(POS + b).to(tl.int64)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+        cos = tl.load(COS + pos * stride_cos + d, mask=dmask, other=0.0).to(DT).to(tl.float32)
+        sin = tl.load(SIN + pos * stride_cos + d, mask=dmask, other=0.0).to(DT).to(tl.float32)
+        qp = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + partner[None, :],
+                     mask=gmask[:, None] & dmask[None, :], other=0.0)
+        q = _rotated(q, qp, cos[None, :], sin[None, :], sign[None, :], DT)
     seq_len = tl.load(SEQ_LENS + b)
     n_chunks = tl.cdiv(seq_len, BLOCK_N)
     per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
@@ -62,6 +73,20 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
     start = split * per * BLOCK_N
     end = tl.minimum(start + per * BLOCK_N, seq_len)
+    if ROPE:
+        if split == active - 1:  # this step's token is the last key: its split stores it, then reads it
+            slot = tl.load(SLOT + b).to(tl.int64)
+            if slot >= 0:
+                kn = KN + b.to(tl.int64) * stride_knt + kvh * stride_knh
+                k = _rotated(tl.load(kn + d, mask=dmask, other=0.0), tl.load(kn + partner, mask=dmask, other=0.0),
+                             cos, sin, sign, DT)
+                within = slot % PAGE
+                tl.store(KC + (slot // PAGE) * stride_kb + within * stride_ks + kvh * stride_kh + d,
+                         k.to(KC.dtype.element_ty), mask=dmask)
+                v = tl.load(VN + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0)
+                tl.store(VC + (slot // PAGE) * stride_vb + within * stride_vs + kvh * stride_vh + d,
+                         v.to(VC.dtype.element_ty), mask=dmask)
+            tl.debug_barrier()  # (the program's own loads of the cache come after its stores)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -135,6 +160,14 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
             _merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
                          stride_lh, stride_ob, stride_oh, GROUP, GROUP_P, HEAD_DIM, BLOCK_D, MERGE_S)
             tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _rotated(x, xp, cos, sin, sign, DT: tl.constexpr):
+    """NeoX rotation of x given its partner channels xp, rounded as ``rope_kv_write`` (and
+    ``RotaryEmbedding``) round: each product in ``DT``, then the sum."""
+    x = x.to(tl.float32)
+    return ((x * cos).to(DT).to(tl.float32) + (sign * xp.to(tl.float32) * sin).to(DT).to(tl.float32)).to(DT)
 
 
 @triton.jit
@@ -232,12 +265,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            seq_lens: torch.Tensor, scale: float, splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None,
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, maxnreg: int | None = None) -> torch.Tensor:
+                           num_stages: int = 2, maxnreg: int | None = None, rope: tuple | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
     included); ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg`` (registers per thread):
-    the launch, None for the measured defaults. Returns [B, H, D]."""
+    the launch, None for the measured defaults. ``rope`` (uncompressed caches only): (positions
+    [B], slot_mapping [B], k [B, KVH, D], v [B, KVH, D], cos, sin) of this step's tokens, unrotated:
+    ``rope_kv_write``'s work done in this kernel (q rotated in registers, left as it is in memory;
+    k rotated and k, v stored at each slot >= 0 by the split that reads that key). Returns [B, H, D]."""
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -281,9 +317,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         op, lsep = out, seq_lens  # unused placeholders
     kc, vc, ks, vs, res, *strides = cache_args
     rs = res_slots if res_slots is not None else seq_lens
+    if rope is not None:
+        assert views is None, "the fused RoPE + KV write takes an uncompressed cache"
+        positions, slots, k_new, v_new, cos, sin = rope
+        assert k_new.shape == v_new.shape == (B, KVH, D) and k_new.stride(-1) == v_new.stride(-1) == 1
+        rope_args = [positions, slots, k_new, v_new, cos, sin,
+                     k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0)]
+    else:
+        rope_args = [seq_lens, seq_lens, q, q, q, q, 0, 0, 0, 0, 0]  # (placeholders)
     _decode_split_kernel[(B, KVH, splits)](
         q, kc, vc, ks, vs, res, block_tables, seq_lens, rs, out, op, lsep,
-        _split_counters(q.device, B * KVH) if splits > 1 else seq_lens,
+        _split_counters(q.device, B * KVH) if splits > 1 else seq_lens, *rope_args,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0),
         out.stride(0), out.stride(1),
         op.stride(0) if splits > 1 else 0, op.stride(1) if splits > 1 else 0,
@@ -293,7 +337,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, PREC=dot_precision(q.dtype),
         FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
-        GROUP_P=group_p, MERGE_S=merge_s, num_warps=num_warps, num_stages=num_stages,
+        GROUP_P=group_p, MERGE_S=merge_s, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
         **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q))
     return out
 

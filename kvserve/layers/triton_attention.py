@@ -22,6 +22,13 @@ except ImportError:  # pragma: no cover - old torch
     sdpa_kernel = None
 
 
+# Decode steps with an uncompressed cache: the decode attention kernel does the RoPE + KV write
+# itself (``paged_decode_attention(rope=...)``), one kernel less per layer. Off until measured on
+# a GPU: batch-1 decode on the H200 showed the separate kernel costing 0.107 ms of a 4.44 ms step
+# (BENCHMARKS.md, eighth session); the fused path passes the interpreter tests and is unmeasured.
+FUSED_ROPE_DECODE = False
+
+
 class TritonPagedAttention:
     name = "triton"
 
@@ -40,6 +47,7 @@ class TritonPagedAttention:
                 scale: float) -> torch.Tensor:
         B = len(meta.seq_lens)
         plain_prompt = B == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1 if meta.seq_lens else False
+        fused = False
         if isinstance(k_cache, KVViews):  # compressed: quantize on write (KIVI: seal full key blocks first)
             kvh = k_cache.fmt.num_kv_heads
             if k_cache.fmt.kivi:
@@ -49,13 +57,16 @@ class TritonPagedAttention:
                                 k_cache, rotate_k_inplace=plain_prompt)
         else:
             kvh = k_cache.shape[2]
-            rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
-                          rotate_k_inplace=plain_prompt)
+            fused = FUSED_ROPE_DECODE and meta.max_query_len == 1
+            if not fused:
+                rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
+                              rotate_k_inplace=plain_prompt)
         if meta.max_query_len == 1:
             per_sm = split_per_sm(k_cache.fmt if isinstance(k_cache, KVViews) else None)
             splits = meta.num_splits or num_splits(B, kvh, q.device, per_sm)
+            rope_args = (positions, meta.slot_mapping, k, v, rope.cos, rope.sin) if fused else None
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
-                                          splits=splits, res_slots=meta.res_slots_t)
+                                          splits=splits, res_slots=meta.res_slots_t, rope=rope_args)
         if plain_prompt and sdpa_kernel is not None:
             return _sdpa_causal(q, k, v, scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q, meta.seq_lens_t,

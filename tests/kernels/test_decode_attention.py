@@ -135,6 +135,49 @@ def test_decode_real_size_shapes(device, paged_kv, rel, H, KVH, D, page):
     assert (out[5] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [1, 3, 32])
+@pytest.mark.parametrize("H,KVH,D,page", [(8, 2, 64, 16), (9, 3, 48, 4)])
+def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, splits, dtype):
+    """``rope=``: the step's token enters unrotated; the kernel rotates q in registers (q in
+    memory untouched), and the split holding the last key rotates k and stores k and v at the
+    slot before reading it. Against ``rope_kv_write_ref`` then the float64 reference: the caches
+    bit for bit (the token's slot was NaN before; a padding sequence, slot -1 and length 0,
+    writes nothing), the output within the attention tolerance."""
+    from kvserve.kernels.rope_kv_write import rope_kv_write_ref
+    from kvserve.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(H * 100 + splits + 10_000 * DTYPE_NO[dtype])
+    seq_lens = [37, 0, 1, 100, 64, 129]
+    kc, vc, bt = paged_kv(gen, seq_lens, page, KVH, D, dtype, device)
+    B = len(seq_lens)
+    rope = RotaryEmbedding(D, 256, 10000.0).to(device)
+    positions = torch.tensor([max(L - 1, 0) for L in seq_lens], device=device)
+    slots = torch.tensor([int(bt[b, (L - 1) // page]) * page + (L - 1) % page if L else -1
+                          for b, L in enumerate(seq_lens)], device=device)
+    keep = slots >= 0
+    kc.view(-1, KVH, D)[slots[keep]] = float("nan")  # the step's keys and values are not in yet
+    vc.view(-1, KVH, D)[slots[keep]] = float("nan")
+    qkv = (torch.randn(B, (H + 2 * KVH) * D, generator=gen) * 2).to(dtype).to(device)
+    q, k, v = (t.view(B, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+    q0 = q.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    qr, _ = rope_kv_write_ref(q.clone(), k.clone(), v.clone(), positions, slots, rope.cos, rope.sin, kc_ref, vc_ref)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, kc, vc, bt, sl, D ** -0.5, splits=splits, out=out,
+                           rope=(positions, slots, k, v, rope.cos, rope.sin))
+    assert torch.equal(q, q0)
+    assert torch.equal(kc.isnan(), kc_ref.isnan()) and torch.equal(kc.nan_to_num(), kc_ref.nan_to_num())
+    assert torch.equal(vc.isnan(), vc_ref.isnan()) and torch.equal(vc.nan_to_num(), vc_ref.nan_to_num())
+    ref = paged_decode_attention_ref(qr, kc_ref, vc_ref, bt, sl, D ** -0.5)
+    assert not out.isnan().any()
+    for b, L in enumerate(seq_lens):
+        if L:
+            assert rel(out[b], ref[b]) < TOL[dtype], (b, L)
+        else:
+            assert (out[b] == 0).all()
+
+
 def test_split_merge_in_rounds(device, paged_kv, rel):
     """The merge takes the splits a few at a time (``merge_splits``: 2 per round for a group of 8
     heads of 128 channels at 4 warps): 800 keys in 13 splits of one 64-key tile merge in 7 rounds,
