@@ -26,6 +26,9 @@ from kvserve.kernels.online_softmax import online_softmax_step
 from kvserve.kernels.pdl import wait_inputs
 
 _LOG2E = 1.4426950408889634
+# Launch options with the fused RoPE + KV write: no FMA contraction, or the rotation would round
+# once fewer than ``rope_kv_write`` does (``_rotated``)
+ROPE_LAUNCH = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -40,7 +43,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
-                         VD: tl.constexpr, GROUP_P: tl.constexpr, MERGE_S: tl.constexpr,
+                         VD: tl.constexpr, HEADS: tl.constexpr, MERGE_S: tl.constexpr,
                          ROPE: tl.constexpr, USE_PDL: tl.constexpr):
     wait_inputs(USE_PDL)
     b = tl.program_id(0)
@@ -78,14 +81,14 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
             slot = tl.load(SLOT + b).to(tl.int64)
             if slot >= 0:
                 kn = KN + b.to(tl.int64) * stride_knt + kvh * stride_knh
-                k = _rotated(tl.load(kn + d, mask=dmask, other=0.0), tl.load(kn + partner, mask=dmask, other=0.0),
-                             cos, sin, sign, DT)
-                within = slot % PAGE
-                tl.store(KC + (slot // PAGE) * stride_kb + within * stride_ks + kvh * stride_kh + d,
-                         k.to(KC.dtype.element_ty), mask=dmask)
-                v = tl.load(VN + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0)
-                tl.store(VC + (slot // PAGE) * stride_vb + within * stride_vs + kvh * stride_vh + d,
-                         v.to(VC.dtype.element_ty), mask=dmask)
+                k_new = _rotated(tl.load(kn + d, mask=dmask, other=0.0),
+                                 tl.load(kn + partner, mask=dmask, other=0.0), cos, sin, sign, DT)
+                slot_page, slot_within = slot // PAGE, slot % PAGE
+                tl.store(KC + slot_page * stride_kb + slot_within * stride_ks + kvh * stride_kh + d,
+                         k_new.to(KC.dtype.element_ty), mask=dmask)
+                v_new = tl.load(VN + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0)
+                tl.store(VC + slot_page * stride_vb + slot_within * stride_vs + kvh * stride_vh + d,
+                         v_new.to(VC.dtype.element_ty), mask=dmask)
             tl.debug_barrier()  # (the program's own loads of the cache come after its stores)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -158,65 +161,70 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         counter = COUNTS + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
             _merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
-                         stride_lh, stride_ob, stride_oh, GROUP, GROUP_P, HEAD_DIM, BLOCK_D, MERGE_S)
+                         stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_D, MERGE_S)
             tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
 def _rotated(x, xp, cos, sin, sign, DT: tl.constexpr):
     """NeoX rotation of x given its partner channels xp, rounded as ``rope_kv_write`` (and
-    ``RotaryEmbedding``) round: each product in ``DT``, then the sum."""
+    ``RotaryEmbedding``) round: each product in ``DT``, then the sum. Only in a kernel compiled
+    without FMA contraction (``enable_fp_fusion=False``): otherwise LLVM narrows the products to
+    ``DT`` and fuses one into the add, one rounding fewer (a quarter of the elements 1 ulp off)."""
     x = x.to(tl.float32)
     return ((x * cos).to(DT).to(tl.float32) + (sign * xp.to(tl.float32) * sin).to(DT).to(tl.float32)).to(DT)
 
 
 @triton.jit
 def _merge_group(OP, LSEP, O, b, kvh, n_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
-                 stride_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 stride_oh, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr):
     """Combine the ``n_splits`` partials of KV head ``kvh``'s query heads by their log-sum-exps,
-    every head at once: (head, channel) flattened into one axis, the splits taken ``MERGE_S`` at
-    a time with an online softmax over them. A short context's merge is then a round trip to L2
-    or a few, not one per head: batch-1 decode on the H200 (Llama-3-8B shape, 512-token prompt)
-    went from 223.2 to 230.1 tok/s, and from 203.5 to 210.6 at 7,936 tokens (BENCHMARKS.md).
-    Each column loads its head's log-sum-exp itself (a broadcast load). Loads bypass L1
-    (``.cg``): the other splits wrote them from other SMs."""
-    c = tl.arange(0, GROUP_P * BLOCK_D)
-    hi = c // BLOCK_D
+    ``HEADS`` heads at a time (all of a group up to 1,024 channels): (head, channel) flattened
+    into one axis, the splits taken ``MERGE_S`` at a time with an online softmax over them. A
+    short context's merge is then a round trip to L2 or a few, not one per head: batch-1 decode
+    on the H200 (Llama-3-8B shape, 512-token prompt) went from 223.2 to 230.1 tok/s, and from
+    203.5 to 210.6 at 7,936 tokens (BENCHMARKS.md). Each column loads its head's log-sum-exp
+    itself (a broadcast load). Loads bypass L1 (``.cg``): the other splits wrote them from other
+    SMs."""
+    c = tl.arange(0, HEADS * BLOCK_D)
     dd = c % BLOCK_D
-    h = kvh * GROUP + hi
-    cmask = (hi < GROUP) & (dd < HEAD_DIM)
     s = tl.arange(0, MERGE_S)
-    m = tl.full([GROUP_P * BLOCK_D], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_P * BLOCK_D], tl.float32)
-    acc = tl.zeros([GROUP_P * BLOCK_D], tl.float32)
-    for s0 in range(0, n_splits, MERGE_S):
-        ok = ((s0 + s) < n_splits)[:, None] & cmask[None, :]
-        lse = tl.load(LSEP + b * stride_lb + h[None, :] * stride_lh + (s0 + s)[:, None], mask=ok,
-                      other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(OP + b * stride_pb + h[None, :] * stride_ph + (s0 + s)[:, None] * stride_ps + dd[None, :],
-                        mask=ok, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # (a column with no keys yet stays at zero)
-        alpha = tl.where(m > float("-inf"), tl.exp2(m - base), 0.0)
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - base[None, :]), 0.0)
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(parts * w, 0)
-        m = m_new
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + dd, out.to(O.dtype.element_ty), mask=cmask)
+    for h0 in range(0, GROUP, HEADS):
+        hi = h0 + c // BLOCK_D
+        h = kvh * GROUP + hi
+        cmask = (hi < GROUP) & (dd < HEAD_DIM)
+        m = tl.full([HEADS * BLOCK_D], float("-inf"), tl.float32)
+        total = tl.zeros([HEADS * BLOCK_D], tl.float32)
+        acc = tl.zeros([HEADS * BLOCK_D], tl.float32)
+        for s0 in range(0, n_splits, MERGE_S):
+            ok = ((s0 + s) < n_splits)[:, None] & cmask[None, :]
+            lse = tl.load(LSEP + b * stride_lb + h[None, :] * stride_lh + (s0 + s)[:, None], mask=ok,
+                          other=float("-inf"), cache_modifier=".cg")
+            parts = tl.load(OP + b * stride_pb + h[None, :] * stride_ph + (s0 + s)[:, None] * stride_ps
+                            + dd[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # (a column with no keys yet stays at zero)
+            alpha = tl.where(m > float("-inf"), tl.exp2(m - base), 0.0)
+            w = tl.where(lse > float("-inf"), tl.exp2(lse - base[None, :]), 0.0)
+            total = total * alpha + tl.sum(w, 0)
+            acc = acc * alpha + tl.sum(parts * w, 0)
+            m = m_new
+        out = acc / tl.where(total > 0, total, 1.0)
+        tl.store(O + b * stride_ob + h * stride_oh + dd, out.to(O.dtype.element_ty), mask=cmask)
 
 
 def merge_splits(group: int, block_d: int, num_warps: int, small_grid: bool = False) -> tuple[int, int]:
-    """(GROUP_P, MERGE_S) of ``_merge_group``: the group padded to a power of two, and splits per
-    round such that each of its [MERGE_S, GROUP_P * BLOCK_D] tiles holds 16 values per thread (at
+    """(HEADS, MERGE_S) of ``_merge_group``: heads per pass (the group padded to a power of two, at
+    most 1,024 channels: a large group, as in multi-query attention, takes several passes), and
+    splits per round such that each [MERGE_S, HEADS * BLOCK_D] tile holds 16 values per thread (at
     32 the merge raised the bf16 kernel from 120 to 152 registers, above what its loop needs), or
     64 in a grid of at most 2 programs per SM with no register cap (``small_grid``: small
     batches, where registers limit nothing and a 16-split merge takes one round instead of four;
     bf16: 238 registers; batch-1 decode at 7,936 tokens on the H200: 208.9 -> 210.6 tok/s, the
     same at 512). Under the 8-bit formats' 160-register cap it would spill."""
-    group_p = triton.next_power_of_2(group)
-    return group_p, max(1, (64 if small_grid else 16) * 32 * num_warps // (group_p * block_d))
+    heads = min(triton.next_power_of_2(group), max(1, 1024 // block_d))
+    return heads, max(1, (64 if small_grid else 16) * 32 * num_warps // (heads * block_d))
 
 
 _COUNTS: dict = {}
@@ -308,7 +316,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         maxnreg = 160  # ptxas took 168 registers; capped, fp8 0.545 ms against 0.585 (int8 unchanged)
     block_n = fit_tile(views, block_n, fast)
     small_grid = B * KVH * splits <= 2 * _sm_count(q.device) and maxnreg is None
-    group_p, merge_s = merge_splits(group, BLOCK_D, num_warps, small_grid)
+    heads, merge_s = merge_splits(group, BLOCK_D, num_warps, small_grid)
     merge_s = min(merge_s, triton.next_power_of_2(splits))
     if splits > 1:
         op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
@@ -321,6 +329,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         assert views is None, "the fused RoPE + KV write takes an uncompressed cache"
         positions, slots, k_new, v_new, cos, sin = rope
         assert k_new.shape == v_new.shape == (B, KVH, D) and k_new.stride(-1) == v_new.stride(-1) == 1
+        assert D % 2 == 0 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(-1) == 1
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
         rope_args = [positions, slots, k_new, v_new, cos, sin,
                      k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0)]
     else:
@@ -337,8 +347,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, PREC=dot_precision(q.dtype),
         FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
-        GROUP_P=group_p, MERGE_S=merge_s, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
-        **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q))
+        HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
+        **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q), **(ROPE_LAUNCH if rope is not None else {}))
     return out
 
 

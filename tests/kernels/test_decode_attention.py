@@ -138,14 +138,25 @@ def test_decode_real_size_shapes(device, paged_kv, rel, H, KVH, D, page):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("splits", [1, 3, 32])
 @pytest.mark.parametrize("H,KVH,D,page", [(8, 2, 64, 16), (9, 3, 48, 4)])
-def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, splits, dtype):
+@pytest.mark.parametrize("grid_order", ["forward", "reversed"])
+def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, splits, dtype, grid_order,
+                                    monkeypatch):
     """``rope=``: the step's token enters unrotated; the kernel rotates q in registers (q in
     memory untouched), and the split holding the last key rotates k and stores k and v at the
     slot before reading it. Against ``rope_kv_write_ref`` then the float64 reference: the caches
     bit for bit (the token's slot was NaN before; a padding sequence, slot -1 and length 0,
-    writes nothing), the output within the attention tolerance."""
+    writes nothing), the output within the attention tolerance. The interpreter runs the
+    programs one after another; ``reversed`` runs them last first, so a store by another split
+    than the one that reads the key (a race on a GPU) leaves that split reading NaN."""
+    import builtins
+
     from kvserve.kernels.rope_kv_write import rope_kv_write_ref
     from kvserve.layers.rotary import RotaryEmbedding
+    if grid_order == "reversed":
+        if device.type != "cpu":
+            pytest.skip("grid order is the interpreter's")
+        import triton.runtime.interpreter as interp
+        monkeypatch.setattr(interp, "range", lambda *a: reversed(builtins.range(*a)), raising=False)
     gen = torch.Generator().manual_seed(H * 100 + splits + 10_000 * DTYPE_NO[dtype])
     seq_lens = [37, 0, 1, 100, 64, 129]
     kc, vc, bt = paged_kv(gen, seq_lens, page, KVH, D, dtype, device)
@@ -178,16 +189,56 @@ def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, spli
             assert (out[b] == 0).all()
 
 
+_COMPILE_FUSED_PTX = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from kvserve.kernels.decode_attention import ROPE_LAUNCH, _decode_split_kernel as K
+const = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, NUM_SPLITS=4, PREC="tf32",
+             FMT=0, BITS=16, QGROUP=1, FAST=False, VD=1, HEADS=4, MERGE_S=4, ROPE=True, USE_PDL=False)
+ptrs = {"POS": "*i64", "SLOT": "*i64", "COS": "*fp32", "SIN": "*fp32", "OP": "*fp32", "LSEP": "*fp32",
+        "COUNTS": "*i32", "BT": "*i32", "SEQ_LENS": "*i32", "RSLOTS": "*i32"}
+pointer = {"Q", "KC", "VC", "KS", "VS", "RES", "O", "KN", "VN", *ptrs}
+names = K.arg_names
+sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n in pointer
+       else ("fp32" if n == "scale_log2" else "i32") for n in names}
+src = triton.compiler.ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **ROPE_LAUNCH})
+sys.stdout.write(k.asm["ptx"])
+"""
+
+
+def test_decode_fused_rope_rounding_not_contracted():
+    """The fused rotation rounds each product before the sum (``_rotated``), which holds only if
+    the compiler fuses no multiply into an add there: compiled for sm90 (no GPU needed; in a
+    process of its own, outside the interpreter) in bf16 with the launcher's options, the code
+    before the first barrier (the rotation and the KV write) has no ``fma`` (17 with contraction)."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FUSED_PTX], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head = r.stdout.split("bar.sync")[0]
+    assert "st.global" in head  # the KV write comes before the barrier
+    assert "fma.rn" not in head
+
+
 def test_split_merge_in_rounds(device, paged_kv, rel):
     """The merge takes the splits a few at a time (``merge_splits``: 2 per round for a group of 8
     heads of 128 channels at 4 warps): 800 keys in 13 splits of one 64-key tile merge in 7 rounds,
-    the last one partial. A group of 3 pads to 4 heads (GROUP_P), the fourth masked, 8 splits per
-    round: 700 keys in 11 splits, 2 rounds."""
+    the last one partial. A group of 3 pads to 4 heads, the fourth masked, 8 splits per round:
+    700 keys in 11 splits, 2 rounds. A group of 32 (multi-query) merges 8 heads per pass, 4
+    passes. (Counts for the interpreter's grid; on a GPU the small-grid rule may take more.)"""
     from kvserve.kernels.decode_attention import merge_splits
     assert merge_splits(8, 128, 4) == (8, 2) and merge_splits(3, 64, 4) == (4, 8)
-    assert merge_splits(8, 128, 4, small_grid=True) == (8, 8)
+    assert merge_splits(8, 128, 4, small_grid=True) == (8, 8) and merge_splits(32, 128, 4) == (8, 2)
     gen = torch.Generator().manual_seed(21)
-    for H, KVH, D, seq_lens in ((16, 2, 128, [800, 300, 17, 0, 129]), (6, 2, 64, [700, 3, 0, 65])):
+    for H, KVH, D, seq_lens in ((16, 2, 128, [800, 300, 17, 0, 129]), (6, 2, 64, [700, 3, 0, 65]),
+                                (32, 1, 128, [450, 0, 70])):
         out, ref = _run(gen, device, paged_kv, H, KVH, D, 16, torch.float32, seq_lens, 13)
         assert not out.isnan().any()
         assert rel(out, ref) < 1e-5, (H, D)
