@@ -21,13 +21,13 @@ import triton.language as tl
 
 from kvserve.kernels import dot_precision, pdl_kw
 from kvserve.kernels.kv_quant import (compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile,
-                                      tile_scales)
+                                      rope_rotate, tile_scales)
 from kvserve.kernels.online_softmax import online_softmax_step
 from kvserve.kernels.pdl import wait_inputs
 
 _LOG2E = 1.4426950408889634
 # Launch options with the fused RoPE + KV write: no FMA contraction, or the rotation would round
-# once fewer than ``rope_kv_write`` does (``_rotated``)
+# once fewer than ``rope_kv_write`` does (``rope_rotate``)
 ROPE_LAUNCH = {"enable_fp_fusion": False}
 
 
@@ -56,8 +56,6 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     dmask = d < HEAD_DIM
     # q is asked for with the length (not after it): one memory latency less on a short
     # context's critical path; an empty split's load is wasted, and cheap
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
     if ROPE:  # RoPE + KV write fused in (uncompressed caches): q is rotated here, not in memory
         DT: tl.constexpr = Q.dtype.element_ty
         pos = tl.load(POS + b).to(tl.int64)
@@ -65,9 +63,11 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
         cos = tl.load(COS + pos * stride_cos + d, mask=dmask, other=0.0).to(DT).to(tl.float32)
         sin = tl.load(SIN + pos * stride_cos + d, mask=dmask, other=0.0).to(DT).to(tl.float32)
-        qp = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + partner[None, :],
-                     mask=gmask[:, None] & dmask[None, :], other=0.0)
-        q = _rotated(q, qp, cos[None, :], sin[None, :], sign[None, :], DT)
+        q = rope_rotate(Q, b.to(tl.int64) * stride_qb, heads[:, None] * stride_qh, d[None, :], partner[None, :],
+                        sign[None, :], cos[None, :], sin[None, :], gmask[:, None] & dmask[None, :], DT)
+    else:
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
     seq_len = tl.load(SEQ_LENS + b)
     n_chunks = tl.cdiv(seq_len, BLOCK_N)
     per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
@@ -80,9 +80,8 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         if split == active - 1:  # this step's token is the last key: its split stores it, then reads it
             slot = tl.load(SLOT + b).to(tl.int64)
             if slot >= 0:
-                kn = KN + b.to(tl.int64) * stride_knt + kvh * stride_knh
-                k_new = _rotated(tl.load(kn + d, mask=dmask, other=0.0),
-                                 tl.load(kn + partner, mask=dmask, other=0.0), cos, sin, sign, DT)
+                k_new = rope_rotate(KN, b.to(tl.int64) * stride_knt, kvh * stride_knh, d, partner, sign, cos, sin,
+                                    dmask, DT)
                 slot_page, slot_within = slot // PAGE, slot % PAGE
                 tl.store(KC + slot_page * stride_kb + slot_within * stride_ks + kvh * stride_kh + d,
                          k_new.to(KC.dtype.element_ty), mask=dmask)
@@ -163,16 +162,6 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
             _merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
                          stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_D, MERGE_S)
             tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _rotated(x, xp, cos, sin, sign, DT: tl.constexpr):
-    """NeoX rotation of x given its partner channels xp, rounded as ``rope_kv_write`` (and
-    ``RotaryEmbedding``) round: each product in ``DT``, then the sum. Only in a kernel compiled
-    without FMA contraction (``enable_fp_fusion=False``): otherwise LLVM narrows the products to
-    ``DT`` and fuses one into the add, one rounding fewer (a quarter of the elements 1 ulp off)."""
-    x = x.to(tl.float32)
-    return ((x * cos).to(DT).to(tl.float32) + (sign * xp.to(tl.float32) * sin).to(DT).to(tl.float32)).to(DT)
 
 
 @triton.jit

@@ -141,9 +141,11 @@ def kernel_args(views: KVViews | None, k_cache: torch.Tensor | None = None,
 
 # -- writing ---------------------------------------------------------------------------------
 @triton.jit
-def _rotate(X, row_off, h_off, d, partner, sign, cos, sin, mask, DT: tl.constexpr):
+def rope_rotate(X, row_off, h_off, d, partner, sign, cos, sin, mask, DT: tl.constexpr):
     """NeoX rotation of x at element offsets ``row_off + h_off + d``, rounded like the
-    reference: each product in ``DT``, then the sum."""
+    reference: each product in ``DT``, then the sum. Only in a kernel compiled without FMA
+    contraction (``enable_fp_fusion=False``): otherwise LLVM narrows the products to ``DT`` and
+    fuses one into the add, one rounding fewer (a quarter of the elements 1 ulp off)."""
     x = tl.load(X + row_off + h_off + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(X + row_off + h_off + partner, mask=mask, other=0.0).to(tl.float32)
     return ((x * cos).to(DT).to(tl.float32) + (sign * xp * sin).to(DT).to(tl.float32)).to(DT)
@@ -259,7 +261,7 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
     sin2 = tl.load(SIN + pos * stride_cos + d2).to(DT).to(tl.float32)
     h2 = tl.arange(0, BLOCK_H)[:, None]
     qm = (h2 < NUM_HEADS) & (d2 < HEAD_DIM)
-    qr = _rotate(Q, t * stride_qt, h2 * stride_qh, d2, partner2, sign2, cos2, sin2, qm, DT)
+    qr = rope_rotate(Q, t * stride_qt, h2 * stride_qh, d2, partner2, sign2, cos2, sin2, qm, DT)
     if ROT:  # keys are stored turned (KVFormat.rotate_keys): the queries turn with them
         qr = _hadamard(qr.to(tl.float32), BLOCK_H, HEAD_DIM, LOG_D, RSQRT_D, DT)
     # In place: a channel's partner is another thread's element, which must be read before it is
@@ -281,7 +283,7 @@ def _rope_kv_write_quant_kernel(Q, K, V, POS, SLOT, RSLOT, COS, SIN, KC, VC, KS,
     cos = tl.load(COS + pos * stride_cos + d).to(DT).to(tl.float32)
     sin = tl.load(SIN + pos * stride_cos + d).to(DT).to(tl.float32)
     km = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    kr = _rotate(K, t * stride_kt, h * stride_kh, d, partner, sign, cos, sin, km, DT)
+    kr = rope_rotate(K, t * stride_kt, h * stride_kh, d, partner, sign, cos, sin, km, DT)
     if ROT:
         kr = tl.reshape(_hadamard(tl.reshape(kr.to(tl.float32), [BLOCK_KH, HEAD_DIM]), BLOCK_KH, HEAD_DIM, LOG_D,
                                   RSQRT_D, DT), [BLOCK_KH, NG, GP, PER])
@@ -337,7 +339,7 @@ def _seal_keys_kernel(K, POS_COS, POS_SIN, CU_Q, SEQ_LENS, BT, RSLOTS, RES, KC, 
     full = new & (d < HEAD_DIM)
     cos = tl.load(POS_COS + n.to(tl.int64) * stride_cos + d, mask=full, other=0.0).to(DT).to(tl.float32)
     sin = tl.load(POS_SIN + n.to(tl.int64) * stride_cos + d, mask=full, other=0.0).to(DT).to(tl.float32)
-    kr = _rotate(K, row * stride_kt, kvh * stride_kh, d, partner, sign, cos, sin, full, DT)
+    kr = rope_rotate(K, row * stride_kt, kvh * stride_kh, d, partner, sign, cos, sin, full, DT)
     rs = tl.load(RSLOTS + b).to(tl.int64)
     old = tl.load(RES + rs * s_rs + w * s_rt + kvh * s_rh + d, mask=(n < ctx) & (d < HEAD_DIM), other=0.0)
     x = tl.where(new, kr, old.to(DT)).to(tl.float32)

@@ -47,8 +47,9 @@ class TritonPagedAttention:
                 scale: float) -> torch.Tensor:
         B = len(meta.seq_lens)
         plain_prompt = B == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1 if meta.seq_lens else False
-        fused = False
-        if isinstance(k_cache, KVViews):  # compressed: quantize on write (KIVI: seal full key blocks first)
+        compressed = isinstance(k_cache, KVViews)
+        fused = FUSED_ROPE_DECODE and meta.max_query_len == 1 and not compressed
+        if compressed:  # quantize on write (KIVI: seal full key blocks first)
             kvh = k_cache.fmt.num_kv_heads
             if k_cache.fmt.kivi:
                 seal_keys(k, rope.cos, rope.sin, meta.cu_q, meta.seq_lens_t, meta.block_tables, meta.res_slots_t,
@@ -57,12 +58,11 @@ class TritonPagedAttention:
                                 k_cache, rotate_k_inplace=plain_prompt)
         else:
             kvh = k_cache.shape[2]
-            fused = FUSED_ROPE_DECODE and meta.max_query_len == 1
             if not fused:
                 rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
                               rotate_k_inplace=plain_prompt)
         if meta.max_query_len == 1:
-            per_sm = split_per_sm(k_cache.fmt if isinstance(k_cache, KVViews) else None)
+            per_sm = split_per_sm(k_cache.fmt if compressed else None)
             splits = meta.num_splits or num_splits(B, kvh, q.device, per_sm)
             rope_args = (positions, meta.slot_mapping, k, v, rope.cos, rope.sin) if fused else None
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,

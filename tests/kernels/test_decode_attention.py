@@ -208,7 +208,7 @@ sys.stdout.write(k.asm["ptx"])
 
 
 def test_decode_fused_rope_rounding_not_contracted():
-    """The fused rotation rounds each product before the sum (``_rotated``), which holds only if
+    """The fused rotation rounds each product before the sum (``rope_rotate``), which holds only if
     the compiler fuses no multiply into an add there: compiled for sm90 (no GPU needed; in a
     process of its own, outside the interpreter) in bf16 with the launcher's options, the code
     before the first barrier (the rotation and the KV write) has no ``fma`` (17 with contraction)."""
