@@ -10,7 +10,8 @@ Sections (each writes into one JSON; a failing section is recorded and the rest 
   parity     Llama-3-8B shape, dummy bf16 weights: kvserve's logits against transformers' forward
              on the same weights (prefill and decode rows)
   decode     batch-1 decode, 512-token and ~8k-token prompts, 256 new tokens: tok/s and MBU;
-             transformers eager generate in the same run
+             transformers eager generate in the same run; at 512 also without PDL, with cuBLAS
+             products, and with the separate RoPE + KV write kernel
   launches   kernels per decode step (PyTorch profiler) for kvserve eager and transformers eager;
              decode step time with and without CUDA graphs
   prefill    one 8,192-token prompt: whole-model MFU; transformers' forward in the same run
@@ -353,15 +354,18 @@ def run_decode(llm, hf, args):
     rng = random.Random(1)
     out = {"weight_bytes": weight_bytes}
     from kvserve import kernels
-    from kvserve.layers import linear
+    from kvserve.layers import linear, triton_attention
     rows_on, rows_off = dict(linear.GEMV_MAX_ROWS), dict.fromkeys(linear.GEMV_MAX_ROWS, 0)
-    modes = {"skinny GEMM + PDL": (rows_on, True), "skinny GEMM": (rows_on, False), "cuBLAS": (rows_off, False)}
+    fused_on = triton_attention.FUSED_ROPE_DECODE
+    modes = {"skinny GEMM + PDL": (rows_on, True, fused_on), "skinny GEMM": (rows_on, False, fused_on),
+             "cuBLAS": (rows_off, False, fused_on), "separate RoPE + KV write": (rows_on, True, False)}
     runs = [(512, m) for m in modes] + [(8192 - 256, "skinny GEMM + PDL")]
     for plen, mode in runs:
-        rows, pdl = modes[mode]
-        if (rows, pdl) != (linear.GEMV_MAX_ROWS, kernels.PDL):  # other kernels: graphs captured again
-            linear.GEMV_MAX_ROWS.update(rows)
+        rows, pdl, fused = modes[mode]
+        if (rows, pdl, fused) != (linear.GEMV_MAX_ROWS, kernels.PDL, triton_attention.FUSED_ROPE_DECODE):
+            linear.GEMV_MAX_ROWS.update(rows)  # other kernels: graphs captured again
             kernels.PDL = pdl
+            triton_attention.FUSED_ROPE_DECODE = fused
             if llm.engine.runner.graphs is not None:
                 llm.engine.runner.capture_graphs()
         prompt = [rng.randrange(128000) for _ in range(plen)]
@@ -392,9 +396,10 @@ def run_decode(llm, hf, args):
             line += f"; transformers eager generate {hf_tps:.1f} tok/s (ratio {tps / hf_tps:.2f}x)"
         TABLE.append(line)
         print(line, flush=True)
-    if (rows_on, True) != (linear.GEMV_MAX_ROWS, kernels.PDL):
+    if (rows_on, True, fused_on) != (linear.GEMV_MAX_ROWS, kernels.PDL, triton_attention.FUSED_ROPE_DECODE):
         linear.GEMV_MAX_ROWS.update(rows_on)
         kernels.PDL = True
+        triton_attention.FUSED_ROPE_DECODE = fused_on
         if llm.engine.runner.graphs is not None:
             llm.engine.runner.capture_graphs()
     return out

@@ -32,6 +32,17 @@ ROPE_LAUNCH = {"enable_fp_fusion": False}
 
 
 @triton.jit
+def _split_range(SEQ_LENS, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Sequence ``b``'s length, its splits with keys (``active``: a short context leaves the rest
+    empty) and split ``split``'s key range [start, end)."""
+    seq_len = tl.load(SEQ_LENS + b)
+    n_chunks = tl.cdiv(seq_len, BLOCK_N)
+    per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
+    start = split * per * BLOCK_N
+    return seq_len, tl.cdiv(n_chunks, per), start, tl.minimum(start + per * BLOCK_N, seq_len)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, COUNTS,
                          POS, SLOT, KN, VN, COS, SIN, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -45,61 +56,84 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
                          VD: tl.constexpr, HEADS: tl.constexpr, MERGE_S: tl.constexpr,
                          ROPE: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_inputs(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
+    w = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     dmask = d < HEAD_DIM
-    # q is asked for with the length (not after it): one memory latency less on a short
-    # context's critical path; an empty split's load is wasted, and cheap
-    if ROPE:  # RoPE + KV write fused in (uncompressed caches): q is rotated here, not in memory
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if ROPE:
+        # RoPE + KV write fused in (uncompressed caches). The previous kernel wrote only q, k, v
+        # of this step: the lengths, tables, positions (the host's) and the cache (this kernel
+        # is the only writer of its layer's) are read before waiting for it, the split's first
+        # tile included, so a short context's loads overlap the QKV product's tail. The step's
+        # own key is patched into that tile from registers; later tiles are read after its
+        # store.
         DT: tl.constexpr = Q.dtype.element_ty
+        seq_len, active, start, end = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS)
+        if split >= tl.maximum(active, 1):
+            return
+        n0 = start + w
+        nmask0 = n0 < end
+        page0 = tl.load(bt_row + n0 // PAGE, mask=nmask0, other=0).to(tl.int64)
+        kmask0 = nmask0[:, None] & dmask[None, :]
+        tile_k = tl.load(KC + page0[:, None] * stride_kb + (n0 % PAGE)[:, None] * stride_ks + kvh * stride_kh
+                         + d[None, :], mask=kmask0, other=0.0)
+        tile_v = tl.load(VC + page0[:, None] * stride_vb + (n0 % PAGE)[:, None] * stride_vs + kvh * stride_vh
+                         + d[None, :], mask=kmask0, other=0.0)
         pos = tl.load(POS + b).to(tl.int64)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
         cos = tl.load(COS + pos * stride_cos + d, mask=dmask, other=0.0).to(DT).to(tl.float32)
         sin = tl.load(SIN + pos * stride_cos + d, mask=dmask, other=0.0).to(DT).to(tl.float32)
+        wait_inputs(USE_PDL)
         q = rope_rotate(Q, b.to(tl.int64) * stride_qb, heads[:, None] * stride_qh, d[None, :], partner[None, :],
                         sign[None, :], cos[None, :], sin[None, :], gmask[:, None] & dmask[None, :], DT)
-    else:
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
-    seq_len = tl.load(SEQ_LENS + b)
-    n_chunks = tl.cdiv(seq_len, BLOCK_N)
-    per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
-    active = tl.cdiv(n_chunks, per)  # splits with keys (a short context leaves the rest empty)
-    if split >= tl.maximum(active, 1):
-        return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
-    start = split * per * BLOCK_N
-    end = tl.minimum(start + per * BLOCK_N, seq_len)
-    if ROPE:
-        if split == active - 1:  # this step's token is the last key: its split stores it, then reads it
+        if split == active - 1:  # this step's token is the last key: its split stores it
             slot = tl.load(SLOT + b).to(tl.int64)
             if slot >= 0:
                 k_new = rope_rotate(KN, b.to(tl.int64) * stride_knt, kvh * stride_knh, d, partner, sign, cos, sin,
-                                    dmask, DT)
+                                    dmask, DT).to(KC.dtype.element_ty)
+                v_new = tl.load(VN + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + d, mask=dmask,
+                                other=0.0).to(VC.dtype.element_ty)
                 slot_page, slot_within = slot // PAGE, slot % PAGE
-                tl.store(KC + slot_page * stride_kb + slot_within * stride_ks + kvh * stride_kh + d,
-                         k_new.to(KC.dtype.element_ty), mask=dmask)
-                v_new = tl.load(VN + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0)
-                tl.store(VC + slot_page * stride_vb + slot_within * stride_vs + kvh * stride_vh + d,
-                         v_new.to(VC.dtype.element_ty), mask=dmask)
-            tl.debug_barrier()  # (the program's own loads of the cache come after its stores)
+                tl.store(KC + slot_page * stride_kb + slot_within * stride_ks + kvh * stride_kh + d, k_new,
+                         mask=dmask)
+                tl.store(VC + slot_page * stride_vb + slot_within * stride_vs + kvh * stride_vh + d, v_new,
+                         mask=dmask)
+                mine = (n0 == seq_len - 1)[:, None]  # (the tile was read before the store)
+                tile_k = tl.where(mine, k_new[None, :], tile_k)
+                tile_v = tl.where(mine, v_new[None, :], tile_v)
+                if end - start > BLOCK_N:
+                    tl.debug_barrier()  # (the later tiles' loads come after the store)
+        qk = tl.dot(q, tl.trans(tile_k), input_precision=PREC)
+        qk = tl.where(nmask0[None, :], qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(qk, tile_v, m_i, l_i, acc, scale_log2, PREC)
+        loop_start = start + BLOCK_N
+    else:
+        wait_inputs(USE_PDL)
+        # q is asked for with the length (not after it): one memory latency less on a short
+        # context's critical path; an empty split's load is wasted, and cheap
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        seq_len, active, start, end = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS)
+        if split >= tl.maximum(active, 1):
+            return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
+        loop_start = start
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = BT + b.to(tl.int64) * stride_bt
     full_end = (seq_len // PAGE) * PAGE  # compressed KIVI keys: later ones are in the residual
     res_row = 0
     if FMT == 3:
         res_row = tl.load(RSLOTS + b).to(tl.int64) * PAGE * s_rt
     w = tl.arange(0, BLOCK_N)
-    if FAST:
+    if FAST:  # (never with ROPE)
         # Compressed, a scale per token and head (per channel for KIVI keys): the scales are
         # folded around the dots. A tile lies in one block. The loop fetches the next tile's
         # scales, and the block of the one after, while it works on this one: Triton pipelines
@@ -127,7 +161,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                 scale_log2, FMT, BITS, HEAD_DIM, PREC, Q.dtype.element_ty, VD)
             ks, vs, tp1 = ks1, vs1, tp2
     else:
-        for s in range(start, end, BLOCK_N):
+        for s in range(loop_start, end, BLOCK_N):
             n = s + w
             nmask = n < end
             page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
@@ -270,7 +304,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     the launch, None for the measured defaults. ``rope`` (uncompressed caches only): (positions
     [B], slot_mapping [B], k [B, KVH, D], v [B, KVH, D], cos, sin) of this step's tokens, unrotated:
     ``rope_kv_write``'s work done in this kernel (q rotated in registers, left as it is in memory;
-    k rotated and k, v stored at each slot >= 0 by the split that reads that key). Returns [B, H, D]."""
+    k rotated and k, v stored at each slot >= 0 by the split that reads that key, which must be
+    the sequence's last, ``seq_lens - 1``). Returns [B, H, D]."""
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)

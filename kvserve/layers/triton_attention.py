@@ -23,10 +23,11 @@ except ImportError:  # pragma: no cover - old torch
 
 
 # Decode steps with an uncompressed cache: the decode attention kernel does the RoPE + KV write
-# itself (``paged_decode_attention(rope=...)``), one kernel less per layer. Off until measured on
-# a GPU: batch-1 decode on the H200 showed the separate kernel costing 0.107 ms of a 4.44 ms step
-# (BENCHMARKS.md, eighth session); the fused path passes the interpreter tests and is unmeasured.
-FUSED_ROPE_DECODE = False
+# itself (``paged_decode_attention(rope=...)``), one kernel less per layer, and reads the cache
+# before waiting on the QKV product. Batch-1 decode on the H200 (Llama-3-8B shape, graphs, PDL):
+# 232.0 -> 238.5 tok/s at a 512-token prompt, 213.0 -> 218.0 at 7,936 (BENCHMARKS.md, ninth
+# session). False: the separate ``rope_kv_write`` kernel (the benchmarks' A/B).
+FUSED_ROPE_DECODE = True
 
 
 class TritonPagedAttention:
