@@ -132,7 +132,6 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     res_row = 0
     if FMT == 3:
         res_row = tl.load(RSLOTS + b).to(tl.int64) * PAGE * s_rt
-    w = tl.arange(0, BLOCK_N)
     if FAST:  # (never with ROPE)
         # Compressed, a scale per token and head (per channel for KIVI keys): the scales are
         # folded around the dots. A tile lies in one block. The loop fetches the next tile's
