@@ -43,6 +43,14 @@ def _split_range(SEQ_LENS, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.const
 
 
 @triton.jit
+def _attend_tile(q, k, v, nmask, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
+    """One tile of keys and values ([N, D]; keys outside ``nmask`` masked) into the online softmax."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    qk = tl.where(nmask[None, :], qk, float("-inf"))
+    return online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, COUNTS,
                          POS, SLOT, KN, VN, COS, SIN, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -83,11 +91,10 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         n0 = start + w
         nmask0 = n0 < end
         page0 = tl.load(bt_row + n0 // PAGE, mask=nmask0, other=0).to(tl.int64)
-        kmask0 = nmask0[:, None] & dmask[None, :]
-        tile_k = tl.load(KC + page0[:, None] * stride_kb + (n0 % PAGE)[:, None] * stride_ks + kvh * stride_kh
-                         + d[None, :], mask=kmask0, other=0.0)
-        tile_v = tl.load(VC + page0[:, None] * stride_vb + (n0 % PAGE)[:, None] * stride_vs + kvh * stride_vh
-                         + d[None, :], mask=kmask0, other=0.0)
+        tile_k, tile_v = load_kv_tile(KC, VC, KS, VS, RES, page0, n0 % PAGE, n0, kvh, d,
+                                      nmask0[:, None] & dmask[None, :], 0, 0, stride_kb, stride_ks, stride_kh,
+                                      stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
+                                      s_rt, s_rh, FMT, BITS, QGROUP, DT, VD)  # (plain: no residual, 0s)
         pos = tl.load(POS + b).to(tl.int64)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
@@ -113,9 +120,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                 tile_v = tl.where(mine, v_new[None, :], tile_v)
                 if end - start > BLOCK_N:
                     tl.debug_barrier()  # (the later tiles' loads come after the store)
-        qk = tl.dot(q, tl.trans(tile_k), input_precision=PREC)
-        qk = tl.where(nmask0[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, tile_v, m_i, l_i, acc, scale_log2, PREC)
+        m_i, l_i, acc = _attend_tile(q, tile_k, tile_v, nmask0, m_i, l_i, acc, scale_log2, PREC)
         loop_start = start + BLOCK_N
     else:
         wait_inputs(USE_PDL)
@@ -169,9 +174,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
             k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
                                 s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, Q.dtype.element_ty, VD)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
+            m_i, l_i, acc = _attend_tile(q, k, v, nmask, m_i, l_i, acc, scale_log2, PREC)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]

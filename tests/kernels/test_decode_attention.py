@@ -144,9 +144,10 @@ def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, spli
     """``rope=``: the step's token enters unrotated; the kernel rotates q in registers (q in
     memory untouched), and the split holding the last key rotates k and stores k and v at the
     slot. Each split reads its first tile before that (before the PDL wait), so the split that
-    holds the key patches it in from registers; later tiles are read after the store. Against ``rope_kv_write_ref`` then the float64 reference: the caches
-    bit for bit (the token's slot was NaN before; a padding sequence, slot -1 and length 0,
-    writes nothing), the output within the attention tolerance. The interpreter runs the
+    holds the key patches it in from registers; later tiles are read after the store. Against
+    ``rope_kv_write_ref`` then the float64 reference: the caches bit for bit (the token's slot
+    was NaN before; a padding sequence, slot -1 and length 0, writes nothing), the output within
+    the attention tolerance. The interpreter runs the
     programs one after another; ``reversed`` runs them last first, so a store by another split
     than the one that reads the key (a race on a GPU) leaves that split reading NaN."""
     import builtins
