@@ -340,8 +340,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         num_warps = 2 if fast and q.is_cuda else 4
     if maxnreg is None and eight_bit and q.is_cuda and num_warps == 2:
         maxnreg = 160  # ptxas took 168 registers; capped, fp8 0.545 ms against 0.585 (int8 unchanged)
+    few_programs = B * KVH * splits <= 2 * _sm_count(q.device)
+    if maxnreg is None and rope is not None and q.is_cuda and not few_programs:
+        # The fused RoPE + KV write takes ptxas from 116 registers to 154: 3 programs per SM
+        # instead of 4, and a grid of more than one wave then runs in two. Capped (an 8-byte
+        # spill), H200 at 32 x 32k: 0.970 ms against 1.279 uncapped and 0.975 for the separate
+        # kernel + attention; 256 x 1k: 0.278 / 0.298 / 0.291 (BENCHMARKS.md, tenth session)
+        maxnreg = 128
     block_n = fit_tile(views, block_n, fast)
-    small_grid = B * KVH * splits <= 2 * _sm_count(q.device) and maxnreg is None
+    small_grid = few_programs and maxnreg is None
     heads, merge_s = merge_splits(group, BLOCK_D, num_warps, small_grid)
     merge_s = min(merge_s, triton.next_power_of_2(splits))
     if splits > 1:
