@@ -239,6 +239,21 @@ def _merge_group(OP, LSEP, O, b, kvh, n_splits, stride_pb, stride_ph, stride_ps,
         tl.store(O + b * stride_ob + h * stride_oh + dd, out.to(O.dtype.element_ty), mask=cmask)
 
 
+def register_cap(eight_bit: bool, fused: bool, num_warps: int, programs: int, sms: int) -> int | None:
+    """Registers per thread to cap a CUDA launch at (None: ptxas's choice), as measured on an
+    H200. 8-bit caches at 2 warps: 160 (ptxas took 168; capped, fp8 at 32 x 32k 0.545 ms against
+    0.585, int8 unchanged). The fused RoPE + KV write in a grid of more than two programs per SM:
+    128. It takes ptxas from 116 registers to 154, 3 programs of 4 warps per SM instead of 4, and a
+    grid of more than one wave then runs in two. Capped (an 8-byte spill): bf16 at 32 x 32k 0.970 ms
+    against 1.279 uncapped and 0.975 for the separate kernel + attention; 256 x 1k 0.278 / 0.298 /
+    0.291 (BENCHMARKS.md, tenth session). Smaller grids (batch 1) need no more than 2 per SM."""
+    if eight_bit and num_warps == 2:
+        return 160
+    if fused and programs > 2 * sms:
+        return 128
+    return None
+
+
 def merge_splits(group: int, block_d: int, num_warps: int, small_grid: bool = False) -> tuple[int, int]:
     """(HEADS, MERGE_S) of ``_merge_group``: heads per pass (the group padded to a power of two, at
     most 1,024 channels: a large group, as in multi-query attention, takes several passes), and
@@ -338,15 +353,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         block_n = max(16, min(64, page * 4)) if D <= 128 else 32
     if num_warps is None:  # (KIVI too: 1.10 ms at 2 warps against 1.33 at 4)
         num_warps = 2 if fast and q.is_cuda else 4
-    if maxnreg is None and eight_bit and q.is_cuda and num_warps == 2:
-        maxnreg = 160  # ptxas took 168 registers; capped, fp8 0.545 ms against 0.585 (int8 unchanged)
     few_programs = B * KVH * splits <= 2 * _sm_count(q.device)
-    if maxnreg is None and rope is not None and q.is_cuda and not few_programs:
-        # The fused RoPE + KV write takes ptxas from 116 registers to 154: 3 programs per SM
-        # instead of 4, and a grid of more than one wave then runs in two. Capped (an 8-byte
-        # spill), H200 at 32 x 32k: 0.970 ms against 1.279 uncapped and 0.975 for the separate
-        # kernel + attention; 256 x 1k: 0.278 / 0.298 / 0.291 (BENCHMARKS.md, tenth session)
-        maxnreg = 128
+    if maxnreg is None and q.is_cuda:
+        maxnreg = register_cap(eight_bit, rope is not None, num_warps, B * KVH * splits, _sm_count(q.device))
     block_n = fit_tile(views, block_n, fast)
     small_grid = few_programs and maxnreg is None
     heads, merge_s = merge_splits(group, BLOCK_D, num_warps, small_grid)

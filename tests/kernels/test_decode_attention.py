@@ -229,6 +229,20 @@ def test_decode_fused_rope_rounding_not_contracted():
     assert "fma.rn" not in head
 
 
+def test_register_caps():
+    """The launch caps registers where the H200 measured it right (``register_cap``): the fused
+    RoPE path at the engine's batch-32 grid (8 KV heads, splits for 132 SMs) is capped at 128, its
+    batch-1 grid is not; 8-bit caches at 2 warps take 160; the plain kernel nothing."""
+    from kvserve.kernels.decode_attention import register_cap
+    sms, kvh = 132, 8
+    grid = {b: b * kvh * max(1, min(32, -(-2 * sms // (b * kvh)))) for b in (1, 32, 256)}  # as num_splits
+    assert grid[1] == 256 and grid[32] == 512 and grid[256] == 2048
+    assert register_cap(False, True, 4, grid[1], sms) is None
+    assert register_cap(False, True, 4, grid[32], sms) == 128 and register_cap(False, True, 4, grid[256], sms) == 128
+    assert register_cap(True, False, 2, 2304, sms) == 160 and register_cap(True, False, 4, 2304, sms) is None
+    assert register_cap(False, False, 4, grid[32], sms) is None
+
+
 def test_split_merge_in_rounds(device, paged_kv, rel):
     """The merge takes the splits a few at a time (``merge_splits``: 2 per round for a group of 8
     heads of 128 channels at 4 warps): 800 keys in 13 splits of one 64-key tile merge in 7 rounds,
