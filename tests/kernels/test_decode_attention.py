@@ -229,13 +229,15 @@ def test_decode_fused_rope_rounding_not_contracted():
     assert "fma.rn" not in head
 
 
-def test_register_caps():
+def test_register_caps(monkeypatch):
     """The launch caps registers where the H200 measured it right (``register_cap``): the fused
-    RoPE path at the engine's batch-32 grid (8 KV heads, splits for 132 SMs) is capped at 128, its
-    batch-1 grid is not; 8-bit caches at 2 warps take 160; the plain kernel nothing."""
+    RoPE path at the engine's batch-32 grid (8 KV heads, ``num_splits`` for 132 SMs) is capped at
+    128, its batch-1 grid is not; 8-bit caches at 2 warps take 160; the plain kernel nothing."""
+    from kvserve.kernels import decode_attention as da
     from kvserve.kernels.decode_attention import register_cap
     sms, kvh = 132, 8
-    grid = {b: b * kvh * max(1, min(32, -(-2 * sms // (b * kvh)))) for b in (1, 32, 256)}  # as num_splits
+    monkeypatch.setattr(da, "_sm_count", lambda device: sms)
+    grid = {b: b * kvh * da.num_splits(b, kvh, torch.device("cpu")) for b in (1, 32, 256)}
     assert grid[1] == 256 and grid[32] == 512 and grid[256] == 2048
     assert register_cap(False, True, 4, grid[1], sms) is None
     assert register_cap(False, True, 4, grid[32], sms) == 128 and register_cap(False, True, 4, grid[256], sms) == 128
