@@ -29,6 +29,9 @@ _LOG2E = 1.4426950408889634
 # Launch options with the fused RoPE + KV write: no FMA contraction, or the rotation would round
 # once fewer than ``rope_kv_write`` does (``rope_rotate``)
 ROPE_LAUNCH = {"enable_fp_fusion": False}
+# KIVI int4 caches with heads of 128 go through the Gluon kernel of ``kivi_decode`` on the GPU
+# (``kivi_decode.supported``); False: this file's kernel (the benchmarks' A/B)
+KIVI_GLUON = True
 
 
 @triton.jit
@@ -289,8 +292,14 @@ def split_per_sm(fmt) -> int:
     """Programs per SM to aim for (``num_splits``) with a cache of format ``fmt`` (a KVFormat;
     None: uncompressed). 8-bit caches: 16, their small programs (2 warps) hide the dequantizing
     loads' latency by numbers (fp8 at batch 32 x 32k on an H200: 0.65 ms at 16, 0.76 at 8, 0.84
-    at 2); otherwise 2."""
-    return 16 if fmt is not None and fmt.quantized and not fmt.kivi else 2
+    at 2); KIVI int4 through ``kivi_decode`` (one-warp programs): ``kivi_decode.PER_SM``;
+    otherwise 2."""
+    if fmt is None or not fmt.quantized:
+        return 2
+    if fmt.kivi:
+        from kvserve.kernels import kivi_decode
+        return kivi_decode.PER_SM if KIVI_GLUON and kivi_decode.fmt_supported(fmt) else 2
+    return 16
 
 
 def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
@@ -340,6 +349,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         out = torch.empty_like(q)
     if B == 0:
         return out
+    if views is not None and KIVI_GLUON and rope is None and block_n is None and num_warps is None:
+        from kvserve.kernels import kivi_decode
+        if kivi_decode.supported(views, q):
+            return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, splits, out)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group))
     fast = fast_path(fmt_kw, D)

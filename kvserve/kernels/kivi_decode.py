@@ -1,0 +1,375 @@
+"""Decode attention over a KIVI int4 cache in Gluon (Triton's explicit-layout dialect): the packed
+codes go from global memory straight into the tensor-core operands' registers.
+
+Why a second kernel: the Triton kernel (``decode_attention`` through ``kv_quant.compressed_tile``)
+leaves the codes' placement to the compiler, which moves them through shared memory byte by byte
+into the products' operand layout. At batch 32 x 32k on an H200 that is 2,300 instructions per
+64-key tile and warp, bound by issue, not memory: 1.10 ms per layer against bf16's 0.96.
+
+**The layout.** Both products are ``mma.m16n8k16``: ``S^T = K q^T`` with the keys on M, ``O^T =
+V^T P^T`` with the channels on M, and the GQA group's queries on N (8 columns, so a group of 4
+pads 2x, not the 4x of queries on M). A thread of the A operand holds fixed rows and, per k step
+of 16, the columns {2t, 2t+1, 2t+8, 2t+9}. Which channel sits in which column is free (a dot
+product does not care about the order of its terms, as long as both sides agree), so the columns
+are numbered such that a thread's 32 key channels are the 16 contiguous bytes it loads, and a
+thread's 16 value channels its 8 contiguous bytes (``_key_channel``, ``_value_channel``). q and
+the key scales are read in the columns' order; the output is stored through the inverse. The load
+layouts are the operands' own up to register order, so the codes never touch shared memory (the
+kernel uses none): an inline-PTX unpack writes each code into the mantissa of fp16 1024 (``OFF +
+c``, one ``lop3`` per pair; an odd code is taken where it lies, 4 bits up, as ``OFF + 16 c``, the
+16 folded into its channel's q or divided out of its output channel).
+
+**The scales** are folded around the products as in ``compressed_tile``: per channel into q (a
+tile lies in one block, whose keys share a (scale, min) per channel), per token into p; the mins
+and the offsets become a per-query correction. The keys' is computed by two small products (rows
+of mins times q, rows of -OFF times the scaled q: exact products, fp32 sums); the values' is kept
+as two running sums beside ``l_i``. Products run in fp16 for bf16 models too: fp16 holds the
+offset codes exactly and rounds q * scale and p * scale to 11 bits instead of 8.
+
+**The loop** asks for the next tile's codes and scales before working on this one (one warp per
+program holds both in registers: 254 of them). The newest keys of a sequence (its unsealed block)
+come from the full-precision residual, after the loop. Splits as in ``decode_attention``; their
+merge is ``_merge_group``, in a small second kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kvserve import kernels
+from kvserve.kernels.decode_attention import (
+    _LOG2E,
+    _merge_group,
+    _split_range,
+    merge_splits,
+)
+
+BLOCK_N = gl.constexpr(64)  # keys per tile
+QN = gl.constexpr(8)  # the N side of the products: the GQA group's queries, padded
+OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or OFF + 16 c)
+PER_SM = 32  # programs per SM to aim for (``decode_attention.split_per_sm``; 16: 0.500 ms, 64: 0.439)
+
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
+_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
+# Key words [64 keys, 16 words of 8 codes]: lanes -> words +4, +8 (the A operand's t) and keys
+# +1, +2, +4 (its g); registers -> words +1, +2 (16 contiguous bytes: one 128-bit load), keys +8,
+# +16, +32
+_KW = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0], [32, 0]],
+                                              lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                              warp_bases=[], block_bases=[], shape=[64, 16]))
+# Value words [64 keys, 16 words]: lanes -> keys +2, +4 (t), words +2, +4, +8 (g); registers ->
+# words +1 (8 contiguous bytes: one 64-bit load), keys +1, +8, +16, +32. The unpack takes keys
+# (2t, 2t + 1) together, as consecutive registers: _VW2 is the same layout with keys +1 first.
+_VW = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [1, 0], [8, 0], [16, 0], [32, 0]],
+                                              lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+                                              warp_bases=[], block_bases=[], shape=[64, 16]))
+_VW2 = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1, 0], [0, 1], [8, 0], [16, 0], [32, 0]],
+                                               lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+                                               warp_bases=[], block_bases=[], shape=[64, 16]))
+# A block's key (scale, min) words, one per channel, in channel order: lanes -> channels +32, +64
+# (t; the other lanes hold copies), registers -> 32 contiguous channels
+_KSW = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [8], [16]],
+                                               lane_bases=[[32], [64], [0], [0], [0]],
+                                               warp_bases=[], block_bases=[], shape=[128]))
+# Residual keys [64 keys, 128 channels] in channel order: the key words' lanes, a register per
+# channel (32 contiguous channels per thread)
+_RW = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0], [16, 0], [32, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[64, 128]))
+
+# Codes -> fp16 OFF + c, by writing c into the mantissa of 1024 (0x6400): lop3's (a & b) | c
+# (0xEA). An odd code j is taken where it lies, 4 bits up: OFF + 16 c (the 16 is folded into its
+# channel's q, or divided out of its output channel). Keys: a word at a time, the register
+# pairs (code j, code j + 4); values: two words (keys 2t, 2t + 1) at a time, the pairs (code j of
+# one, code j of the other).
+_KEY_ASM = gl.constexpr("""{
+.reg .b32 t, u;
+lop3.b32 t, $8, 0x000F000F, 0x64006400, 0xEA;
+mov.b32 {$0, $4}, t;
+lop3.b32 t, $8, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 {$1, $5}, t;
+shr.u32 u, $8, 8;
+lop3.b32 t, u, 0x000F000F, 0x64006400, 0xEA;
+mov.b32 {$2, $6}, t;
+lop3.b32 t, u, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 {$3, $7}, t;
+}""")
+_VALUE_ASM = gl.constexpr("""{
+.reg .b32 lo, hi, t;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+lop3.b32 $0, lo, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, lo, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, lo, 8;
+lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $3, t, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $4, hi, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $5, hi, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, hi, 8;
+lop3.b32 $6, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $7, t, 0x00F000F0, 0x64006400, 0xEA;
+}""")
+
+
+@gluon.jit
+def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight [R, 16] tensors -> [R, 16, 2, 2, 2], ``cj`` at [.., j & 1, (j >> 1) & 1, j >> 2]."""
+    return gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
+
+
+@gluon.jit
+def _key_operand(words):
+    """A tile's key words [64, 16] -> the first product's A operand [64 keys, 128 columns]: word
+    4 t + 2 a1 + a0, code j = 4 j2 + 2 j1 + j0 at column 64 a1 + 32 a0 + 16 j1 + 8 j0 + 2 t + j2
+    (``_key_channel``)."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=[gl.float16] * 8, is_pure=True, pack=1)
+    x = gl.reshape(_join8(c0, c1, c2, c3, c4, c5, c6, c7), [BLOCK_N, 4, 2, 2, 2, 2, 2])  # key t a1 a0 j0 j1 j2
+    x = gl.permute(x, [0, 2, 3, 5, 4, 1, 6])  # key, a1, a0, j1, j0, t, j2
+    return gl.convert_layout(gl.reshape(x, [BLOCK_N, 128]), _A)
+
+
+@gluon.jit
+def _value_operand(words):
+    """A tile's value words [64, 16] -> the second product's A operand [128 rows, 64 keys]: word
+    2 g + x, code j = 4 j2 + 2 j1 + j0 at row 64 x + 32 j2 + 16 j1 + 8 j0 + g (``_value_channel``)."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _VALUE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [gl.convert_layout(words, _VW2)], dtype=[gl.float16] * 8,
+        is_pure=True, pack=2)
+    x = gl.reshape(_join8(c0, c1, c2, c3, c4, c5, c6, c7), [BLOCK_N, 8, 2, 2, 2, 2])  # key, g, x, j0, j1, j2
+    x = gl.permute(x, [2, 5, 4, 3, 1, 0])  # x, j2, j1, j0, g, key
+    return gl.convert_layout(gl.reshape(x, [128, BLOCK_N]), _A)
+
+
+@gluon.jit
+def _sealed_tile(kw, vw, ksw, vsw, valid, q16, qf16, m_i, l_i, acc, c1, c2, scale_log2):
+    """One tile of sealed keys: the block's (scale, min) words per channel ``ksw`` (channel order)
+    put in the columns' order; the scales folded into q (fp16: the product of two fp16 values
+    rounds once either way), the mins and the codes' OFF taken off as a per-query correction
+    computed by two small products (exact products, fp32 sums): rows of mins times q, rows of
+    -OFF times qs."""
+    ksp = gl.reshape(ksw, [4, 2, 2, 2, 2, 2])  # t, a1, a0, j2, j1, j0
+    ksp = gl.reshape(gl.permute(ksp, [1, 2, 4, 5, 0, 3]), [128])  # a1, a0, j1, j0, t, j2
+    ksp = gl.convert_layout(ksp, gl.SliceLayout(1, _B))
+    ka = (ksp & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+    kb = (ksp >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+    qs = qf16 * gl.expand_dims(ka, 1)
+    kb_rows = gl.broadcast(gl.expand_dims(gl.convert_layout(kb, gl.SliceLayout(0, _A)), 0),
+                           gl.full([16, 128], 0.0, gl.float16, layout=_A))[0]
+    kc = mma_v2(kb_rows, q16, gl.zeros([16, QN], gl.float32, layout=_MMA))
+    kc = mma_v2(gl.full([16, 128], -OFF, gl.float16, layout=_A), qs, kc)
+    return _attend(_key_operand(kw), qs, gl.max(kc, 0), vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2)
+
+
+@gluon.jit
+def _key_channel(col):
+    """The channel at column ``col`` of the first product (``_key_operand``)."""
+    j = 4 * (col & 1) + 2 * ((col >> 4) & 1) + ((col >> 3) & 1)
+    return 8 * (4 * ((col >> 1) & 3) + 2 * ((col >> 6) & 1) + ((col >> 5) & 1)) + j
+
+
+@gluon.jit
+def _value_channel(row):
+    """The channel at row ``row`` of the second product (``_value_operand``)."""
+    j = ((row >> 3) & 1) + 2 * ((row >> 4) & 1) + 4 * ((row >> 5) & 1)
+    return 16 * (row & 7) + 8 * ((row >> 6) & 1) + j
+
+
+@gluon.jit
+def _half(bits):
+    """The fp16 in the low 16 bits of int32 ``bits``, as float32."""
+    return bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _attend(k_op, qs, kcorr, vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2):
+    """One tile into the online softmax: scores S^T = k_op qs + kcorr ([64 keys, 8 queries]; keys
+    outside ``valid`` masked), then the values (words ``vw``; (scale, min) words ``vsw``, a pair
+    per token) with the scale folded into p. The product's OFF offsets and the mins are kept
+    apart, as running sums rescaled like ``l_i``: c1 = sum(pa) (rounded as the product saw it),
+    c2 = sum(p * min). Returns the new (m_i, l_i, acc, c1, c2)."""
+    st = mma_v2(k_op, qs, gl.zeros([BLOCK_N, QN], gl.float32, layout=_MMA))
+    st = st + gl.expand_dims(gl.convert_layout(kcorr, gl.SliceLayout(0, _MMA)), 0)
+    st = gl.where(gl.expand_dims(valid, 1), st, float("-inf"))
+    # online softmax over the keys (rows), as online_softmax_probs
+    m_new = gl.maximum(m_i, gl.max(st, 0) * scale_log2)
+    m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
+    p = gl.exp2(st * scale_log2 - gl.expand_dims(m_safe, 0))
+    alpha = gl.exp2(m_i - m_safe)
+    pa = (p * gl.expand_dims(_half(vsw & 0xFFFF), 1)).to(gl.float16)
+    c1 = c1 * alpha + gl.sum(pa.to(gl.float32), 0)
+    c2 = c2 * alpha + gl.sum(p * gl.expand_dims(_half(vsw >> 16), 1), 0)
+    acc = mma_v2(_value_operand(vw), gl.convert_layout(pa, _B), acc * gl.expand_dims(alpha, 0))
+    return m_new, l_i * alpha + gl.sum(p, 0), acc, c1, c2
+
+
+@gluon.jit
+def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP,
+                         stride_qb, stride_qh, s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch,
+                         s_ksb, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, stride_bt,
+                         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                         scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Q: [B, H, 128]; KC, VC: int32 words [nb, PAGE, kvh, 16]; KS: int32 (scale, min) words
+    [nb, kvh, 128]; VS: [nb, PAGE, kvh] words; RES: [slots, PAGE, kvh, 128] (the model's dtype).
+    Grid (B, kvh, NUM_SPLITS), one warp."""
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ_LENS + b)
+    n_chunks = gl.cdiv(seq_len, BLOCK_N)
+    per = gl.maximum(gl.cdiv(n_chunks, NUM_SPLITS), 1)
+    active = gl.cdiv(n_chunks, per)
+    if split >= gl.maximum(active, 1):
+        return  # an empty split (split 0 of an empty sequence goes on and writes zeros)
+    start = split * per * BLOCK_N
+    end = gl.minimum(start + per * BLOCK_N, seq_len)
+    full_end = (seq_len // PAGE) * PAGE  # sealed keys end here; later ones are in the residual
+    bt_row = BT + b.to(gl.int64) * stride_bt
+    res_row = RES + gl.load(RSLOTS + b).to(gl.int64) * PAGE * s_rt + kvh * s_rh
+
+    # q^T as the first product's B operand [128 columns, 8 queries], channels in the columns'
+    # order; qf: with the odd codes' 1/16
+    qcol = gl.arange(0, 128, layout=gl.SliceLayout(1, _B))
+    qn = gl.arange(0, QN, layout=gl.SliceLayout(0, _B))
+    qmask = gl.expand_dims(qn < GROUP, 0) & gl.expand_dims(qcol < 128, 1)
+    q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((kvh * GROUP + qn) * stride_qh, 0)
+                + gl.expand_dims(_key_channel(qcol), 1), mask=qmask, other=0.0).to(gl.float32)
+    q16 = q.to(gl.float16)
+    qf16 = gl.where(gl.expand_dims(((qcol >> 3) & 1) == 1, 1), q * 0.0625, q).to(gl.float16)
+
+    kkey = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _KW)), 1)
+    kword = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, _KW)), 0)
+    vkey = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _VW)), 1)
+    vword = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, _VW)), 0)
+    kch = gl.arange(0, 128, layout=_KSW)
+    skey = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _MMA))
+
+    m_i = gl.full([QN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, _MMA))
+    l_i = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _MMA))
+    c1 = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _MMA))
+    c2 = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _MMA))
+    acc = gl.zeros([128, QN], gl.float32, layout=_MMA)
+    sealed_end = gl.minimum(end, full_end)
+    if start < sealed_end:
+        # the first tile's codes and scales; each iteration asks for the next tile's first
+        last = ((sealed_end - 1) // BLOCK_N) * BLOCK_N  # (a prefetch past it re-reads it)
+        page = gl.load(bt_row + start // PAGE).to(gl.int64)
+        within = start % PAGE
+        kw = gl.load(KC + page * s_kcb + (within + kkey) * s_kct + kvh * s_kch + kword)
+        vw = gl.load(VC + page * s_vcb + (within + vkey) * s_vct + kvh * s_vch + vword)
+        ksw = gl.load(KS + page * s_ksb + kvh * s_ksh + kch)
+        vsw = gl.load(VS + page * s_vsb + (within + skey) * s_vst + kvh * s_vsh, mask=start + skey < end, other=0)
+        for s in range(start, sealed_end, BLOCK_N):
+            s1 = gl.minimum(s + BLOCK_N, last)
+            page1 = gl.load(bt_row + s1 // PAGE).to(gl.int64)
+            within1 = s1 % PAGE
+            kw1 = gl.load(KC + page1 * s_kcb + (within1 + kkey) * s_kct + kvh * s_kch + kword)
+            vw1 = gl.load(VC + page1 * s_vcb + (within1 + vkey) * s_vct + kvh * s_vch + vword)
+            ksw1 = gl.load(KS + page1 * s_ksb + kvh * s_ksh + kch)
+            vsw1 = gl.load(VS + page1 * s_vsb + (within1 + skey) * s_vst + kvh * s_vsh, mask=s1 + skey < end,
+                           other=0)
+            m_i, l_i, acc, c1, c2 = _sealed_tile(kw, vw, ksw, vsw, s + skey < end, q16, qf16, m_i, l_i, acc,
+                                                 c1, c2, scale_log2)
+            kw, vw, ksw, vsw = kw1, vw1, ksw1, vsw1
+    # the unsealed block's keys: full precision, from the residual
+    rkey = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _RW)), 1)
+    rch = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _RW)), 0)
+    zero = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _B))
+    for s in range(gl.maximum(start, full_end), end, BLOCK_N):
+        page = gl.load(bt_row + s // PAGE).to(gl.int64)
+        within = s % PAGE
+        vw = gl.load(VC + page * s_vcb + (within + vkey) * s_vct + kvh * s_vch + vword)
+        vsw = gl.load(VS + page * s_vsb + (within + skey) * s_vst + kvh * s_vsh, mask=s + skey < end, other=0)
+        r = gl.load(res_row + (within + rkey) * s_rt + rch).to(gl.float16)  # [64, 128], channel order
+        r = gl.reshape(r, [BLOCK_N, 4, 2, 2, 2, 2, 2])  # key, t, a1, a0, j2, j1, j0
+        r = gl.convert_layout(gl.reshape(gl.permute(r, [0, 2, 3, 5, 6, 1, 4]), [BLOCK_N, 128]), _A)
+        m_i, l_i, acc, c1, c2 = _attend(r, q16, zero, vw, vsw, s + skey < end, m_i, l_i, acc,
+                                        c1, c2, scale_log2)
+
+    # out[query, channel] = ((acc - OFF c1) / (16 for the odd codes' rows) + c2) / l
+    orow = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
+    on = gl.arange(0, QN, layout=gl.SliceLayout(0, _MMA))
+    rf = gl.expand_dims(gl.where(((orow >> 3) & 1) == 1, 0.0625, 1.0), 1)
+    has = l_i > 0
+    inv_l = 1.0 / gl.where(has, l_i, 1.0)
+    out = ((acc - gl.expand_dims(OFF * c1, 0)) * rf + gl.expand_dims(c2, 0)) * gl.expand_dims(inv_l, 0)
+    heads = kvh * GROUP + on
+    omask = gl.expand_dims(on < GROUP, 0) & gl.expand_dims(orow < 128, 1)
+    ochan = gl.expand_dims(_value_channel(orow), 1)
+    if active <= 1:  # the only split with keys: its output is final
+        gl.store(O + b.to(gl.int64) * stride_ob + gl.expand_dims(heads * stride_oh, 0) + ochan,
+                 out.to(O.dtype.element_ty), mask=omask)
+    else:
+        gl.store(OP + b.to(gl.int64) * stride_pb + gl.expand_dims(heads * stride_ph, 0) + split * stride_ps + ochan,
+                 out, mask=omask)
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        gl.store(LSEP + b.to(gl.int64) * stride_lb + heads * stride_lh + split, lse, mask=on < GROUP)
+
+
+@triton.jit
+def _merge_kernel(SEQ_LENS, OP, LSEP, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BN: tl.constexpr):
+    """The splits' merge (``decode_attention._merge_group``) for one (sequence, KV head) whose
+    keys took more than one split; grid (B, kvh)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    _, active, _, _ = _split_range(SEQ_LENS, b, 0, BN, NUM_SPLITS)
+    if active > 1:
+        _merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
+                     stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, HEAD_DIM, MERGE_S)
+
+
+def fmt_supported(f) -> bool:
+    """The formats ``kivi4_decode`` reads: KIVI int4, one scale group per head of 128 channels,
+    blocks of a multiple of 64 tokens, a 16-bit model."""
+    return (f.kivi and f.bits == 4 and f.head_dim == 128 and f.group == 128 and f.block_size % 64 == 0
+            and f.model_dtype in (torch.float16, torch.bfloat16))
+
+
+def supported(views, q: torch.Tensor) -> bool:
+    """Whether ``kivi4_decode`` takes this layer and query: ``fmt_supported``, a GQA group of at
+    most 8 query heads, a CUDA GPU of compute capability 8.0 or later (``mma.sync`` m16n8k16),
+    not the interpreter."""
+    f = views.fmt
+    return (fmt_supported(f) and q.is_cuda and not kernels.interpreting() and q.dtype == f.model_dtype
+            and q.shape[1] % f.num_kv_heads == 0 and q.shape[1] // f.num_kv_heads <= QN
+            and views.residual is not None and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 res_slots: torch.Tensor, scale: float, splits: int, out: torch.Tensor) -> torch.Tensor:
+    """Decode attention over a KIVI int4 layer (``supported``); arguments as
+    ``paged_decode_attention``'s. Returns ``out``."""
+    B, H, D = q.shape
+    f = views.fmt
+    KVH = f.num_kv_heads
+    group = H // KVH
+    kc, vc = views.k_codes.view(torch.int32), views.v_codes.view(torch.int32)  # [nb, bs, kvh, 16]
+    ks = views.k_scales.view(torch.int32)  # [nb, kvh, D, 1]: (scale, min) per channel
+    vs = views.v_scales.view(torch.int32)  # [nb, bs, kvh, 1, 1]: (scale, min) per token
+    res = views.residual
+    assert q.stride(-1) == 1 and res.stride(-1) == 1 and kc.stride(-1) == 1 and ks.stride(2) == 1
+    if splits > 1:
+        op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    else:
+        op, lsep = out, seq_lens  # unused placeholders
+    pstr = (op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1)) if splits > 1 else (0,) * 5
+    _kivi4_decode_kernel[(B, KVH, splits)](
+        q, kc, vc, ks, vs, res, block_tables, seq_lens, res_slots, out, op, lsep,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), vs.stride(2), res.stride(1), res.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), *pstr, scale * _LOG2E,
+        GROUP=group, PAGE=f.block_size, NUM_SPLITS=splits, num_warps=1)
+    if splits > 1:
+        heads, merge_s = merge_splits(group, D, 4)
+        _merge_kernel[(B, KVH)](seq_lens, op, lsep, out, *pstr, out.stride(0), out.stride(1), GROUP=group,
+                                HEADS=heads, HEAD_DIM=D, MERGE_S=min(merge_s, triton.next_power_of_2(splits)),
+                                NUM_SPLITS=splits, BN=64, num_warps=4)
+    return out
