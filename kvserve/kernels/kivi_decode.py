@@ -28,8 +28,9 @@ offset codes exactly and rounds q * scale and p * scale to 11 bits instead of 8.
 
 **The loop** asks for the next tile's codes and scales before working on this one (one warp per
 program holds both in registers: 254 of them), and for the block of the tile after next into L2
-(``L2_AHEAD``): with 8 warps per SM, a register prefetch alone leaves too few bytes in flight. The newest keys of a sequence (its unsealed block)
-come from the full-precision residual, after the loop. Splits as in ``decode_attention``; their
+(``L2_AHEAD``): with 8 warps per SM, a register prefetch alone leaves too few bytes in flight.
+The newest keys of a sequence (its unsealed block) come from the full-precision residual, after
+the loop. Splits as in ``decode_attention``; their
 merge is ``_merge_group``, in a small second kernel.
 """
 from __future__ import annotations
@@ -171,14 +172,26 @@ def _sealed_tile(kw, vw, ksw, vsw, valid, q16, qf16, m_i, l_i, acc, c1, c2, scal
     ksp = gl.reshape(ksw, [4, 2, 2, 2, 2, 2])  # t, a1, a0, j2, j1, j0
     ksp = gl.reshape(gl.permute(ksp, [1, 2, 4, 5, 0, 3]), [128])  # a1, a0, j1, j0, t, j2
     ksp = gl.convert_layout(ksp, gl.SliceLayout(1, _B))
-    ka = (ksp & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
-    kb = (ksp >> 16).to(gl.int16).to(gl.float16, bitcast=True)
-    qs = qf16 * gl.expand_dims(ka, 1)
+    qs = qf16 * gl.expand_dims(_half(ksp & 0xFFFF), 1)
+    kb = _half(ksp >> 16)
     kb_rows = gl.broadcast(gl.expand_dims(gl.convert_layout(kb, gl.SliceLayout(0, _A)), 0),
                            gl.full([16, 128], 0.0, gl.float16, layout=_A))[0]
     kc = mma_v2(kb_rows, q16, gl.zeros([16, QN], gl.float32, layout=_MMA))
     kc = mma_v2(gl.full([16, 128], -OFF, gl.float16, layout=_A), qs, kc)
     return _attend(_key_operand(kw), qs, gl.max(kc, 0), vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2)
+
+
+@gluon.jit
+def _tile_words(KC, VC, KS, VS, page, within, end_in_tile, kvh, kkey, kword, vkey, vword, kch, skey,
+                s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh):
+    """A sealed tile's words: key and value codes, the block's key (scale, min) per channel and the
+    values' (scale, min) per token (the tokens from ``end_in_tile`` on masked to 0: stale scales
+    can be NaN, and p = 0 does not cancel them)."""
+    kw = gl.load(KC + page * s_kcb + (within + kkey) * s_kct + kvh * s_kch + kword)
+    vw = gl.load(VC + page * s_vcb + (within + vkey) * s_vct + kvh * s_vch + vword)
+    ksw = gl.load(KS + page * s_ksb + kvh * s_ksh + kch)
+    vsw = gl.load(VS + page * s_vsb + (within + skey) * s_vst + kvh * s_vsh, mask=skey < end_in_tile, other=0)
+    return kw, vw, ksw, vsw
 
 
 @gluon.jit
@@ -197,8 +210,8 @@ def _value_channel(row):
 
 @gluon.jit
 def _half(bits):
-    """The fp16 in the low 16 bits of int32 ``bits``, as float32."""
-    return bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    """The fp16 in the low 16 bits of int32 ``bits``."""
+    return bits.to(gl.int16).to(gl.float16, bitcast=True)
 
 
 @gluon.jit
@@ -216,9 +229,9 @@ def _attend(k_op, qs, kcorr, vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2):
     m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
     p = gl.exp2(st * scale_log2 - gl.expand_dims(m_safe, 0))
     alpha = gl.exp2(m_i - m_safe)
-    pa = (p * gl.expand_dims(_half(vsw & 0xFFFF), 1)).to(gl.float16)
+    pa = (p * gl.expand_dims(_half(vsw & 0xFFFF).to(gl.float32), 1)).to(gl.float16)
     c1 = c1 * alpha + gl.sum(pa.to(gl.float32), 0)
-    c2 = c2 * alpha + gl.sum(p * gl.expand_dims(_half(vsw >> 16), 1), 0)
+    c2 = c2 * alpha + gl.sum(p * gl.expand_dims(_half(vsw >> 16).to(gl.float32), 1), 0)
     acc = mma_v2(_value_operand(vw), gl.convert_layout(pa, _B), acc * gl.expand_dims(alpha, 0))
     return m_new, l_i * alpha + gl.sum(p, 0), acc, c1, c2
 
@@ -276,12 +289,9 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     if start < sealed_end:
         # the first tile's codes and scales; each iteration asks for the next tile's first
         last = ((sealed_end - 1) // BLOCK_N) * BLOCK_N  # (a prefetch past it re-reads it)
-        page = gl.load(bt_row + start // PAGE).to(gl.int64)
-        within = start % PAGE
-        kw = gl.load(KC + page * s_kcb + (within + kkey) * s_kct + kvh * s_kch + kword)
-        vw = gl.load(VC + page * s_vcb + (within + vkey) * s_vct + kvh * s_vch + vword)
-        ksw = gl.load(KS + page * s_ksb + kvh * s_ksh + kch)
-        vsw = gl.load(VS + page * s_vsb + (within + skey) * s_vst + kvh * s_vsh, mask=start + skey < end, other=0)
+        kw, vw, ksw, vsw = _tile_words(KC, VC, KS, VS, gl.load(bt_row + start // PAGE).to(gl.int64), start % PAGE,
+                                       end - start, kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct, s_kch,
+                                       s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh)
         if L2_AHEAD:
             lane = gl.arange(0, 32, layout=_LANE)
             kvh_n = gl.num_programs(0)
@@ -293,13 +303,9 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                 page2 = gl.load(bt_row + gl.minimum(s + L2_AHEAD * BLOCK_N, last) // PAGE).to(gl.int64)
                 gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [KC + page2 * s_kcb + kvh * chunk + lane * 0, lane,
                                                                size + lane * 0], dtype=gl.int32, is_pure=False, pack=1)
-            page1 = gl.load(bt_row + s1 // PAGE).to(gl.int64)
-            within1 = s1 % PAGE
-            kw1 = gl.load(KC + page1 * s_kcb + (within1 + kkey) * s_kct + kvh * s_kch + kword)
-            vw1 = gl.load(VC + page1 * s_vcb + (within1 + vkey) * s_vct + kvh * s_vch + vword)
-            ksw1 = gl.load(KS + page1 * s_ksb + kvh * s_ksh + kch)
-            vsw1 = gl.load(VS + page1 * s_vsb + (within1 + skey) * s_vst + kvh * s_vsh, mask=s1 + skey < end,
-                           other=0)
+            kw1, vw1, ksw1, vsw1 = _tile_words(KC, VC, KS, VS, gl.load(bt_row + s1 // PAGE).to(gl.int64), s1 % PAGE,
+                                               end - s1, kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct,
+                                               s_kch, s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh)
             m_i, l_i, acc, c1, c2 = _sealed_tile(kw, vw, ksw, vsw, s + skey < end, q16, qf16, m_i, l_i, acc,
                                                  c1, c2, scale_log2)
             kw, vw, ksw, vsw = kw1, vw1, ksw1, vsw1
@@ -366,7 +372,7 @@ def supported(views, q: torch.Tensor) -> bool:
     f = views.fmt
     return (fmt_supported(f) and q.is_cuda and not kernels.interpreting() and q.dtype == f.model_dtype
             and q.shape[1] % f.num_kv_heads == 0 and q.shape[1] // f.num_kv_heads <= QN
-            and views.residual is not None and torch.cuda.get_device_capability(q.device)[0] >= 8)
+            and views.residual is not None and kernels._capability(q.device.index or 0) >= 8)
 
 
 def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -393,11 +399,11 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), vs.stride(2), res.stride(1), res.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *pstr, scale * _LOG2E,
-        GROUP=group, PAGE=f.block_size, NUM_SPLITS=splits, L2_AHEAD=L2_AHEAD if kc.stride(0) % 4 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 9 else 0,
-        num_warps=1)
+        GROUP=group, PAGE=f.block_size, NUM_SPLITS=splits, num_warps=1,
+        L2_AHEAD=L2_AHEAD if kc.stride(0) % 4 == 0 and kernels._capability(q.device.index or 0) >= 9 else 0)
     if splits > 1:
         heads, merge_s = merge_splits(group, D, 4)
         _merge_kernel[(B, KVH)](seq_lens, op, lsep, out, *pstr, out.stride(0), out.stride(1), GROUP=group,
                                 HEADS=heads, HEAD_DIM=D, MERGE_S=min(merge_s, triton.next_power_of_2(splits)),
-                                NUM_SPLITS=splits, BN=64, num_warps=4)
+                                NUM_SPLITS=splits, BN=BLOCK_N.value, num_warps=4)
     return out

@@ -29,7 +29,7 @@ from kvserve.layers import kv_format as kf
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,KVH,bs,splits", [(32, 8, 64, 1), (32, 8, 64, 5), (8, 8, 128, 3), (16, 2, 64, 16)])
-def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits):
+def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits, monkeypatch):
     gen = torch.Generator().manual_seed(7 + H + bs + splits)
     D = 128
     f = kf.KVFormat("int4", KVH, D, bs, dtype)
@@ -48,11 +48,8 @@ def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
     # the Triton kernel on the same cache agrees as closely
     from kvserve.kernels import decode_attention
-    decode_attention.KIVI_GLUON = False
-    try:
-        other = paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, res_slots=rs)
-    finally:
-        decode_attention.KIVI_GLUON = True
+    monkeypatch.setattr(decode_attention, "KIVI_GLUON", False)
+    other = paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, res_slots=rs)
     torch.testing.assert_close(out.double(), other.double(), rtol=2e-2, atol=2e-2)
 
 
