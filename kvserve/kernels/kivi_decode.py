@@ -27,11 +27,14 @@ as two running sums beside ``l_i``. Products run in fp16 for bf16 models too: fp
 offset codes exactly and rounds q * scale and p * scale to 11 bits instead of 8.
 
 **The loop** asks for the next tile's codes and scales before working on this one (one warp per
-program holds both in registers: 254 of them), and for the block of the tile after next into L2
+program holds both in registers: 236 of them), and for the block of the tile after next into L2
 (``L2_AHEAD``): with 8 warps per SM, a register prefetch alone leaves too few bytes in flight.
-The newest keys of a sequence (its unsealed block) come from the full-precision residual, after
-the loop. Splits as in ``decode_attention``; their
-merge is ``_merge_group``, in a small second kernel.
+A tile's addresses are one base per thread plus immediates (the cache strides are compile-time
+constants, ``cache_strides``, and ``_hint`` keeps the loads 16 and 8 bytes wide); sealed tiles
+are whole, so unmasked; the softmax's three running sums stay per lane (``_lane_sum``) until the
+end. 894 SASS instructions per tile and warp (1,234 before these). The newest keys of a sequence
+(its unsealed block) come from the full-precision residual, after the loop. Splits as in
+``decode_attention``; their merge is ``_merge_group``, in a small second kernel.
 """
 from __future__ import annotations
 
@@ -81,6 +84,10 @@ _VW2 = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1, 0], [0, 1], [8, 0]
 _KSW = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1], [2], [4], [8], [16]],
                                                lane_bases=[[32], [64], [0], [0], [0]],
                                                warp_bases=[], block_bases=[], shape=[128]))
+# Per-lane partial sums [8, 8 queries] over a tile's keys (``_lane_sum``): lanes -> queries +2, +4
+# (t), rows +1, +2, +4 (g); a register -> queries +1, as the products' accumulators hold them
+_P = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                             warp_bases=[], block_bases=[], shape=[8, 8]))
 # Residual keys [64 keys, 128 channels] in channel order: the key words' lanes, a register per
 # channel (32 contiguous channels per thread)
 _RW = gl.constexpr(gl.DistributedLinearLayout(
@@ -163,35 +170,57 @@ def _value_operand(words):
 
 
 @gluon.jit
-def _sealed_tile(kw, vw, ksw, vsw, valid, q16, qf16, m_i, l_i, acc, c1, c2, scale_log2):
+def _sealed_tile(kw, vw, ksw, vsw, q16, m_i, l_i, acc, c1, c2, scale_log2):
     """One tile of sealed keys: the block's (scale, min) words per channel ``ksw`` (channel order)
-    put in the columns' order; the scales folded into q (fp16: the product of two fp16 values
-    rounds once either way), the mins and the codes' OFF taken off as a per-query correction
-    computed by two small products (exact products, fp32 sums): rows of mins times q, rows of
-    -OFF times qs."""
+    put in the columns' order; the scales (with the odd codes' 1/16, exact) folded into q (fp16:
+    the product of two fp16 values rounds once either way), the mins and the codes' OFF taken off
+    as a per-query correction computed by two small products (exact products, fp32 sums): rows of
+    mins times q, rows of -OFF times qs. The correction is where the scores' product starts."""
     ksp = gl.reshape(ksw, [4, 2, 2, 2, 2, 2])  # t, a1, a0, j2, j1, j0
     ksp = gl.reshape(gl.permute(ksp, [1, 2, 4, 5, 0, 3]), [128])  # a1, a0, j1, j0, t, j2
     ksp = gl.convert_layout(ksp, gl.SliceLayout(1, _B))
-    qs = qf16 * gl.expand_dims(_half(ksp & 0xFFFF), 1)
+    odd = ((gl.arange(0, 128, layout=gl.SliceLayout(1, _B)) >> 3) & 1) == 1  # (a register's, fixed)
+    sc = _half(ksp & 0xFFFF)
+    qs = q16 * gl.expand_dims(gl.where(odd, sc * 0.0625, sc), 1)
     kb = _half(ksp >> 16)
     kb_rows = gl.broadcast(gl.expand_dims(gl.convert_layout(kb, gl.SliceLayout(0, _A)), 0),
                            gl.full([16, 128], 0.0, gl.float16, layout=_A))[0]
     kc = mma_v2(kb_rows, q16, gl.zeros([16, QN], gl.float32, layout=_MMA))
-    kc = mma_v2(gl.full([16, 128], -OFF, gl.float16, layout=_A), qs, kc)
-    return _attend(_key_operand(kw), qs, gl.max(kc, 0), vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2)
+    kc = mma_v2(gl.full([16, 128], -OFF, gl.float16, layout=_A), qs, kc)  # [16, 8], its rows equal
+    # the first product's accumulator starts at the correction: kc's rows, four times over
+    kc = gl.join(gl.join(kc, kc), gl.join(kc, kc))  # [16, 8, 2, 2]
+    kc = gl.convert_layout(gl.reshape(gl.permute(kc, [2, 3, 0, 1]), [BLOCK_N, QN]), _MMA)
+    return _attend(_key_operand(kw), qs, kc, vw, vsw, None, m_i, l_i, acc, c1, c2, scale_log2)
 
 
 @gluon.jit
-def _tile_words(KC, VC, KS, VS, page, within, end_in_tile, kvh, kkey, kword, vkey, vword, kch, skey,
+def _tile_words(KC, VC, KS, VS, page, within, kvh, kkey, kword, vkey, vword, kch, skey,
                 s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh):
     """A sealed tile's words: key and value codes, the block's key (scale, min) per channel and the
-    values' (scale, min) per token (the tokens from ``end_in_tile`` on masked to 0: stale scales
-    can be NaN, and p = 0 does not cancel them)."""
-    kw = gl.load(KC + page * s_kcb + (within + kkey) * s_kct + kvh * s_kch + kword)
-    vw = gl.load(VC + page * s_vcb + (within + vkey) * s_vct + kvh * s_vch + vword)
-    ksw = gl.load(KS + page * s_ksb + kvh * s_ksh + kch)
-    vsw = gl.load(VS + page * s_vsb + (within + skey) * s_vst + kvh * s_vsh, mask=skey < end_in_tile, other=0)
+    values' (scale, min) per token. Unmasked: a split's sealed keys start and end on block
+    boundaries (or its end's tile boundary), so its tiles are whole."""
+    kw = gl.load((KC + (page * s_kcb + within * s_kct + kvh * s_kch) + _hint(kkey, 7, s_kct, kword, 12, -4))
+                 + _hint(kkey, 56, s_kct, kword, 3, 4))
+    vw = gl.load((VC + (page * s_vcb + within * s_vct + kvh * s_vch) + _hint(vkey, 6, s_vct, vword, 14, -2))
+                 + _hint(vkey, 57, s_vct, vword, 1, 2))
+    ksw = gl.load((KS + (page * s_ksb + kvh * s_ksh) + gl.max_constancy(gl.multiple_of(kch & 96, 32), 32))
+                  + gl.max_contiguous(gl.multiple_of(kch & 31, 32), 32))
+    vsw = gl.load((VS + (page * s_vsb + within * s_vst + kvh * s_vsh) + (skey & 7) * s_vst) + (skey & 56) * s_vst)
     return kw, vw, ksw, vsw
+
+
+@gluon.jit
+def _hint(row, rmask: gl.constexpr, stride: gl.constexpr, word, wmask: gl.constexpr, vec: gl.constexpr):
+    """The part ``(row & rmask) * stride + (word & wmask)`` of a tile's word offsets. The lanes'
+    part and the registers' part are added to the pointer separately, so each register's address
+    is one per-thread base plus an immediate; the hints give back what the masks hide: runs of
+    ``vec`` contiguous words (the registers' part), or constant (-``vec`` of them: the lanes'
+    part)."""
+    off = (row & rmask) * stride + (word & wmask)
+    if vec > 0:
+        return gl.max_contiguous(gl.multiple_of(off, [1, vec]), [1, vec])
+    else:
+        return gl.max_constancy(gl.multiple_of(off, [1, -vec]), [1, -vec])
 
 
 @gluon.jit
@@ -215,31 +244,42 @@ def _half(bits):
 
 
 @gluon.jit
-def _attend(k_op, qs, kcorr, vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2):
-    """One tile into the online softmax: scores S^T = k_op qs + kcorr ([64 keys, 8 queries]; keys
+def _attend(k_op, qs, st0, vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2):
+    """One tile into the online softmax: scores S^T = k_op qs + st0 ([64 keys, 8 queries]; keys
     outside ``valid`` masked), then the values (words ``vw``; (scale, min) words ``vsw``, a pair
     per token) with the scale folded into p. The product's OFF offsets and the mins are kept
     apart, as running sums rescaled like ``l_i``: c1 = sum(pa) (rounded as the product saw it),
-    c2 = sum(p * min). Returns the new (m_i, l_i, acc, c1, c2)."""
-    st = mma_v2(k_op, qs, gl.zeros([BLOCK_N, QN], gl.float32, layout=_MMA))
-    st = st + gl.expand_dims(gl.convert_layout(kcorr, gl.SliceLayout(0, _MMA)), 0)
-    st = gl.where(gl.expand_dims(valid, 1), st, float("-inf"))
+    c2 = sum(p * min). The three sums are kept per lane (``_P``: over the keys a thread holds, so
+    no shuffles) until the end. Returns the new (m_i, l_i, acc, c1, c2)."""
+    st = mma_v2(k_op, qs, st0)
+    if valid is not None:
+        st = gl.where(gl.expand_dims(valid, 1), st, float("-inf"))
     # online softmax over the keys (rows), as online_softmax_probs
     m_new = gl.maximum(m_i, gl.max(st, 0) * scale_log2)
     m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
     p = gl.exp2(st * scale_log2 - gl.expand_dims(m_safe, 0))
     alpha = gl.exp2(m_i - m_safe)
     pa = (p * gl.expand_dims(_half(vsw & 0xFFFF).to(gl.float32), 1)).to(gl.float16)
-    c1 = c1 * alpha + gl.sum(pa.to(gl.float32), 0)
-    c2 = c2 * alpha + gl.sum(p * gl.expand_dims(_half(vsw >> 16).to(gl.float32), 1), 0)
+    alpha_p = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, _P)), 0)
+    c1 = c1 * alpha_p + _lane_sum(pa.to(gl.float32))
+    c2 = c2 * alpha_p + _lane_sum(p * gl.expand_dims(_half(vsw >> 16).to(gl.float32), 1))
     acc = mma_v2(_value_operand(vw), gl.convert_layout(pa, _B), acc * gl.expand_dims(alpha, 0))
-    return m_new, l_i * alpha + gl.sum(p, 0), acc, c1, c2
+    return m_new, l_i * alpha_p + _lane_sum(p), acc, c1, c2
+
+
+@gluon.jit
+def _lane_sum(x):
+    """[64 keys, 8 queries] (``_MMA``) -> [8, 8] (``_P``): the sums over the keys each lane holds
+    (key = 16 m + 8 h + g: m and h in registers, g the lane's), registers only."""
+    return gl.convert_layout(gl.sum(gl.sum(gl.reshape(x, [4, 2, 8, QN]), 0), 0), _P)
 
 
 @gluon.jit
 def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP,
-                         stride_qb, stride_qh, s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch,
-                         s_ksb, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, stride_bt,
+                         stride_qb, stride_qh, s_kcb: gl.constexpr, s_kct: gl.constexpr, s_kch: gl.constexpr,
+                         s_vcb: gl.constexpr, s_vct: gl.constexpr, s_vch: gl.constexpr, s_ksb: gl.constexpr,
+                         s_ksh: gl.constexpr, s_vsb: gl.constexpr, s_vst: gl.constexpr, s_vsh: gl.constexpr,
+                         s_rt, s_rh, stride_bt,
                          stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr,
                          L2_AHEAD: gl.constexpr):
@@ -264,14 +304,13 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     res_row = RES + gl.load(RSLOTS + b).to(gl.int64) * PAGE * s_rt + kvh * s_rh
 
     # q^T as the first product's B operand [128 columns, 8 queries], channels in the columns'
-    # order; qf: with the odd codes' 1/16
+    # order
     qcol = gl.arange(0, 128, layout=gl.SliceLayout(1, _B))
     qn = gl.arange(0, QN, layout=gl.SliceLayout(0, _B))
     qmask = gl.expand_dims(qn < GROUP, 0) & gl.expand_dims(qcol < 128, 1)
     q = gl.load(Q + b.to(gl.int64) * stride_qb + gl.expand_dims((kvh * GROUP + qn) * stride_qh, 0)
                 + gl.expand_dims(_key_channel(qcol), 1), mask=qmask, other=0.0).to(gl.float32)
     q16 = q.to(gl.float16)
-    qf16 = gl.where(gl.expand_dims(((qcol >> 3) & 1) == 1, 1), q * 0.0625, q).to(gl.float16)
 
     kkey = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _KW)), 1)
     kword = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, _KW)), 0)
@@ -281,16 +320,16 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     skey = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _MMA))
 
     m_i = gl.full([QN], float("-inf"), gl.float32, layout=gl.SliceLayout(0, _MMA))
-    l_i = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _MMA))
-    c1 = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _MMA))
-    c2 = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _MMA))
+    l_i = gl.zeros([8, QN], gl.float32, layout=_P)  # per lane, as _lane_sum's
+    c1 = gl.zeros([8, QN], gl.float32, layout=_P)
+    c2 = gl.zeros([8, QN], gl.float32, layout=_P)
     acc = gl.zeros([128, QN], gl.float32, layout=_MMA)
     sealed_end = gl.minimum(end, full_end)
     if start < sealed_end:
         # the first tile's codes and scales; each iteration asks for the next tile's first
         last = ((sealed_end - 1) // BLOCK_N) * BLOCK_N  # (a prefetch past it re-reads it)
         kw, vw, ksw, vsw = _tile_words(KC, VC, KS, VS, gl.load(bt_row + start // PAGE).to(gl.int64), start % PAGE,
-                                       end - start, kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct, s_kch,
+                                       kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct, s_kch,
                                        s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh)
         if L2_AHEAD:
             lane = gl.arange(0, 32, layout=_LANE)
@@ -304,15 +343,15 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                 gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [KC + page2 * s_kcb + kvh * chunk + lane * 0, lane,
                                                                size + lane * 0], dtype=gl.int32, is_pure=False, pack=1)
             kw1, vw1, ksw1, vsw1 = _tile_words(KC, VC, KS, VS, gl.load(bt_row + s1 // PAGE).to(gl.int64), s1 % PAGE,
-                                               end - s1, kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct,
+                                               kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct,
                                                s_kch, s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh)
-            m_i, l_i, acc, c1, c2 = _sealed_tile(kw, vw, ksw, vsw, s + skey < end, q16, qf16, m_i, l_i, acc,
+            m_i, l_i, acc, c1, c2 = _sealed_tile(kw, vw, ksw, vsw, q16, m_i, l_i, acc,
                                                  c1, c2, scale_log2)
             kw, vw, ksw, vsw = kw1, vw1, ksw1, vsw1
     # the unsealed block's keys: full precision, from the residual
     rkey = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _RW)), 1)
     rch = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _RW)), 0)
-    zero = gl.zeros([QN], gl.float32, layout=gl.SliceLayout(0, _B))
+    zero = gl.zeros([BLOCK_N, QN], gl.float32, layout=_MMA)
     for s in range(gl.maximum(start, full_end), end, BLOCK_N):
         page = gl.load(bt_row + s // PAGE).to(gl.int64)
         within = s % PAGE
@@ -324,6 +363,9 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         m_i, l_i, acc, c1, c2 = _attend(r, q16, zero, vw, vsw, s + skey < end, m_i, l_i, acc,
                                         c1, c2, scale_log2)
 
+    l_i = gl.convert_layout(gl.sum(l_i, 0), gl.SliceLayout(0, _MMA))
+    c1 = gl.convert_layout(gl.sum(c1, 0), gl.SliceLayout(0, _MMA))
+    c2 = gl.convert_layout(gl.sum(c2, 0), gl.SliceLayout(0, _MMA))
     # out[query, channel] = ((acc - OFF c1) / (16 for the odd codes' rows) + c2) / l
     orow = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
     on = gl.arange(0, QN, layout=gl.SliceLayout(0, _MMA))
@@ -375,6 +417,22 @@ def supported(views, q: torch.Tensor) -> bool:
             and views.residual is not None and kernels._capability(q.device.index or 0) >= 8)
 
 
+def _words(views):
+    """A layer's codes and scales as int32 words: key and value codes [nb, bs, kvh, 16], the keys'
+    (scale, min) per channel [nb, kvh, D, 1], the values' per token [nb, bs, kvh, 1, 1]."""
+    return (views.k_codes.view(torch.int32), views.v_codes.view(torch.int32), views.k_scales.view(torch.int32),
+            views.v_scales.view(torch.int32))
+
+
+def cache_strides(views) -> tuple[int, ...]:
+    """The kernel's cache strides (words; compile-time constants, fixed by the format, so the
+    tile's addresses are immediates): codes (block, token, head) for keys and values, the keys'
+    scales (block, head), the values' (block, token, head)."""
+    kc, vc, ks, vs = _words(views)
+    return (kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), vs.stride(2))
+
+
 def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  res_slots: torch.Tensor, scale: float, splits: int, out: torch.Tensor) -> torch.Tensor:
     """Decode attention over a KIVI int4 layer (``supported``); arguments as
@@ -383,9 +441,7 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
     f = views.fmt
     KVH = f.num_kv_heads
     group = H // KVH
-    kc, vc = views.k_codes.view(torch.int32), views.v_codes.view(torch.int32)  # [nb, bs, kvh, 16]
-    ks = views.k_scales.view(torch.int32)  # [nb, kvh, D, 1]: (scale, min) per channel
-    vs = views.v_scales.view(torch.int32)  # [nb, bs, kvh, 1, 1]: (scale, min) per token
+    kc, vc, ks, vs = _words(views)
     res = views.residual
     assert q.stride(-1) == 1 and res.stride(-1) == 1 and kc.stride(-1) == 1 and ks.stride(2) == 1
     if splits > 1:
@@ -396,8 +452,7 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
     pstr = (op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1)) if splits > 1 else (0,) * 5
     _kivi4_decode_kernel[(KVH, B, splits)](
         q, kc, vc, ks, vs, res, block_tables, seq_lens, res_slots, out, op, lsep,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), vs.stride(2), res.stride(1), res.stride(2),
+        q.stride(0), q.stride(1), *cache_strides(views), res.stride(1), res.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *pstr, scale * _LOG2E,
         GROUP=group, PAGE=f.block_size, NUM_SPLITS=splits, num_warps=1,
         L2_AHEAD=L2_AHEAD if kc.stride(0) % 4 == 0 and kernels._capability(q.device.index or 0) >= 9 else 0)

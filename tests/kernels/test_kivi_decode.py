@@ -78,7 +78,14 @@ from kvserve.kernels.kivi_decode import _kivi4_decode_kernel as K
 names = K.arg_names
 ptr = dict(Q="*bf16", KC="*i32", VC="*i32", KS="*i32", VS="*i32", RES="*bf16", BT="*i32", SEQ_LENS="*i32",
            RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32")
-const = dict(GROUP=4, PAGE=64, NUM_SPLITS=16, L2_AHEAD=2)
+import torch
+from kvserve.kernels.kivi_decode import cache_strides
+from kvserve.layers import kv_format as kf
+f = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
+views = f.views(torch.zeros(2, f.block_bytes, dtype=torch.uint8), torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16))
+const = dict(GROUP=4, PAGE=64, NUM_SPLITS=8, L2_AHEAD=2)
+const.update(zip(["s_kcb", "s_kct", "s_kch", "s_vcb", "s_vct", "s_vch", "s_ksb", "s_ksh", "s_vsb", "s_vst", "s_vsh"],
+                 cache_strides(views)))
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
 div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const and n != "scale_log2"}
 src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
@@ -102,3 +109,4 @@ def test_kivi4_decode_compiles_for_sm90_without_shared_memory():
     shared, local, mma = map(int, r.stdout.split())
     assert shared == 0 and local == 0
     assert mma > 0
+
