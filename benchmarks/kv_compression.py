@@ -134,7 +134,7 @@ def _fill(f: kf.KVFormat, batch: int, ctx: int, gen):
 
 @section("kernel")
 def run_kernel(batch: int = 32, ctx: int = 32768, formats=FORMATS):
-    from kvserve.kernels.decode_attention import num_splits, paged_decode_attention, split_per_sm
+    from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
     a = arch_8b()
     H, D = a.num_heads, a.head_dim
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -144,7 +144,7 @@ def run_kernel(batch: int = 32, ctx: int = 32768, formats=FORMATS):
     for name in formats:
         f = kf.KVFormat(name, a.num_kv_heads, D, kf.default_block_size(name), torch.bfloat16)
         (kc, vc), tables, rs = _fill(f, batch, ctx, gen)
-        splits = num_splits(batch, a.num_kv_heads, q.device, split_per_sm(f))  # as the engine launches it
+        splits = decode_splits(f, batch, a.num_kv_heads, q.device)  # as the engine launches it
         fn = lambda: paged_decode_attention(q, kc, vc, tables, seq_lens, D ** -0.5, res_slots=rs,  # noqa: E731
                                             splits=splits)
         fn()

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from kvserve.kernels.decode_attention import num_splits
+from kvserve.kernels.decode_attention import decode_splits
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,14 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_layers, backend, device: torch.device, max_batch: int, max_blocks: int,
-                 block_size: int, num_kv_heads: int, kivi: bool = False, split_per_sm: int = 2,
+                 block_size: int, num_kv_heads: int, kivi: bool = False, kv_format=None,
                  async_copies: bool = False):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.device, self.block_size, self.num_kv_heads = device, block_size, num_kv_heads
         self.buckets = batch_buckets(max_batch)
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.kivi = kivi  # KIVI-compressed cache: residual rows and places are inputs too
-        self.split_per_sm = split_per_sm
+        self.kv_format = kv_format  # the cache format (None: uncompressed) sets the attention splits
         self.async_copies = async_copies
         with torch.device(device):
             self.input_ids = torch.zeros(max_batch, dtype=torch.long)
@@ -72,7 +72,7 @@ class DecodeGraphs:
                                  block_size=self.block_size)
         meta.seq_lens_t, meta.cu_q = self.seq_lens[:bs], self.cu_q[:bs + 1]
         meta.max_query_len = 1
-        meta.num_splits = num_splits(bs, self.num_kv_heads, self.device, self.split_per_sm)
+        meta.num_splits = decode_splits(self.kv_format, bs, self.num_kv_heads, self.device)
         if self.kivi:  # one token per sequence: it fills (and seals) at most one block
             meta.res_slots_t, meta.res_mapping, meta.max_seal = self.res_slots[:bs], self.res_mapping[:bs], 1
         return meta

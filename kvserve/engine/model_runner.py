@@ -237,13 +237,12 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         from kvserve.engine.cuda_graphs import DecodeGraphs
-        from kvserve.kernels.decode_attention import split_per_sm
         max_batch = self.config.cuda_graph_max_batch or min(512, self.config.scheduler.max_num_seqs)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
                                    max_blocks, self.block_size, self.arch.num_kv_heads,
                                    kivi=self.kv_format.kivi,
-                                   split_per_sm=split_per_sm(self.kv_format),
+                                   kv_format=self.kv_format,
                                    async_copies=self.config.async_scheduling)
         self.graphs.capture()
         msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch} captured in "

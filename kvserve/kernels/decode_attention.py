@@ -298,14 +298,31 @@ def split_per_sm(fmt) -> int:
         return 2
     if fmt.kivi:
         from kvserve.kernels import kivi_decode
-        return kivi_decode.PER_SM if KIVI_GLUON and kivi_decode.fmt_supported(fmt) else 2
+        return kivi_decode.PER_SM if _kivi_gluon(fmt) else 2
     return 16
 
 
-def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
+def _kivi_gluon(fmt) -> bool:
+    """Whether a cache of format ``fmt`` is read by ``kivi_decode`` on CUDA."""
+    from kvserve.kernels import kivi_decode
+    return fmt is not None and fmt.kivi and KIVI_GLUON and kivi_decode.fmt_supported(fmt)
+
+
+def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2,
+               whole_waves: bool = False) -> int:
     """Enough programs to fill the GPU ``per_sm`` times over (``split_per_sm``); a function of the
-    batch only (graph-safe)."""
-    return max(1, min(32, math.ceil(per_sm * _sm_count(device) / max(1, batch * num_kv_heads))))
+    batch only (graph-safe). ``whole_waves``: at most that many (rounded down), for a kernel
+    whose ``per_sm`` is a whole number of waves of the programs an SM holds at once: a part wave
+    runs as long as a whole one."""
+    n = per_sm * _sm_count(device) / max(1, batch * num_kv_heads)
+    return max(1, min(32, math.floor(n) if whole_waves else math.ceil(n)))
+
+
+def decode_splits(fmt, batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """The splits the engine launches for a decode batch over a cache of format ``fmt`` (a
+    KVFormat; None: uncompressed): ``num_splits`` at ``split_per_sm(fmt)``, in whole waves for
+    ``kivi_decode``."""
+    return num_splits(batch, num_kv_heads, device, split_per_sm(fmt), whole_waves=_kivi_gluon(fmt))
 
 
 def _sm_count(device: torch.device) -> int:

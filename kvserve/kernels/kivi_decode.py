@@ -34,7 +34,8 @@ constants, ``cache_strides``, and ``_hint`` keeps the loads 16 and 8 bytes wide)
 are whole, so unmasked; the softmax's three running sums stay per lane (``_lane_sum``) until the
 end. 894 SASS instructions per tile and warp (1,234 before these). The newest keys of a sequence
 (its unsealed block) come from the full-precision residual, after the loop. Splits as in
-``decode_attention``; their merge is ``_merge_group``, in a small second kernel.
+``decode_attention``, in whole waves (``PER_SM``); their merge is ``_merge_group``, in a small
+second kernel.
 """
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or O
 # Tiles ahead whose block is asked into L2 (sm90's bulk prefetch, each program its share of the
 # block): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3: 0.414, 4: 0.467, 6: 0.54 (L2 thrashes)
 L2_AHEAD = 2
-PER_SM = 32  # programs per SM to aim for (``decode_attention.split_per_sm``; 16: 0.500 ms, 64: 0.439)
+PER_SM = 16  # programs per SM (``decode_attention.split_per_sm``): two waves of the 8 one-warp programs of
+# 236 registers an SM holds, in whole waves (batch 32 x 32k: 4 splits 0.333 ms, 8: 0.337, 12: 0.343,
+# 17: 0.361; 5 or 10, a part wave: 0.463, 0.380)
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.decode_attention import num_splits, paged_decode_attention, split_per_sm
+from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention
 from kvserve.kernels.rope_kv_write import rope_kv_write
@@ -63,8 +63,7 @@ class TritonPagedAttention:
                 rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
                               rotate_k_inplace=plain_prompt)
         if meta.max_query_len == 1:
-            per_sm = split_per_sm(k_cache.fmt if compressed else None)
-            splits = meta.num_splits or num_splits(B, kvh, q.device, per_sm)
+            splits = meta.num_splits or decode_splits(k_cache.fmt if compressed else None, B, kvh, q.device)
             rope_args = (positions, meta.slot_mapping, k, v, rope.cos, rope.sin) if fused else None
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
                                           splits=splits, res_slots=meta.res_slots_t, rope=rope_args)
