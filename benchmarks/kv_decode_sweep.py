@@ -75,8 +75,9 @@ def main():
             if time.time() > t_end:
                 break
             cfg = dict(cfg)
-            per_sm = cfg.pop("per_sm", da.split_per_sm(f))
-            splits = da.num_splits(args.batch, a.num_kv_heads, q.device, per_sm)
+            per_sm = cfg.pop("per_sm", None)  # (default: the engine's splits)
+            splits = (da.decode_splits(f, args.batch, a.num_kv_heads, q.device) if per_sm is None
+                      else da.num_splits(args.batch, a.num_kv_heads, q.device, per_sm))
 
             def fn():
                 return da.paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, res_slots=rs, splits=splits,

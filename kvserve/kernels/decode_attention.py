@@ -309,20 +309,21 @@ def _kivi_gluon(fmt) -> bool:
 
 
 def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2,
-               whole_waves: bool = False) -> int:
+               at_most: bool = False) -> int:
     """Enough programs to fill the GPU ``per_sm`` times over (``split_per_sm``); a function of the
-    batch only (graph-safe). ``whole_waves``: at most that many (rounded down), for a kernel
-    whose ``per_sm`` is a whole number of waves of the programs an SM holds at once: a part wave
-    runs as long as a whole one."""
+    batch only (graph-safe). ``at_most``: no more programs than that (rounded down), for a kernel
+    whose ``per_sm`` is a whole number of waves of the programs an SM holds at once, so the last
+    wave is as full as the split count allows (a part wave runs as long as a whole one)."""
     n = per_sm * _sm_count(device) / max(1, batch * num_kv_heads)
-    return max(1, min(32, math.floor(n) if whole_waves else math.ceil(n)))
+    return max(1, min(32, math.floor(n) if at_most else math.ceil(n)))
 
 
 def decode_splits(fmt, batch: int, num_kv_heads: int, device: torch.device) -> int:
     """The splits the engine launches for a decode batch over a cache of format ``fmt`` (a
-    KVFormat; None: uncompressed): ``num_splits`` at ``split_per_sm(fmt)``, in whole waves for
-    ``kivi_decode``."""
-    return num_splits(batch, num_kv_heads, device, split_per_sm(fmt), whole_waves=_kivi_gluon(fmt))
+    KVFormat; None: uncompressed): ``num_splits`` at ``split_per_sm(fmt)``, rounded down for
+    ``kivi_decode`` (``at_most``). By format only: a layer that ``kivi_decode.supported`` turns
+    away at run time (a GQA group over 8) takes the Triton kernel at these splits."""
+    return num_splits(batch, num_kv_heads, device, split_per_sm(fmt), at_most=_kivi_gluon(fmt))
 
 
 def _sm_count(device: torch.device) -> int:

@@ -34,7 +34,7 @@ constants, ``cache_strides``, and ``_hint`` keeps the loads 16 and 8 bytes wide)
 are whole, so unmasked; the softmax's three running sums stay per lane (``_lane_sum``) until the
 end. 894 SASS instructions per tile and warp (1,234 before these). The newest keys of a sequence
 (its unsealed block) come from the full-precision residual, after the loop. Splits as in
-``decode_attention``, in whole waves (``PER_SM``); their merge is ``_merge_group``, in a small
+``decode_attention``, at most two waves (``PER_SM``); their merge is ``_merge_group``, in a small
 second kernel.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or O
 # block): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3: 0.414, 4: 0.467, 6: 0.54 (L2 thrashes)
 L2_AHEAD = 2
 PER_SM = 16  # programs per SM (``decode_attention.split_per_sm``): two waves of the 8 one-warp programs of
-# 236 registers an SM holds, in whole waves (batch 32 x 32k: 4 splits 0.333 ms, 8: 0.337, 12: 0.343,
-# 17: 0.361; 5 or 10, a part wave: 0.463, 0.380)
+# 236 registers an SM holds, never more (rounded down: batch 32 x 32k: 4 splits 0.333 ms, 8: 0.337,
+# 12: 0.343, 17: 0.361; 5 or 10, a small part wave: 0.463, 0.380)
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
@@ -200,8 +200,8 @@ def _sealed_tile(kw, vw, ksw, vsw, q16, m_i, l_i, acc, c1, c2, scale_log2):
 def _tile_words(KC, VC, KS, VS, page, within, kvh, kkey, kword, vkey, vword, kch, skey,
                 s_kcb, s_kct, s_kch, s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh):
     """A sealed tile's words: key and value codes, the block's key (scale, min) per channel and the
-    values' (scale, min) per token. Unmasked: a split's sealed keys start and end on block
-    boundaries (or its end's tile boundary), so its tiles are whole."""
+    values' (scale, min) per token. Unmasked: a split's sealed keys start and end on 64-key tile
+    boundaries (64 divides the block size), so its tiles are whole."""
     kw = gl.load((KC + (page * s_kcb + within * s_kct + kvh * s_kch) + _hint(kkey, 7, s_kct, kword, 12, -4))
                  + _hint(kkey, 56, s_kct, kword, 3, 4))
     vw = gl.load((VC + (page * s_vcb + within * s_vct + kvh * s_vch) + _hint(vkey, 6, s_vct, vword, 14, -2))
@@ -249,7 +249,7 @@ def _half(bits):
 @gluon.jit
 def _attend(k_op, qs, st0, vw, vsw, valid, m_i, l_i, acc, c1, c2, scale_log2):
     """One tile into the online softmax: scores S^T = k_op qs + st0 ([64 keys, 8 queries]; keys
-    outside ``valid`` masked), then the values (words ``vw``; (scale, min) words ``vsw``, a pair
+    outside ``valid`` masked, None for a whole tile), then the values (words ``vw``; (scale, min) words ``vsw``, a pair
     per token) with the scale folded into p. The product's OFF offsets and the mins are kept
     apart, as running sums rescaled like ``l_i``: c1 = sum(pa) (rounded as the product saw it),
     c2 = sum(p * min). The three sums are kept per lane (``_P``: over the keys a thread holds, so

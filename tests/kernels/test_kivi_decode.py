@@ -111,10 +111,10 @@ def test_kivi4_decode_compiles_for_sm90_without_shared_memory():
     assert mma > 0
 
 
-def test_kivi4_splits_are_whole_waves(monkeypatch):
-    """The engine launches ``kivi_decode`` in whole waves: at most ``PER_SM`` one-warp programs per
-    SM, rounded down (a part wave runs as long as a whole one: at batch 32 x 32k on an H200, 5
-    splits took 0.463 ms against 0.333 for 4 and 0.337 for 8); other formats keep rounding up."""
+def test_kivi4_splits_never_exceed_two_waves(monkeypatch):
+    """The engine launches ``kivi_decode`` with at most ``PER_SM`` one-warp programs per SM, rounded
+    down (a small part wave runs as long as a whole one: at batch 32 x 32k on an H200, 5 splits
+    took 0.463 ms against 0.333 for 4 and 0.337 for 8); other formats keep rounding up."""
     from kvserve.kernels import decode_attention as da
     monkeypatch.setattr(da, "_sm_count", lambda device: 132)
     dev = torch.device("cuda")
@@ -129,3 +129,5 @@ def test_kivi4_splits_are_whole_waves(monkeypatch):
     bf16 = kf.KVFormat("auto", 8, 128, 16, torch.bfloat16)
     assert da.decode_splits(bf16, 32, 8, dev) == da.num_splits(32, 8, dev, 2) == 2  # ceil(2 * 132 / 256)
     assert da.decode_splits(None, 32, 8, dev) == 2
+    fp8 = kf.KVFormat("fp8", 8, 128, kf.default_block_size("fp8"), torch.bfloat16)
+    assert da.decode_splits(fp8, 32, 8, dev) == 9  # ceil(16 * 132 / 256)
