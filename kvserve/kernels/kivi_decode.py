@@ -286,11 +286,12 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr,
                          L2_AHEAD: gl.constexpr):
-    """Q: [B, H, 128]; KC, VC: int32 words [nb, PAGE, kvh, 16]; KS: int32 (scale, min) words
-    [nb, kvh, 128]; VS: [nb, PAGE, kvh] words; RES: [slots, PAGE, kvh, 128] (the model's dtype).
+    """Q: [B, H, 128]; KC, VC: int32 words [nb, PAGE, kvh, 16] (head-major in memory); KS: int32
+    (scale, min) words [nb, kvh, 128]; VS: [nb, PAGE, kvh] words; RES: [slots, PAGE, kvh, 128] (the model's dtype).
     Grid (kvh, B, NUM_SPLITS), one warp."""
-    # a sequence's KV heads are neighbours in the grid, so they read a block's lines side by side
-    # (a head's 64-byte code rows are every 512 bytes): 0.463 -> 0.437 ms
+    # a sequence's KV heads are neighbours in the grid, so they run together and read the block
+    # each asked its share of into L2 (with token-major codes, whose rows of two heads shared a
+    # line: 0.463 -> 0.437 ms; the codes are head-major since)
     kvh = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)

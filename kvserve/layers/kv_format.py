@@ -20,7 +20,12 @@ format stores a block as one run of bytes per layer::
   channel by channel over its ``block_size`` tokens, with one (scale, min) pair per (head, channel)
   - which is only possible once the block is full. Until then a sequence's newest keys live in
   full precision in a small per-sequence *residual* buffer (one block of keys per running
-  sequence), and the block is sealed (quantized) by the step that fills it.
+  sequence), and the block is sealed (quantized) by the step that fills it. KIVI codes (K and V)
+  are stored head-major, ``[kvh, block_size, D // per]``: a head's row of int4 codes is 64 bytes,
+  half a 128-byte line, so with token-major rows each load of a tile touched one line per row
+  whose other half another head's program reads; head-major, a tile of one head is one run
+  (int4 decode attention at batch 32 x 32k on an H200: 0.339 -> 0.325 ms, BENCHMARKS.md,
+  thirteenth session).
 
 The codes of channel ``d`` sit in byte ``d // per`` at bit ``(d % per) * bits`` (``per = 8 //
 bits``). Dequantization is ``code * scale`` (symmetric) or ``code * scale + min`` (asymmetric).
@@ -130,11 +135,11 @@ class KVFormat:
         """Names a byte layout that changed, for keys of blocks that outlive the process (KV
         tiers: a chunk written in another layout must not be found): "vT" values channel-major,
         "h" keys turned (the 8-bit formats), "sH" per-token scales head-major in the block (every
-        format that stores them); "" for the original layout (bf16)."""
+        format that stores them), "cH" codes head-major (KIVI); "" for the original layout (bf16)."""
         if not self.quantized:
             return ""
         if self.kivi:
-            return "sH"
+            return "sH+cH"
         return "vT+h" if self.static else "vT+h+sH"
 
     @property
@@ -193,10 +198,11 @@ class KVFormat:
         bs, kvh, D = self.block_size, self.num_kv_heads, self.head_dim
         dp = D // self.per
         cb = self.code_bytes
-        kc = layer[:, :cb].view(self.code_dtype).view(nb, bs, kvh, dp)
-        if self.kivi:
-            vc = layer[:, cb:2 * cb].view(self.code_dtype).view(nb, bs, kvh, dp)
-        else:  # 8-bit values channel-major: [nb, kvh, D, bs] bytes, seen as [nb, bs, kvh, D]
+        if self.kivi:  # codes head-major: [nb, kvh, bs, dp] bytes, seen as [nb, bs, kvh, dp]
+            kc = layer[:, :cb].view(self.code_dtype).view(nb, kvh, bs, dp).permute(0, 2, 1, 3)
+            vc = layer[:, cb:2 * cb].view(self.code_dtype).view(nb, kvh, bs, dp).permute(0, 2, 1, 3)
+        else:  # 8-bit: keys token-major; values channel-major, [nb, kvh, D, bs] bytes, seen as [nb, bs, kvh, D]
+            kc = layer[:, :cb].view(self.code_dtype).view(nb, bs, kvh, dp)
             vc = layer[:, cb:2 * cb].view(self.code_dtype).view(nb, kvh, D, bs).permute(0, 3, 1, 2)
         ks_end = 2 * cb + 2 * self.k_scale_elems
         ks = layer[:, 2 * cb:ks_end].view(SCALE_DTYPE)

@@ -129,9 +129,10 @@ def test_bad_group_and_dtype_are_config_errors():
 def test_layout_names_and_scale_strides():
     """A layout change must change ``KVFormat.layout``, which keys chunks that outlive the process
     (KV tiers): a chunk of another layout is then not found, never misread. Pinned here with
-    the byte layout it names: per-token scales head-major in the block, a tile's contiguous."""
+    the byte layout it names: per-token scales head-major in the block, a tile's contiguous; KIVI
+    codes head-major too, a head's rows of a block one contiguous run."""
     bs, kvh, D = 16, 4, 32
-    expect = {"auto": "", "fp8": "vT+h+sH", "int8": "vT+h+sH", "int4": "sH", "int2": "sH"}
+    expect = {"auto": "", "fp8": "vT+h+sH", "int8": "vT+h+sH", "int4": "sH+cH", "int2": "sH+cH"}
     for name, lay in expect.items():
         assert kf.KVFormat(name, kvh, D, bs, torch.float32).layout == lay, name
     assert kf.KVFormat("fp8", kvh, D, bs, torch.float32, static=True).layout == "vT+h"  # no per-token scales
@@ -143,6 +144,10 @@ def test_layout_names_and_scale_strides():
         assert vs.stride(1) == f.num_groups * per and vs.stride(2) == bs * f.num_groups * per, name
         if not f.kivi:
             assert v.k_scales.stride(1) == f.num_groups and v.k_scales.stride(2) == bs * f.num_groups
+        dp = D // f.per
+        for c in (v.k_codes, v.v_codes) if f.kivi else (v.k_codes,):  # [nb, bs, kvh, dp]
+            token, head = (dp, bs * dp) if f.kivi else (kvh * dp, dp)
+            assert (c.stride(1), c.stride(2), c.stride(3)) == (token, head, 1), name
 
 
 def test_bytes_per_block_count_scales():
