@@ -11,7 +11,9 @@ one wave of independent, wide, unmasked loads:
 
 One row of x (``M == 1``) accumulates elementwise and reduces once at the end; a few rows
 (``M <= 16``) go through one ``tl.dot`` per tile with x padded to 16 rows (the tensor cores have
-time to spare: the product is memory-bound either way).
+time to spare: the product is memory-bound either way); 17 to 32 rows, with x padded to 32, put
+the tile of W on the product's M side (``W_ON_M``: y^T = W x^T, Hopper's tensor-core product
+takes 64+ rows there).
 
 ``silu_mul=True`` fuses the MLP's activation: W is the merged ``[gate | up]`` matrix [2I, K] and
 the program reads the gate row n and the up row n + I together, so y = silu(g) * u is written
@@ -28,7 +30,7 @@ from kvserve.kernels import dot_precision, pdl_kw
 from kvserve.kernels.pdl import wait_inputs
 from kvserve.kernels.silu_mul import silu_mul_rounded
 
-MAX_ROWS = 16  # rows of x this kernel takes; more go to cuBLAS
+MAX_ROWS = 32  # rows of x this kernel takes; more go to cuBLAS
 
 
 @triton.jit
@@ -48,7 +50,8 @@ def _load_w(w_ptrs, u_ptrs, k0, rk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.conste
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 1):
+                 PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 1,
+                 W_ON_M: tl.constexpr = False):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -90,8 +93,8 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm < M
         x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
-        y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        y_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M] if W_ON_M else [BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M] if W_ON_M else [BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
@@ -104,9 +107,16 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
                 w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
                 if SILU_MUL:
                     wu = tl.load(u_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            y = tl.dot(x, tl.trans(w), y, input_precision=PRECISION)
-            if SILU_MUL:
-                y_u = tl.dot(x, tl.trans(wu), y_u, input_precision=PRECISION)
+            if W_ON_M:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+                if SILU_MUL:
+                    acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                if SILU_MUL:
+                    acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PRECISION)
+        y = tl.trans(acc) if W_ON_M else acc
+        y_u = tl.trans(acc_u) if W_ON_M else acc_u
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)[None, :]
     if SILU_MUL:
@@ -122,11 +132,16 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_bytes: i
     the fused SiLU), 1 KiB row segments per load, two tiles asked for ahead: measured in the
     engine's batch-1 decode (graphs, PDL), 223.4 tok/s against 218.9 with one 2-4 KiB tile ahead
     (three or four ahead: 194-200; isolated timings, which see no kernel to overlap, ranked these
-    the other way). More rows: 16-row dot tiles, 3 stages of (x, W[, W_up]) tiles in shared
-    memory (float32 takes shorter tiles to fit)."""
+    the other way). Up to 16 rows: 16-row dot tiles, 3 stages of (x, W[, W_up]) tiles in shared
+    memory (float32 takes shorter tiles to fit). 17 to 32 rows: 128 rows of W (and 128 of W_up)
+    on the product's M side by 128 columns, 3 stages: the fused gate/up + SiLU at 32 rows took
+    67.2 us against cuBLAS + SiLU's 71.6 (L2 flushed), and the engine's decode step at batch 32
+    (16 layers of the 8B shape) up to 0.10 ms less (BENCHMARKS.md, thirteenth session)."""
     if M == 1:
         return {"BLOCK_N": 2 if silu_mul else 4, "BLOCK_K": 512 * 2 // elem_bytes, "PREFETCH": 2,
                 "num_warps": 4, "num_stages": 1}
+    if M > 16:
+        return {"BLOCK_N": 128, "BLOCK_K": 128 * 2 // elem_bytes, "num_warps": 4, "num_stages": 3, "W_ON_M": True}
     block_k = 128 if N > 65536 else 256
     return {"BLOCK_N": 64, "BLOCK_K": block_k * 2 // elem_bytes // (2 if silu_mul and elem_bytes > 2 else 1),
             "num_warps": 4, "num_stages": 3}
@@ -151,7 +166,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = dict(config or default_config(M, N, K, silu_mul, weight.element_size()))
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     block_k = min(block_k, triton.next_power_of_2(K))
-    block_m = 1 if M == 1 else 16
+    block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
     grid = (triton.cdiv(N, block_n),)
     _gemv_kernel[grid](x, weight, bias if bias is not None else weight, y, M, N, K,
                        x.stride(0), weight.stride(0), y.stride(0), N,

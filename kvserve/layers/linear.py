@@ -13,9 +13,10 @@ from torch import nn
 from kvserve import kernels
 
 # Rows up to which the skinny kernel beats cuBLAS on the H200 (benchmarks/gemv_tune.py): every
-# matrix at one row; the fused gate/up + SiLU and the wide logits matrix up to 16 rows. The
-# benchmarks set them to 0 to measure cuBLAS in the same process.
-GEMV_MAX_ROWS = {"linear": 1, "gate_up_silu": 16, "logits": 16}
+# matrix at one row; the wide logits matrix up to 16 rows; the fused gate/up + SiLU up to 32 (in
+# the engine's decode step at batch 32). The benchmarks set them to 0 to measure cuBLAS in the
+# same process.
+GEMV_MAX_ROWS = {"linear": 1, "gate_up_silu": 32, "logits": 16}
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear") -> bool:

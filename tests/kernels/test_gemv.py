@@ -1,6 +1,7 @@
 """The skinny-GEMM kernel (``kvserve/kernels/gemv.py``) against PyTorch's linear in float64.
 
-Covers one row (the elementwise path) and 2..16 rows (the ``tl.dot`` path), K that the tile
+Covers one row (the elementwise path), 2..16 rows (the ``tl.dot`` path) and 17..32 (the weights
+on the product's M side), K that the tile
 divides and K that it does not, N that the tile does not divide (the last program's rows are
 clamped reads whose results must be dropped), bias, the fused SiLU-and-mul epilogue and strided
 rows of x. The output is poisoned first so an unwritten element fails.
@@ -71,6 +72,18 @@ def test_few_rows(dtype, M, N, K, silu, bias, device):
     _check(M, N, K, dtype, device, seed=M * 7 + N + DTYPE_NO[dtype], silu=silu, bias=bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=_bf16_dot)], ids=str)
+@pytest.mark.parametrize("M", [17, 32])
+@pytest.mark.parametrize("N,K,silu,bias", [(130, 256, False, True), (37, 100, True, False), (70, 96, False, False)])
+def test_rows_on_n(dtype, M, N, K, silu, bias, device):
+    """17 to 32 rows: the tile of W is the product's first operand (y^T = W x^T), x padded to 32
+    rows; tiles smaller than the default so K spans several, N ends in a partial block."""
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "W_ON_M": True}
+    _check(M, N, K, dtype, device, seed=M * 7 + N + DTYPE_NO[dtype], config=cfg, silu=silu, bias=bias)
+    _check(M, N, K, dtype, device, seed=M * 7 + N + 1, silu=silu, bias=bias)  # the default tile
+
+
 def test_strided_rows(device):
     _check(3, 48, 128, torch.float32, device, seed=5, x_stride=160)
     _check(1, 48, 128, torch.float32, device, seed=6, x_stride=160)
@@ -78,14 +91,14 @@ def test_strided_rows(device):
 
 def test_bad_input(device):
     x = torch.randn(17, 64, device=device)
-    with pytest.raises(AssertionError, match="1..16 rows"):
-        gemv(x, torch.randn(32, 64, device=device))
+    with pytest.raises(AssertionError, match="1..32 rows"):
+        gemv(torch.randn(33, 64, device=device), torch.randn(32, 64, device=device))
     with pytest.raises(AssertionError, match="row-major"):
         gemv(x[:2], torch.randn(32, 48, device=device))
 
 
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("M", [1, 4, 16, 17, 32])
 @pytest.mark.parametrize("N,K,silu", [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True),
                                       (128256, 4096, False)])
 def test_real_size(M, N, K, silu):
