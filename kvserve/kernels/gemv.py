@@ -47,6 +47,16 @@ def _load_w(w_ptrs, u_ptrs, k0, rk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
+def _dot_tile(x, w, acc, W_ON_M: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x w^T ([rows, BLOCK_N]), or with ``W_ON_M`` its transpose acc + w x^T."""
+    if W_ON_M:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -107,14 +117,9 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
                 w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
                 if SILU_MUL:
                     wu = tl.load(u_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            if W_ON_M:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-                if SILU_MUL:
-                    acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PRECISION)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-                if SILU_MUL:
-                    acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PRECISION)
+            acc = _dot_tile(x, w, acc, W_ON_M, PRECISION)
+            if SILU_MUL:
+                acc_u = _dot_tile(x, wu, acc_u, W_ON_M, PRECISION)
         y = tl.trans(acc) if W_ON_M else acc
         y_u = tl.trans(acc_u) if W_ON_M else acc_u
     if HAS_BIAS:

@@ -1,10 +1,9 @@
 """The skinny-GEMM kernel (``kvserve/kernels/gemv.py``) against PyTorch's linear in float64.
 
 Covers one row (the elementwise path), 2..16 rows (the ``tl.dot`` path) and 17..32 (the weights
-on the product's M side), K that the tile
-divides and K that it does not, N that the tile does not divide (the last program's rows are
-clamped reads whose results must be dropped), bias, the fused SiLU-and-mul epilogue and strided
-rows of x. The output is poisoned first so an unwritten element fails.
+on the product's M side), K that the tile divides and K that it does not, N that the tile does not
+divide (the last program's rows are clamped reads whose results must be dropped), bias, the fused
+SiLU-and-mul epilogue and strided rows of x. The output is poisoned first so an unwritten element fails.
 """
 from __future__ import annotations
 
