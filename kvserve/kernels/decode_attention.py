@@ -292,38 +292,24 @@ def split_per_sm(fmt) -> int:
     """Programs per SM to aim for (``num_splits``) with a cache of format ``fmt`` (a KVFormat;
     None: uncompressed). 8-bit caches: 16, their small programs (2 warps) hide the dequantizing
     loads' latency by numbers (fp8 at batch 32 x 32k on an H200: 0.65 ms at 16, 0.76 at 8, 0.84
-    at 2); KIVI int4 through ``kivi_decode`` (one-warp programs): ``kivi_decode.PER_SM``;
-    otherwise 2."""
-    if fmt is None or not fmt.quantized:
+    at 2); otherwise 2. (``kivi_decode`` cuts its splits itself, from the lengths.)"""
+    if fmt is None or not fmt.quantized or fmt.kivi:
         return 2
-    if fmt.kivi:
-        from kvserve.kernels import kivi_decode
-        return kivi_decode.PER_SM if _kivi_gluon(fmt) else 2
     return 16
 
 
-def _kivi_gluon(fmt) -> bool:
-    """Whether a cache of format ``fmt`` is read by ``kivi_decode`` on CUDA."""
-    from kvserve.kernels import kivi_decode
-    return fmt is not None and fmt.kivi and KIVI_GLUON and kivi_decode.fmt_supported(fmt)
-
-
-def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2,
-               at_most: bool = False) -> int:
+def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
     """Enough programs to fill the GPU ``per_sm`` times over (``split_per_sm``); a function of the
-    batch only (graph-safe). ``at_most``: no more programs than that (rounded down), for a kernel
-    whose ``per_sm`` is a whole number of waves of the programs an SM holds at once, so the last
-    wave is as full as the split count allows (a part wave runs as long as a whole one)."""
-    n = per_sm * _sm_count(device) / max(1, batch * num_kv_heads)
-    return max(1, min(32, math.floor(n) if at_most else math.ceil(n)))
+    batch only (graph-safe)."""
+    return max(1, min(32, math.ceil(per_sm * _sm_count(device) / max(1, batch * num_kv_heads))))
 
 
 def decode_splits(fmt, batch: int, num_kv_heads: int, device: torch.device) -> int:
     """The splits the engine launches for a decode batch over a cache of format ``fmt`` (a
-    KVFormat; None: uncompressed): ``num_splits`` at ``split_per_sm(fmt)``, rounded down for
-    ``kivi_decode`` (``at_most``). By format only: a layer that ``kivi_decode.supported`` turns
-    away at run time (a GQA group over 8) takes the Triton kernel at these splits."""
-    return num_splits(batch, num_kv_heads, device, split_per_sm(fmt), at_most=_kivi_gluon(fmt))
+    KVFormat; None: uncompressed): ``num_splits`` at ``split_per_sm(fmt)``. The KIVI int4 layers
+    that ``kivi_decode`` takes ignore them (its splits follow the lengths, ``kivi_decode._work``);
+    one it turns away at run time (a GQA group over 8) takes the Triton kernel at these."""
+    return num_splits(batch, num_kv_heads, device, split_per_sm(fmt))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -370,7 +356,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     if views is not None and KIVI_GLUON and rope is None and block_n is None and num_warps is None:
         from kvserve.kernels import kivi_decode
         if kivi_decode.supported(views, q):
-            return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, splits, out)
+            return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, out)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group))
     fast = fast_path(fmt_kw, D)

@@ -33,8 +33,11 @@ A tile's addresses are one base per thread plus immediates (the cache strides ar
 constants, ``cache_strides``, and ``_hint`` keeps the loads 16 and 8 bytes wide); sealed tiles
 are whole, so unmasked; the softmax's three running sums stay per lane (``_lane_sum``) until the
 end. 894 SASS instructions per tile and warp (1,234 before these). The newest keys of a sequence
-(its unsealed block) come from the full-precision residual, after the loop. Splits as in
-``decode_attention``, at most two waves (``PER_SM``); their merge is ``_merge_group``, in a small
+(its unsealed block) come from the full-precision residual, after the loop.
+
+**The splits** follow the lengths (``_work``): one wave of programs (``WAVE`` per SM), the
+batch's keys cut into splits of about equal length, so a sequence gets splits in proportion to
+its length and no program waits on a longer one. Their merge is ``_merge_group``, in a small
 second kernel.
 """
 from __future__ import annotations
@@ -50,7 +53,6 @@ from kvserve import kernels
 from kvserve.kernels.decode_attention import (
     _LOG2E,
     _merge_group,
-    _split_range,
     merge_splits,
 )
 
@@ -60,9 +62,13 @@ OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or O
 # Tiles ahead whose block is asked into L2 (sm90's bulk prefetch, each program its share of the
 # block): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3: 0.414, 4: 0.467, 6: 0.54 (L2 thrashes)
 L2_AHEAD = 2
-PER_SM = 16  # programs per SM (``decode_attention.split_per_sm``): two waves of the 8 one-warp programs of
-# 236 registers an SM holds, never more (rounded down: batch 32 x 32k: 4 splits 0.333 ms, 8: 0.337,
-# 12: 0.343, 17: 0.361; 5 or 10, a small part wave: 0.463, 0.380)
+# The grid is one wave: programs per SM that it fills (the one-warp programs of ~240 registers an
+# SM holds at once), with the sequences' keys cut into splits of about equal length (``_work``).
+# Against two waves of a fixed split count per batch size (H200): 32 x 32k 0.322-0.328 ms against
+# 0.325-0.328; 32 sequences of 1k-32k 0.202-0.215 against 0.260-0.262; 64 of 1k-16k 0.191-0.192
+# against 0.246-0.248
+WAVE = 8
+MAX_SPLITS = 32  # splits of one sequence at most (the merge's)
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
@@ -140,7 +146,6 @@ setp.gt.and.s32 p, $3, 0, p;
 mov.b32 $0, 0;
 }""")
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-
 
 @gluon.jit
 def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
@@ -278,34 +283,72 @@ def _lane_sum(x):
 
 
 @gluon.jit
-def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP,
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _work(SEQ_LENS, B, w, NW, MAXS: gl.constexpr, BPAD: gl.constexpr):
+    """Work item ``w`` of the ``NW`` (>= B) of a KV head: which sequence, which of its splits, how
+    many splits it has and the first work item of its splits. Each sequence's 64-key tiles are cut
+    into splits of at most C tiles, C the smallest for which all the sequences' splits (at least
+    one each, at most ``MAXS``) fit in ``NW``: a binary search over C that every program does on
+    the whole batch's lengths (a few hundred instructions; none when NW == B). Splits of equal
+    length over the whole batch, in one wave: a long sequence among short ones gets more of them,
+    and no program of the wave waits on a longer one. Returns (b, split, n_splits, first, per):
+    ``per`` tiles per split; b >= B for a work item beyond the batch's."""
+    L: gl.constexpr = gl.BlockedLayout([BPAD // 32], [32], [1], [0])
+    idx = gl.arange(0, BPAD, layout=L)
+    valid = idx < B
+    tiles = gl.cdiv(gl.load(SEQ_LENS + idx, mask=valid, other=0), BLOCK_N)
+    hi = gl.maximum(gl.max(tiles, 0), 1)  # (one split each: B <= NW)
+    lo = gl.where(NW > B, 1, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        n = gl.sum(gl.where(valid, gl.minimum(gl.maximum(gl.cdiv(tiles, mid), 1), MAXS), 0), 0)
+        fits = (n <= NW).to(gl.int32)
+        hi = fits * mid + (1 - fits) * hi
+        lo = fits * lo + (1 - fits) * (mid + 1)
+    per = gl.maximum(gl.cdiv(tiles, gl.minimum(gl.maximum(gl.cdiv(tiles, lo), 1), MAXS)), 1)
+    n_splits = gl.where(valid, gl.maximum(gl.cdiv(tiles, per), 1), 0)  # (an empty sequence: one, of zeros)
+    ends = gl.associative_scan(n_splits, 0, _add)
+    b = gl.sum((ends <= w).to(gl.int32), 0)
+    pick = idx == b
+    first = gl.sum(gl.where(pick, ends - n_splits, 0), 0)
+    return (b, w - first, gl.sum(gl.where(pick, n_splits, 0), 0), first, gl.sum(gl.where(pick, per, 0), 0))
+
+
+@gluon.jit
+def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, WORK, B, NW,
                          stride_qb, stride_qh, s_kcb: gl.constexpr, s_kct: gl.constexpr, s_kch: gl.constexpr,
                          s_vcb: gl.constexpr, s_vct: gl.constexpr, s_vch: gl.constexpr, s_ksb: gl.constexpr,
                          s_ksh: gl.constexpr, s_vsb: gl.constexpr, s_vst: gl.constexpr, s_vsh: gl.constexpr,
                          s_rt, s_rh, stride_bt,
-                         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                         scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                         L2_AHEAD: gl.constexpr):
+                         stride_ob, stride_oh, stride_ps, stride_ph, stride_lh,
+                         scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, MAXS: gl.constexpr,
+                         BPAD: gl.constexpr, L2_AHEAD: gl.constexpr):
     """Q: [B, H, 128]; KC, VC: int32 words [nb, PAGE, kvh, 16] (head-major in memory); KS: int32
     (scale, min) words [nb, kvh, 128]; VS: [nb, PAGE, kvh] words; RES: [slots, PAGE, kvh, 128] (the model's dtype).
-    Grid (kvh, B, NUM_SPLITS), one warp."""
+    Grid (kvh, NW), one warp: work item w of ``_work``. A split's partial output goes to OP [NW, H,
+    128] at row w, its log-sum-exp to LSEP [H, NW]; WORK [B, 2] gets each split sequence's (first
+    work item, splits) for the merge."""
     # a sequence's KV heads are neighbours in the grid, so they run together and read the block
     # each asked its share of into L2 (with token-major codes, whose rows of two heads shared a
     # line: 0.463 -> 0.437 ms; the codes are head-major since)
     kvh = gl.program_id(0)
-    b = gl.program_id(1)
-    split = gl.program_id(2)
+    w = gl.program_id(1)
+    b, split, active, first, per = _work(SEQ_LENS, B, w, NW, MAXS, BPAD)
+    if b >= B:
+        return  # (fewer splits than work items)
     seq_len = gl.load(SEQ_LENS + b)
-    n_chunks = gl.cdiv(seq_len, BLOCK_N)
-    per = gl.maximum(gl.cdiv(n_chunks, NUM_SPLITS), 1)
-    active = gl.cdiv(n_chunks, per)
-    if split >= gl.maximum(active, 1):
-        return  # an empty split (split 0 of an empty sequence goes on and writes zeros)
     start = split * per * BLOCK_N
     end = gl.minimum(start + per * BLOCK_N, seq_len)
     full_end = (seq_len // PAGE) * PAGE  # sealed keys end here; later ones are in the residual
     bt_row = BT + b.to(gl.int64) * stride_bt
     res_row = RES + gl.load(RSLOTS + b).to(gl.int64) * PAGE * s_rt + kvh * s_rh
+    if (kvh + split == 0) & (NW > B):  # for the merge (NW == B: no sequence is split)
+        two = gl.arange(0, 2, layout=_LANE)
+        gl.store(WORK + 2 * b + two, gl.where(two == 0, first, active), mask=two < 2)
 
     # q^T as the first product's B operand [128 columns, 8 queries], channels in the columns'
     # order
@@ -384,23 +427,22 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         gl.store(O + b.to(gl.int64) * stride_ob + gl.expand_dims(heads * stride_oh, 0) + ochan,
                  out.to(O.dtype.element_ty), mask=omask)
     else:
-        gl.store(OP + b.to(gl.int64) * stride_pb + gl.expand_dims(heads * stride_ph, 0) + split * stride_ps + ochan,
-                 out, mask=omask)
+        gl.store(OP + w * stride_ps + gl.expand_dims(heads * stride_ph, 0) + ochan, out, mask=omask)
         lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        gl.store(LSEP + b.to(gl.int64) * stride_lb + heads * stride_lh + split, lse, mask=on < GROUP)
+        gl.store(LSEP + heads * stride_lh + w, lse, mask=on < GROUP)
 
 
 @triton.jit
-def _merge_kernel(SEQ_LENS, OP, LSEP, O, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BN: tl.constexpr):
+def _merge_kernel(WORK, OP, LSEP, O, stride_ps, stride_ph, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr,
+                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr):
     """The splits' merge (``decode_attention._merge_group``) for one (sequence, KV head) whose
-    keys took more than one split; grid (B, kvh)."""
+    keys took more than one split (``WORK``: its first work item and splits); grid (B, kvh)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    _, active, _, _ = _split_range(SEQ_LENS, b, 0, BN, NUM_SPLITS)
-    if active > 1:
-        _merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
+    first = tl.load(WORK + 2 * b)
+    n = tl.load(WORK + 2 * b + 1)
+    if n > 1:
+        _merge_group(OP + first * stride_ps, LSEP + first, O, b.to(tl.int64), kvh, n, 0, stride_ph, stride_ps, 0,
                      stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, HEAD_DIM, MERGE_S)
 
 
@@ -437,10 +479,18 @@ def cache_strides(views) -> tuple[int, ...]:
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), vs.stride(2))
 
 
+def work_items(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = MAX_SPLITS) -> int:
+    """Work items per KV head (the grid's second axis): a wave of ``WAVE`` programs per SM, at
+    least one per sequence, at most ``max_splits`` per sequence."""
+    from kvserve.kernels.decode_attention import _sm_count
+    return max(batch, min(batch * max_splits, WAVE * _sm_count(device) // num_kv_heads))
+
+
 def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 res_slots: torch.Tensor, scale: float, splits: int, out: torch.Tensor) -> torch.Tensor:
+                 res_slots: torch.Tensor, scale: float, out: torch.Tensor, max_splits: int = MAX_SPLITS) -> torch.Tensor:
     """Decode attention over a KIVI int4 layer (``supported``); arguments as
-    ``paged_decode_attention``'s. Returns ``out``."""
+    ``paged_decode_attention``'s; a sequence's keys in at most ``max_splits`` splits, the splits
+    of equal length over the batch (``_work``). Returns ``out``."""
     B, H, D = q.shape
     f = views.fmt
     KVH = f.num_kv_heads
@@ -448,21 +498,21 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
     kc, vc, ks, vs = _words(views)
     res = views.residual
     assert q.stride(-1) == 1 and res.stride(-1) == 1 and kc.stride(-1) == 1 and ks.stride(2) == 1
-    if splits > 1:
-        op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-        lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    else:
-        op, lsep = out, seq_lens  # unused placeholders
-    pstr = (op.stride(0), op.stride(1), op.stride(2), lsep.stride(0), lsep.stride(1)) if splits > 1 else (0,) * 5
-    _kivi4_decode_kernel[(KVH, B, splits)](
-        q, kc, vc, ks, vs, res, block_tables, seq_lens, res_slots, out, op, lsep,
+    assert 1 <= max_splits <= MAX_SPLITS
+    nw = work_items(B, KVH, q.device, max_splits)
+    split = nw > B
+    op = torch.empty(nw, H, D, dtype=torch.float32, device=q.device) if split else out  # (else unused)
+    lsep = torch.empty(H, nw, dtype=torch.float32, device=q.device) if split else out
+    work = torch.empty(B, 2, dtype=torch.int32, device=q.device) if split else seq_lens
+    _kivi4_decode_kernel[(KVH, nw)](
+        q, kc, vc, ks, vs, res, block_tables, seq_lens, res_slots, out, op, lsep, work, B, nw,
         q.stride(0), q.stride(1), *cache_strides(views), res.stride(1), res.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), *pstr, scale * _LOG2E,
-        GROUP=group, PAGE=f.block_size, NUM_SPLITS=splits, num_warps=1,
+        block_tables.stride(0), out.stride(0), out.stride(1), H * D, D, nw, scale * _LOG2E,
+        GROUP=group, PAGE=f.block_size, MAXS=max_splits, BPAD=max(32, triton.next_power_of_2(B)), num_warps=1,
         L2_AHEAD=L2_AHEAD if kc.stride(0) % 4 == 0 and kernels._capability(q.device.index or 0) >= 9 else 0)
-    if splits > 1:
+    if split:
         heads, merge_s = merge_splits(group, D, 4)
-        _merge_kernel[(B, KVH)](seq_lens, op, lsep, out, *pstr, out.stride(0), out.stride(1), GROUP=group,
-                                HEADS=heads, HEAD_DIM=D, MERGE_S=min(merge_s, triton.next_power_of_2(splits)),
-                                NUM_SPLITS=splits, BN=BLOCK_N.value, num_warps=4)
+        _merge_kernel[(B, KVH)](work, op, lsep, out, H * D, D, nw, out.stride(0), out.stride(1), GROUP=group,
+                                HEADS=heads, HEAD_DIM=D, MERGE_S=min(merge_s, triton.next_power_of_2(max_splits)),
+                                num_warps=4)
     return out

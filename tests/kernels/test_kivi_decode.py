@@ -28,7 +28,8 @@ from kvserve.layers import kv_format as kf
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("H,KVH,bs,splits", [(32, 8, 64, 1), (32, 8, 64, 5), (8, 8, 128, 3), (16, 2, 64, 16)])
+@pytest.mark.parametrize("H,KVH,bs,splits", [(32, 8, 64, 1), (32, 8, 64, 5), (8, 8, 128, 3), (16, 2, 64, 16),
+                                             (32, 8, 64, 32)])
 def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits, monkeypatch):
     gen = torch.Generator().manual_seed(7 + H + bs + splits)
     D = 128
@@ -42,7 +43,7 @@ def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits, monkeypatch):
     assert kivi_decode.supported(views, q)
     seq_lens = torch.tensor([c + n for c, n in batch], dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, splits, out)
+    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=splits)
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     # fp16 products: q times the channel scales and p times the value scales round to fp16
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
@@ -51,6 +52,31 @@ def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits, monkeypatch):
     monkeypatch.setattr(decode_attention, "KIVI_GLUON", False)
     other = paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, res_slots=rs)
     torch.testing.assert_close(out.double(), other.double(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("max_splits", [1, 3, 32])
+def test_kivi4_decode_many_sequences_shared_out(max_splits):
+    """40 sequences of mixed lengths (empty ones among them), in at most 1, 3 or 32 splits each,
+    as ``_work`` cuts them: against float64 attention, the empty ones zeros."""
+    gen = torch.Generator().manual_seed(11 + max_splits)
+    H, KVH, D, bs = 32, 8, 128, 64
+    f = kf.KVFormat("int4", KVH, D, bs, torch.bfloat16)
+    rng = torch.Generator().manual_seed(max_splits)
+    lens = [int(x) for x in torch.randint(0, 2500, (40,), generator=rng)]
+    lens[3] = lens[17] = 0
+    lens[5] = 64
+    batch = [(n - 1, 1) if n else (0, 0) for n in lens]
+    nb = sum(math.ceil((c + n) / bs) for c, n in batch) + 3
+    views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb)
+    q = torch.randn(len(batch), H, D, generator=gen).to("cuda", torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=max_splits)
+    ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
+    some = [i for i, n in enumerate(lens) if n]
+    assert torch.equal(out[[3, 17]], torch.zeros_like(out[[3, 17]]))
+    torch.testing.assert_close(out[some].double(), ref[some], rtol=1e-2, atol=1e-2)
 
 
 @needs_cuda
@@ -64,7 +90,7 @@ def test_kivi4_decode_zero_length_and_padding():
     q = torch.randn(len(batch), H, D, generator=gen).to("cuda", torch.bfloat16)
     seq_lens = torch.tensor([301, 0], dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, 4, out)
+    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=4)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     torch.testing.assert_close(out[0].double(), ref[0], rtol=1e-2, atol=1e-2)
@@ -77,17 +103,17 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels.kivi_decode import _kivi4_decode_kernel as K
 names = K.arg_names
 ptr = dict(Q="*bf16", KC="*i32", VC="*i32", KS="*i32", VS="*i32", RES="*bf16", BT="*i32", SEQ_LENS="*i32",
-           RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32")
+           RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32", WORK="*i32")
 import torch
 from kvserve.kernels.kivi_decode import cache_strides
 from kvserve.layers import kv_format as kf
 f = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
 views = f.views(torch.zeros(2, f.block_bytes, dtype=torch.uint8), torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16))
-const = dict(GROUP=4, PAGE=64, NUM_SPLITS=8, L2_AHEAD=2)
+const = dict(GROUP=4, PAGE=64, MAXS=32, BPAD=32, L2_AHEAD=2)
 const.update(zip(["s_kcb", "s_kct", "s_kch", "s_vcb", "s_vct", "s_vch", "s_ksb", "s_ksh", "s_vsb", "s_vst", "s_vsh"],
                  cache_strides(views)))
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
-div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const and n != "scale_log2"}
+div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptr}
 src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 ptx = k.asm["ptx"]
@@ -111,23 +137,72 @@ def test_kivi4_decode_compiles_for_sm90_without_shared_memory():
     assert mma > 0
 
 
-def test_kivi4_splits_never_exceed_two_waves(monkeypatch):
-    """The engine launches ``kivi_decode`` with at most ``PER_SM`` one-warp programs per SM, rounded
-    down (a small part wave runs as long as a whole one: at batch 32 x 32k on an H200, 5 splits
-    took 0.463 ms against 0.333 for 4 and 0.337 for 8); other formats keep rounding up."""
+def test_kivi4_work_items_are_one_wave(monkeypatch):
+    """The grid is one wave of ``WAVE`` one-warp programs per SM (a part wave runs as long as a
+    whole one), at least one work item per sequence and at most ``max_splits``."""
     from kvserve.kernels import decode_attention as da
     monkeypatch.setattr(da, "_sm_count", lambda device: 132)
     dev = torch.device("cuda")
-    f = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
-    for batch in (1, 3, 8, 16, 32, 33, 64, 100, 256, 512):
-        splits = da.decode_splits(f, batch, 8, dev)
-        programs = batch * 8 * splits
-        assert 1 <= splits <= 32
-        assert programs <= kivi_decode.PER_SM * 132 or splits == 1, (batch, splits)
-        assert splits == 32 or batch * 8 * (splits + 1) > kivi_decode.PER_SM * 132, (batch, splits)
-    assert da.decode_splits(f, 32, 8, dev) == 8
-    bf16 = kf.KVFormat("auto", 8, 128, 16, torch.bfloat16)
-    assert da.decode_splits(bf16, 32, 8, dev) == da.num_splits(32, 8, dev, 2) == 2  # ceil(2 * 132 / 256)
-    assert da.decode_splits(None, 32, 8, dev) == 2
-    fp8 = kf.KVFormat("fp8", 8, 128, kf.default_block_size("fp8"), torch.bfloat16)
-    assert da.decode_splits(fp8, 32, 8, dev) == 9  # ceil(16 * 132 / 256)
+    for kvh in (1, 2, 8):
+        for batch in (1, 3, 8, 16, 32, 33, 64, 100, 131, 132, 256, 512):
+            nw = kivi_decode.work_items(batch, kvh, dev)
+            assert batch <= nw <= batch * kivi_decode.MAX_SPLITS
+            assert nw * kvh <= kivi_decode.WAVE * 132 or nw == batch, (kvh, batch, nw)
+            assert nw == batch * kivi_decode.MAX_SPLITS or (nw + 1) * kvh > kivi_decode.WAVE * 132 or nw == batch
+    assert kivi_decode.work_items(32, 8, dev) == 132
+    assert kivi_decode.work_items(2, 8, dev, max_splits=4) == 8
+
+
+def _plan(lens: list[int], nw: int, max_splits: int) -> list[tuple[int, ...]]:
+    """``kivi_decode._work`` for each of ``nw`` work items, run on the GPU: (b, split, splits,
+    first, tiles per split)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def plan_kernel(SEQ_LENS, OUT, B, NW, MAXS: gl.constexpr, BPAD: gl.constexpr):
+        w = gl.program_id(0)
+        b, split, n, first, per = kivi_decode._work(SEQ_LENS, B, w, NW, MAXS, BPAD)
+        i = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        v = gl.where(i == 0, b, gl.where(i == 1, split, gl.where(i == 2, n, gl.where(i == 3, first, per))))
+        gl.store(OUT + w * 5 + i, v, mask=i < 5)
+
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = torch.full((nw, 5), -1, dtype=torch.int32, device="cuda")
+    plan_kernel[(nw,)](seq_lens, out, len(lens), nw, MAXS=max_splits,
+                       BPAD=max(32, 1 << (len(lens) - 1).bit_length()), num_warps=1)
+    return [tuple(r) for r in out.tolist()]
+
+
+@needs_cuda
+@pytest.mark.parametrize("lens,nw,max_splits", [
+    ([32769] * 32, 132, 32),  # uniform: 4 splits each, 128 of the 132 programs
+    ([32769] + [1000] * 31, 132, 32),  # a long one among short ones gets the splits
+    ([0, 1, 64, 65, 300, 70000, 5, 128], 40, 32),  # empty (graph padding), tiny, exact blocks
+    ([100000, 2000], 64, 8),  # the cap on splits of one sequence
+    (list(range(0, 40000, 157)), 300, 32),  # 255 sequences, every length class
+])
+def test_kivi4_work_split_the_batch_evenly(lens, nw, max_splits):
+    """``_work``'s plan covers each sequence's 64-key tiles once, in 1 to ``max_splits``
+    consecutive work items of ``nw``, none empty but an empty sequence's one; and its splits are
+    no longer than the shortest uniform split length C whose splits fit in ``nw`` (found here by
+    trying every C), but where a sequence hit the cap; the work items past them have no sequence."""
+    plan = _plan(lens, nw, max_splits)
+    B = len(lens)
+    tiles = [math.ceil(n / 64) for n in lens]
+
+    def count(c):
+        return sum(min(max(math.ceil(t / c), 1), max_splits) for t in tiles)
+    best = next(c for c in range(1, max(tiles) + 1) if count(c) <= nw)
+    w = 0
+    for b in range(B):
+        n, first, per = plan[w][2], plan[w][3], plan[w][4]
+        assert first == w and 1 <= n <= max_splits
+        assert [p[:2] for p in plan[w:w + n]] == [(b, s) for s in range(n)]
+        assert all(p[2:] == (n, first, per) for p in plan[w:w + n])
+        assert (n - 1) * per < tiles[b] <= n * per or tiles[b] == 0 == n - 1
+        assert per <= best or math.ceil(tiles[b] / best) > max_splits, (b, per, best, n)  # (or capped)
+        w += n
+    assert w <= nw and all(p[0] >= B for p in plan[w:])
+    if len(set(lens)) == 1:
+        assert w == 4 * B and plan[0][2] == 4
