@@ -53,6 +53,7 @@ from kvserve import kernels
 from kvserve.kernels.decode_attention import (
     _LOG2E,
     _merge_group,
+    _sm_count,
     merge_splits,
 )
 
@@ -146,6 +147,7 @@ setp.gt.and.s32 p, $3, 0, p;
 mov.b32 $0, 0;
 }""")
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+
 
 @gluon.jit
 def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
@@ -482,7 +484,6 @@ def cache_strides(views) -> tuple[int, ...]:
 def work_items(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = MAX_SPLITS) -> int:
     """Work items per KV head (the grid's second axis): a wave of ``WAVE`` programs per SM, at
     least one per sequence, at most ``max_splits`` per sequence."""
-    from kvserve.kernels.decode_attention import _sm_count
     return max(batch, min(batch * max_splits, WAVE * _sm_count(device) // num_kv_heads))
 
 

@@ -140,8 +140,7 @@ def test_kivi4_decode_compiles_for_sm90_without_shared_memory():
 def test_kivi4_work_items_are_one_wave(monkeypatch):
     """The grid is one wave of ``WAVE`` one-warp programs per SM (a part wave runs as long as a
     whole one), at least one work item per sequence and at most ``max_splits``."""
-    from kvserve.kernels import decode_attention as da
-    monkeypatch.setattr(da, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kivi_decode, "_sm_count", lambda device: 132)
     dev = torch.device("cuda")
     for kvh in (1, 2, 8):
         for batch in (1, 3, 8, 16, 32, 33, 64, 100, 131, 132, 256, 512):
@@ -151,6 +150,23 @@ def test_kivi4_work_items_are_one_wave(monkeypatch):
             assert nw == batch * kivi_decode.MAX_SPLITS or (nw + 1) * kvh > kivi_decode.WAVE * 132 or nw == batch
     assert kivi_decode.work_items(32, 8, dev) == 132
     assert kivi_decode.work_items(2, 8, dev, max_splits=4) == 8
+
+
+def test_decode_splits_of_the_other_formats(monkeypatch):
+    """What the engine launches for the Triton decode kernel: bf16 2 programs per SM, 8-bit 16,
+    KIVI 2 (a layer ``kivi_decode`` turns away takes the Triton kernel at these), rounded up."""
+    from kvserve.kernels import decode_attention as da
+    monkeypatch.setattr(da, "_sm_count", lambda device: 132)
+    dev = torch.device("cuda")
+    bf16 = kf.KVFormat("auto", 8, 128, 16, torch.bfloat16)
+    assert da.decode_splits(bf16, 32, 8, dev) == da.num_splits(32, 8, dev, 2) == 2  # ceil(2 * 132 / 256)
+    assert da.decode_splits(None, 32, 8, dev) == 2
+    fp8 = kf.KVFormat("fp8", 8, 128, kf.default_block_size("fp8"), torch.bfloat16)
+    assert da.decode_splits(fp8, 32, 8, dev) == 9  # ceil(16 * 132 / 256)
+    int4 = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
+    assert da.decode_splits(int4, 32, 8, dev) == 2
+    for batch in (1, 3, 33, 512):
+        assert 1 <= da.decode_splits(int4, batch, 8, dev) <= 32
 
 
 def _plan(lens: list[int], nw: int, max_splits: int) -> list[tuple[int, ...]]:
