@@ -67,6 +67,39 @@ def test_cuda_parity_float32(tmp_path, kind, fused, monkeypatch):
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
+def test_kivi_int4_decode_fused_write_same_tokens(tmp_path, monkeypatch):
+    """int4 KV in a bfloat16 model with heads of 128 (the Gluon decode kernel's): greedy decode with
+    the RoPE + KV write inside the decode kernel gives the same tokens as with the separate
+    quantizing write kernel (they write the same bytes: ``test_kivi_decode``), through CUDA graphs,
+    over decode steps that seal blocks; every block is freed after."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvserve.layers import triton_attention
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=1024, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                      rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.05 if p.dim() > 1 else 0.3)
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 2000, (n,), generator=gen).tolist() for n in (1, 63, 64, 130, 700)]
+    got = {}
+    for fused in (False, True):
+        monkeypatch.setattr(triton_attention, "FUSED_ROPE_DECODE", fused)
+        llm = LLM(str(tmp_path / "m"), device="cuda", dtype="bfloat16", show_progress=False, kv_cache_memory="1GiB",
+                  kv_cache_dtype="int4", block_size=64, max_num_batched_tokens=512)
+        assert llm.engine.runner.graphs is not None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=80, temperature=0, ignore_eos=True), use_tqdm=False)
+        got[fused] = [o.outputs[0].token_ids for o in outs]
+        assert llm.engine.kv.pool.num_used_blocks == 0
+        del llm
+    assert got[True] == got[False]
+
+
 def test_cuda_kv_sized_from_free_memory():
     llm = LLM("dummy:smollm2-135m", device="cuda", show_progress=False, gpu_memory_utilization=0.5)
     free, total = torch.cuda.mem_get_info()

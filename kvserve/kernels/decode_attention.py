@@ -326,16 +326,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            seq_lens: torch.Tensor, scale: float, splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None,
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, maxnreg: int | None = None, rope: tuple | None = None) -> torch.Tensor:
+                           num_stages: int = 2, maxnreg: int | None = None, rope: tuple | None = None,
+                           res_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
     included); ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg`` (registers per thread):
-    the launch, None for the measured defaults. ``rope`` (uncompressed caches only): (positions
+    the launch, None for the measured defaults. ``rope`` (where ``fuses_rope``): (positions
     [B], slot_mapping [B], k [B, KVH, D], v [B, KVH, D], cos, sin) of this step's tokens, unrotated:
     ``rope_kv_write``'s work done in this kernel (q rotated in registers, left as it is in memory;
     k rotated and k, v stored at each slot >= 0 by the split that reads that key, which must be
-    the sequence's last, ``seq_lens - 1``). Returns [B, H, D]."""
+    the sequence's last, ``seq_lens - 1``); a KIVI cache also takes ``res_mapping`` [B] (the key's
+    place in the residual, ``rope_kv_write_quant``'s) and there seals the block the key fills
+    where ``kivi_decode.seals`` (``seal_keys`` runs before otherwise). Returns [B, H, D]."""
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -353,10 +356,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         out = torch.empty_like(q)
     if B == 0:
         return out
-    if views is not None and KIVI_GLUON and rope is None and block_n is None and num_warps is None:
+    if views is not None and _gluon_kivi(views, q) and block_n is None and num_warps is None:
         from kvserve.kernels import kivi_decode
-        if kivi_decode.supported(views, q):
-            return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, out)
+        if rope is not None:  # (the positions are seq_lens - 1)
+            _, slots, k_new, v_new, cos, sin = rope
+            rope = (slots, res_mapping, k_new, v_new, cos, sin)
+        return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, out, rope=rope)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group))
     fast = fast_path(fmt_kw, D)
@@ -409,6 +414,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
         **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q), **(ROPE_LAUNCH if rope is not None else {}))
     return out
+
+
+def _gluon_kivi(views, q: torch.Tensor) -> bool:
+    """Whether a compressed layer's decode attention goes to ``kivi_decode`` (KIVI int4, heads of
+    128, CUDA: ``kivi_decode.supported``)."""
+    if not (KIVI_GLUON and views.fmt.kivi):
+        return False
+    from kvserve.kernels import kivi_decode
+    return kivi_decode.supported(views, q)
+
+
+def fuses_rope(k_cache, q: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` takes ``rope=`` (does the step's RoPE + KV write itself)
+    for this layer's cache and query: an uncompressed cache, or a KIVI int4 layer of
+    ``kivi_decode``'s."""
+    return isinstance(k_cache, torch.Tensor) or _gluon_kivi(k_cache, q)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
+from kvserve.kernels import kivi_decode
+from kvserve.kernels.decode_attention import decode_splits, fuses_rope, paged_decode_attention
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention
 from kvserve.kernels.rope_kv_write import rope_kv_write
@@ -22,11 +23,13 @@ except ImportError:  # pragma: no cover - old torch
     sdpa_kernel = None
 
 
-# Decode steps with an uncompressed cache: the decode attention kernel does the RoPE + KV write
-# itself (``paged_decode_attention(rope=...)``), one kernel less per layer, and reads the cache
-# before waiting on the QKV product. Batch-1 decode on the H200 (Llama-3-8B shape, graphs, PDL):
-# 232.0 -> 238.5 tok/s at a 512-token prompt, 213.0 -> 218.0 at 7,936 (BENCHMARKS.md, ninth
-# session). False: the separate ``rope_kv_write`` kernel (the benchmarks' A/B).
+# Decode steps with an uncompressed cache or a KIVI int4 one (``fuses_rope``): the decode
+# attention kernel does the RoPE + KV write itself (``paged_decode_attention(rope=...)``), one
+# kernel less per layer (KIVI with 64-token blocks: two, the key seal too); the uncompressed one
+# reads the cache before waiting on the QKV product.
+# Batch-1 decode on the H200 (Llama-3-8B shape, graphs, PDL): 232.0 -> 238.5 tok/s at a 512-token
+# prompt, 213.0 -> 218.0 at 7,936 (BENCHMARKS.md, ninth session). False: the separate
+# ``rope_kv_write`` / ``rope_kv_write_quant`` kernel (the benchmarks' A/B).
 FUSED_ROPE_DECODE = True
 
 
@@ -49,14 +52,15 @@ class TritonPagedAttention:
         B = len(meta.seq_lens)
         plain_prompt = B == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1 if meta.seq_lens else False
         compressed = isinstance(k_cache, KVViews)
-        fused = FUSED_ROPE_DECODE and meta.max_query_len == 1 and not compressed
+        fused = FUSED_ROPE_DECODE and meta.max_query_len == 1 and fuses_rope(k_cache, q)
         if compressed:  # quantize on write (KIVI: seal full key blocks first)
             kvh = k_cache.fmt.num_kv_heads
-            if k_cache.fmt.kivi:
+            if k_cache.fmt.kivi and not (fused and kivi_decode.seals(k_cache.fmt)):
                 seal_keys(k, rope.cos, rope.sin, meta.cu_q, meta.seq_lens_t, meta.block_tables, meta.res_slots_t,
                           k_cache, meta.max_seal)
-            rope_kv_write_quant(q, k, v, positions, meta.slot_mapping, meta.res_mapping, rope.cos, rope.sin,
-                                k_cache, rotate_k_inplace=plain_prompt)
+            if not fused:
+                rope_kv_write_quant(q, k, v, positions, meta.slot_mapping, meta.res_mapping, rope.cos, rope.sin,
+                                    k_cache, rotate_k_inplace=plain_prompt)
         else:
             kvh = k_cache.shape[2]
             if not fused:
@@ -66,7 +70,8 @@ class TritonPagedAttention:
             splits = meta.num_splits or decode_splits(k_cache.fmt if compressed else None, B, kvh, q.device)
             rope_args = (positions, meta.slot_mapping, k, v, rope.cos, rope.sin) if fused else None
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
-                                          splits=splits, res_slots=meta.res_slots_t, rope=rope_args)
+                                          splits=splits, res_slots=meta.res_slots_t, rope=rope_args,
+                                          res_mapping=meta.res_mapping)
         if plain_prompt and sdpa_kernel is not None:
             return _sdpa_causal(q, k, v, scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q, meta.seq_lens_t,

@@ -97,19 +97,22 @@ def test_kivi4_decode_zero_length_and_padding():
 
 
 _COMPILE = r"""
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels.kivi_decode import _kivi4_decode_kernel as K
 names = K.arg_names
 ptr = dict(Q="*bf16", KC="*i32", VC="*i32", KS="*i32", VS="*i32", RES="*bf16", BT="*i32", SEQ_LENS="*i32",
-           RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32", WORK="*i32")
+           RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32", WORK="*i32", SLOT="*i64",
+           RMAP="*i64", KN="*bf16", VN="*bf16", COS="*fp32", SIN="*fp32")
 import torch
 from kvserve.kernels.kivi_decode import cache_strides
 from kvserve.layers import kv_format as kf
 f = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
 views = f.views(torch.zeros(2, f.block_bytes, dtype=torch.uint8), torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16))
-const = dict(GROUP=4, PAGE=64, MAXS=32, BPAD=32, L2_AHEAD=2)
+const = dict(GROUP=4, PAGE=64, MAXS=32, BPAD=32, L2_AHEAD=2, ROPE=sys.argv[1] == "1", SEAL=sys.argv[1] == "1",
+             TINY=1e-6)
 const.update(zip(["s_kcb", "s_kct", "s_kch", "s_vcb", "s_vct", "s_vch", "s_ksb", "s_ksh", "s_vsb", "s_vst", "s_vsh"],
                  cache_strides(views)))
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
@@ -117,24 +120,29 @@ div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptr}
 src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 ptx = k.asm["ptx"]
-print(k.metadata.shared, ptx.count("ld.local") + ptx.count("st.local"), ptx.count("mma.sync"))
+print(k.metadata.shared, ptx.count("ld.local") + ptx.count("st.local"), ptx.count("mma.sync"),
+      ptx.count("mul.rn.f32"))
 """
 
 
-def test_kivi4_decode_compiles_for_sm90_without_shared_memory():
+@pytest.mark.parametrize("rope", [False, True])
+def test_kivi4_decode_compiles_for_sm90_without_shared_memory(rope):
     """The codes go from global memory straight into the products' registers: the kernel uses no
     shared memory (every layout conversion is a register renaming or a shuffle) and nothing is
-    spilled; its two products are tensor-core mma.sync. Compiled for sm90 in a subprocess (no GPU)."""
+    spilled; its two products are tensor-core mma.sync. With the fused RoPE + KV write, the
+    rotations' products are ``mul.rn`` (never contracted into an FMA: ``rope_rotate``'s rounding).
+    Compiled for sm90 in a subprocess (no GPU)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the tests' conftest sets it)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, check=False, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(rope))], env=env, check=False, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    shared, local, mma = map(int, r.stdout.split())
+    shared, local, mma, mul_rn = map(int, r.stdout.split())
     assert shared == 0 and local == 0
     assert mma > 0
+    assert (mul_rn > 0) == rope
 
 
 def test_kivi4_work_items_are_one_wave(monkeypatch):
@@ -222,3 +230,81 @@ def test_kivi4_work_split_the_batch_evenly(lens, nw, max_splits):
     assert w <= nw and all(p[0] >= B for p in plan[w:])
     if len(set(lens)) == 1:
         assert w == 4 * B and plan[0][2] == 4
+
+
+def _clone_cache(f, views):
+    """A copy of a layer's bytes (codes and scales of every block) and residual, with its views."""
+    data = torch.empty(0, dtype=torch.uint8, device=views.k_codes.device).set_(views.k_codes.untyped_storage())
+    data = data.view(-1, f.block_bytes).clone()
+    return data, f.views(data, views.residual.clone())
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs", [64, 128])
+def test_kivi4_fused_rope_write_as_separate_kernels(dtype, bs):
+    """The kernel doing the step's RoPE + KV write itself (``rope=``; with 64-token blocks the seal
+    of the block a key fills too) leaves every byte of the cache and the residual as ``seal_keys`` +
+    ``rope_kv_write_quant`` leave them, q, k and v untouched in
+    memory, and returns what the kernel returns after them, bit for bit; that output matches
+    float64 attention over the dequantized cache with the rotated q. Sequences: a first token
+    (residual only), tokens that fill a block (sealed this step: the key through ``seal_keys``, the
+    value through this kernel), an unsealed tail, a long one over many splits, and a graph-padding
+    row (length 0, slot -1). The new tokens' places start as garbage."""
+    from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
+    from kvserve.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(5 + bs)
+    H, KVH, D = 32, 8, 128
+    f = kf.KVFormat("int4", KVH, D, bs, dtype)
+    ctx = [0, bs - 1, 2 * bs + 40, 1500, 3 * bs - 1]
+    nb = sum(math.ceil((c + 1) / bs) for c in ctx) + 3
+    views, tables, _, _, rs = _compressed_batch(gen, f, [(c, 1) for c in ctx], H, nb)
+    B = len(ctx) + 1  # + the padding row
+    tables = torch.cat((tables, torch.zeros_like(tables[:1])))
+    rs = torch.cat((rs, torch.zeros_like(rs[:1])))
+    slots = [int(tables[i, c // bs]) * bs + c % bs for i, c in enumerate(ctx)] + [-1]
+    rmap = [int(rs[i]) * bs + c % bs if (c + 1) % bs else -1 for i, c in enumerate(ctx)] + [-1]
+    # garbage where this step writes: the new value's codes and scale, the new key's residual row
+    for i, c in enumerate(ctx):
+        blk, off = slots[i] // bs, slots[i] % bs
+        views.v_codes[blk, off] = torch.randint(0, 256, views.v_codes[blk, off].shape, generator=gen,
+                                                dtype=torch.uint8).to("cuda")
+        views.v_scales[blk, off] = torch.rand(views.v_scales[blk, off].shape, generator=gen).to("cuda", torch.float16)
+        views.residual[rs[i], c % bs] = torch.randn(KVH, D, generator=gen).to("cuda", dtype)
+    seq_lens = torch.tensor([c + 1 for c in ctx] + [0], dtype=torch.int32, device="cuda")
+    positions = torch.tensor(ctx + [0], device="cuda")
+    slots, rmap = torch.tensor(slots, device="cuda"), torch.tensor(rmap, device="cuda")
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    max_seal = max((c + 1) // bs - c // bs for c in ctx)
+    rope = RotaryEmbedding(D, 4096, 500000.0).to("cuda")
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=gen).to("cuda", dtype)
+
+    def split(t):  # strided views of the packed projection, as the model hands them over
+        q, k, v = t.split([H * D, KVH * D, KVH * D], -1)
+        return q.view(B, H, D), k.view(B, KVH, D), v.view(B, KVH, D)
+    runs = []
+    for fused in (False, True):
+        data, vw = _clone_cache(f, views)
+        x = qkv.clone()
+        q, k, v = split(x)
+        if not (fused and kivi_decode.seals(f)):  # (64-token blocks: the fused kernel seals them)
+            seal_keys(k, rope.cos, rope.sin, cu_q, seq_lens, tables, rs, vw, max_seal)
+        if not fused:
+            rope_kv_write_quant(q, k, v, positions, slots, rmap, rope.cos, rope.sin, vw)
+        out = torch.full_like(q, float("nan"))
+        kivi_decode.kivi4_decode(q, vw, tables, seq_lens, rs, D ** -0.5, out,
+                                 rope=(slots, rmap, k, v, rope.cos, rope.sin) if fused else None)
+        runs.append((data, vw, x, out))
+    (data_a, vw_a, x_a, out_a), (data_b, vw_b, x_b, out_b) = runs
+    assert torch.equal(data_b, data_a), (data_b != data_a).nonzero()[:8]
+    assert torch.equal(vw_b.residual, vw_a.residual)
+    assert torch.equal(x_b, qkv)
+    assert torch.equal(out_b, out_a)
+    assert torch.equal(out_b[-1], torch.zeros_like(out_b[-1]))
+    q_rot = split(x_a)[0]  # (rotated in place by rope_kv_write_quant: test_kv_quant checks it)
+    for i, c in enumerate(ctx):
+        keys, vals = kf.read_kv(vw_b, tables[i], c + 1, int(rs[i]))
+        keys, vals = (t.double().repeat_interleave(H // KVH, dim=1) for t in (keys, vals))  # [L, H, D]
+        att = torch.einsum("hd,lhd->hl", q_rot[i].double(), keys) * D ** -0.5
+        ref = torch.einsum("hl,lhd->hd", att.softmax(-1), vals)
+        torch.testing.assert_close(out_b[i].double(), ref, rtol=1e-2, atol=1e-2)
