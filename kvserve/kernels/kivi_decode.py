@@ -339,13 +339,31 @@ def _mul_rn(a, b):
 
 
 @gluon.jit
-def _rotate(X, off, d, cos, sin, mask, DT: gl.constexpr):
-    """NeoX rotation of a head of 128 at ``X + off + d`` (channel ``d``, its partner d ^ 64),
-    rounded as ``kv_quant.rope_rotate``: each product to ``DT``, then their sum."""
+def _rotate(X, off, d, COS, SIN, cs_off, mask, DT: gl.constexpr):
+    """NeoX rotation of a head of 128 at ``X + off + d`` (channel ``d``, its partner d ^ 64) by
+    the cos/sin row at ``cs_off``, rounded as ``kv_quant.rope_rotate``: cos and sin in ``DT``, each
+    product to ``DT``, then their sum."""
+    cos = gl.load(COS + cs_off + d).to(DT).to(gl.float32)
+    sin = gl.load(SIN + cs_off + d).to(DT).to(gl.float32)
     x = gl.load(X + off + d, mask=mask, other=0.0).to(gl.float32)
     xp = gl.load(X + off + (d ^ 64), mask=mask, other=0.0).to(gl.float32)
     sp = gl.where(d < 64, -sin, sin)
     return (_mul_rn(x, cos).to(DT).to(gl.float32) + _mul_rn(xp, sp).to(DT).to(gl.float32)).to(DT)
+
+
+@gluon.jit
+def _codes4(x, mn, mx, AXIS: gl.constexpr, TINY: gl.constexpr):
+    """KIVI's 4-bit codes of ``x`` whose min and max over ``AXIS`` (-1: over all of x, scalars)
+    are ``mn`` and ``mx``, as ``kv_quant``'s writers make them: the min rounded to fp16, the scale
+    (max - min) / 15 correctly rounded, then rounded to fp16. Returns (codes, scale, min), the
+    scale and min shaped as ``mn``."""
+    mn = mn.to(gl.float16).to(gl.float32)
+    sc = gl.maximum(gl.div_rn(mx - mn, 15.0), TINY).to(gl.float16).to(gl.float32)
+    if AXIS >= 0:
+        y = gl.div_rn(x - gl.expand_dims(mn, AXIS), gl.expand_dims(sc, AXIS))
+    else:
+        y = gl.div_rn(x - mn, sc)
+    return gl.minimum(gl.maximum(gl.floor(y + 0.5), 0.0), 15.0).to(gl.int32), sc, mn
 
 
 @gluon.jit
@@ -357,13 +375,11 @@ def _query(Q, COS, SIN, b, kvh, pos, stride_qb, stride_qh, stride_cos, GROUP: gl
     qn = gl.arange(0, QN, layout=gl.SliceLayout(0, _B))
     qmask = gl.expand_dims(qn < GROUP, 0) & gl.expand_dims(qcol < 128, 1)
     qoff = b.to(gl.int64) * stride_qb + gl.expand_dims((kvh * GROUP + qn) * stride_qh, 0)
-    qch = _key_channel(qcol)
+    qch = gl.expand_dims(_key_channel(qcol), 1)
     if ROPE:
-        cos = gl.expand_dims(gl.load(COS + pos * stride_cos + qch).to(DT).to(gl.float32), 1)
-        sin = gl.expand_dims(gl.load(SIN + pos * stride_cos + qch).to(DT).to(gl.float32), 1)
-        q = _rotate(Q, qoff, gl.expand_dims(qch, 1), cos, sin, qmask, DT)
+        q = _rotate(Q, qoff, qch, COS, SIN, pos * stride_cos, qmask, DT)
     else:
-        q = gl.load(Q + qoff + gl.expand_dims(qch, 1), mask=qmask, other=0.0)
+        q = gl.load(Q + qoff + qch, mask=qmask, other=0.0)
     return q.to(gl.float32).to(gl.float16)
 
 
@@ -384,9 +400,8 @@ def _write_token(KN, VN, COS, SIN, RES, res_row, KC, KS, VC, VS, b, kvh, pos, sl
         kn_off = b.to(gl.int64) * stride_knt + kvh * stride_knh
         if rmap >= 0:
             d = gl.arange(0, 128, layout=_CH)
-            cos = gl.load(COS + pos * stride_cos + d).to(DT).to(gl.float32)
-            sin = gl.load(SIN + pos * stride_cos + d).to(DT).to(gl.float32)
-            gl.store(RES + rmap * s_rt + kvh * s_rh + d, _rotate(KN, kn_off, d, cos, sin, d < 128, DT))
+            k = _rotate(KN, kn_off, d, COS, SIN, pos * stride_cos, d < 128, DT)
+            gl.store(RES + rmap * s_rt + kvh * s_rh + d, k)
         elif SEAL:
             _seal_block(KN, kn_off, COS, SIN, pos * stride_cos, res_row, KC, KS, page, kvh, s_rt, s_kcb, s_kct,
                         s_kch, s_ksb, s_ksh, DT, TINY)
@@ -394,11 +409,7 @@ def _write_token(KN, VN, COS, SIN, RES, res_row, KC, KS, VC, VS, b, kvh, pos, sl
         nib = gl.arange(0, 8, layout=gl.SliceLayout(0, _VQ))
         v = gl.load(VN + b.to(gl.int64) * stride_vnt + kvh * stride_vnh + gl.expand_dims(word * 8, 1)
                     + gl.expand_dims(nib, 0)).to(gl.float32)  # [16 words, 8 channels]
-        mn = gl.min(gl.min(v, 1), 0).to(gl.float16).to(gl.float32)
-        mx = gl.max(gl.max(v, 1), 0)
-        sc = gl.maximum(gl.div_rn(mx - mn, 15.0), TINY).to(gl.float16).to(gl.float32)
-        y = gl.div_rn(v - mn, sc)
-        code = gl.minimum(gl.maximum(gl.floor(y + 0.5), 0.0), 15.0).to(gl.int32)
+        code, sc, mn = _codes4(v, gl.min(gl.min(v, 1), 0), gl.max(gl.max(v, 1), 0), -1, TINY)
         words = gl.sum(code << gl.expand_dims(nib * 4, 0), 1)  # disjoint bits: the sum is the or
         gl.store(VC + page * s_vcb + within * s_vct + kvh * s_vch + word, words)
         lane = gl.arange(0, 32, layout=_LANE)
@@ -423,14 +434,8 @@ def _seal_block(KN, kn_off, COS, SIN, cs_off, res_row, KC, KS, page, kvh, s_rt, 
     for c0 in range(0, 128, 32):
         ch = c0 + wd * 8 + nib  # [1, 4, 8]
         old = gl.load(res_row + key * s_rt + ch, mask=(key < 63) & (ch < 128), other=0.0)
-        cos = gl.load(COS + cs_off + ch).to(DT).to(gl.float32)
-        sin = gl.load(SIN + cs_off + ch).to(DT).to(gl.float32)
-        x = gl.where(key == 63, _rotate(KN, kn_off, ch, cos, sin, ch < 128, DT), old).to(gl.float32)
-        mn = gl.min(x, 0).to(gl.float16).to(gl.float32)  # [4, 8] per channel
-        mx = gl.max(x, 0)
-        sc = gl.maximum(gl.div_rn(mx - mn, 15.0), TINY).to(gl.float16).to(gl.float32)
-        y = gl.div_rn(x - gl.expand_dims(mn, 0), gl.expand_dims(sc, 0))
-        code = gl.minimum(gl.maximum(gl.floor(y + 0.5), 0.0), 15.0).to(gl.int32)
+        x = gl.where(key == 63, _rotate(KN, kn_off, ch, COS, SIN, cs_off, ch < 128, DT), old).to(gl.float32)
+        code, sc, mn = _codes4(x, gl.min(x, 0), gl.max(x, 0), 0, TINY)  # per channel: [4, 8]
         words = gl.sum(code << (nib * 4), 2)  # [64, 4]
         gl.store(KC + page * s_kcb + key2 * s_kct + kvh * s_kch + (c0 // 8 + wd2), words)
         gl.store(KS + page * s_ksb + kvh * s_ksh + (c0 + ch2), (_bits(sc) & 0xFFFF) | (_bits(mn) << 16))
