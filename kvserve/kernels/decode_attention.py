@@ -327,7 +327,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            out: torch.Tensor | None = None, block_n: int | None = None,
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
                            num_stages: int = 2, maxnreg: int | None = None, rope: tuple | None = None,
-                           res_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                           res_mapping: torch.Tensor | None = None, plans: dict | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -338,7 +338,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     k rotated and k, v stored at each slot >= 0 by the split that reads that key, which must be
     the sequence's last, ``seq_lens - 1``); a KIVI cache also takes ``res_mapping`` [B] (the key's
     place in the residual, ``rope_kv_write_quant``'s) and there seals the block the key fills
-    where ``kivi_decode.seals`` (``seal_keys`` runs before otherwise). Returns [B, H, D]."""
+    where ``kivi_decode.seals`` (``seal_keys`` runs before otherwise). ``plans``: the step's dict
+    (``AttentionMetadata.plans``), where a kernel that plans the step's work (``kivi_decode``'s
+    splits) keeps the plan for the next layers. Returns [B, H, D]."""
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -361,7 +363,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         if rope is not None:  # (the positions are seq_lens - 1)
             _, slots, k_new, v_new, cos, sin = rope
             rope = (slots, res_mapping, k_new, v_new, cos, sin)
-        return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, out, rope=rope)
+        return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, out, rope=rope,
+                                        plans=plans)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group))
     fast = fast_path(fmt_kw, D)

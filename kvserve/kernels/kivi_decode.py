@@ -27,8 +27,9 @@ as two running sums beside ``l_i``. Products run in fp16 for bf16 models too: fp
 offset codes exactly and rounds q * scale and p * scale to 11 bits instead of 8.
 
 **The loop** asks for the next tile's codes and scales before working on this one (one warp per
-program holds both in registers: 236 of them), and for the block of the tile after next into L2
-(``L2_AHEAD``): with 8 warps per SM, a register prefetch alone leaves too few bytes in flight.
+program holds both in registers: 236 of them), and for the tile after next into L2 (its own
+codes and scales, ``L2_AHEAD``): with 8 warps per SM, a register prefetch alone leaves too few
+bytes in flight.
 A tile's addresses are one base per thread plus immediates (the cache strides are compile-time
 constants, ``cache_strides``, and ``_hint`` keeps the loads 16 and 8 bytes wide); sealed tiles
 are whole, so unmasked; the softmax's three running sums stay per lane (``_lane_sum``) until the
@@ -37,15 +38,17 @@ end. 894 SASS instructions per tile and warp (1,234 before these). The newest ke
 
 **The splits** follow the lengths (``_work``): one wave of programs (``WAVE`` per SM), the
 batch's keys cut into splits of about equal length, so a sequence gets splits in proportion to
-its length and no program waits on a longer one. Their merge is ``_merge_group``, in a small
-second kernel.
+its length and no program waits on a longer one. The plan is made once a step, for every layer
+(``split_plan``): a program's first load is its row (sequence, key range, the first tile's
+block), then the first tile. Their merge is ``_merge_group``, in a small second kernel.
 
 **The step's token** (``rope=``, the engine's decode steps): every program rotates q in registers;
 the split that reads the sequence's last key first writes this step's key into the residual and
 quantizes its value, and with 64-token blocks seals the block that key fills, all operation for
 operation as ``rope_kv_write_quant`` and ``seal_keys`` (the same bytes); then a barrier, then its
 reads. Two kernels a layer fewer. The first tile is asked for before q is loaded and rotated.
-Engine step at batch 32 x 32k on an H200: 7.34 -> 7.26 ms (2.445x -> 2.47x bf16's).
+Engine step at batch 32 x 32k on an H200: 7.34 -> 7.26 ms (2.445x -> 2.47x bf16's); with the plan
+made once a step and each program asking for its own tile into L2, 7.10-7.17 ms (2.49-2.51x).
 """
 from __future__ import annotations
 
@@ -63,8 +66,9 @@ from kvserve.layers.kv_format import _TINY
 BLOCK_N = gl.constexpr(64)  # keys per tile
 QN = gl.constexpr(8)  # the N side of the products: the GQA group's queries, padded
 OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or OFF + 16 c)
-# Tiles ahead whose block is asked into L2 (sm90's bulk prefetch, each program its share of the
-# block): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3: 0.414, 4: 0.467, 6: 0.54 (L2 thrashes)
+# Tiles ahead asked into L2 (sm90's bulk prefetch): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3:
+# 0.414, 4: 0.467, 6: 0.54 (L2 thrashes). (Measured with each program asking for an eighth of
+# the block; since, each asks for its own tile)
 L2_AHEAD = 2
 # The grid is one wave: programs per SM that it fills (the one-warp programs of ~240 registers an
 # SM holds at once), with the sequences' keys cut into splits of about equal length (``_work``).
@@ -73,6 +77,7 @@ L2_AHEAD = 2
 # against 0.246-0.248
 WAVE = 8
 MAX_SPLITS = 32  # splits of one sequence at most (the merge's)
+PLAN_W = gl.constexpr(8)  # int32 words per work item of the step's plan (``_plan_kernel``)
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 _A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
@@ -304,8 +309,8 @@ def _work(SEQ_LENS, B, w, NW, MAXS: gl.constexpr, BPAD: gl.constexpr):
     """Work item ``w`` of the ``NW`` (>= B) of a KV head: which sequence, which of its splits, how
     many splits it has and the first work item of its splits. Each sequence's 64-key tiles are cut
     into splits of at most C tiles, C the smallest for which all the sequences' splits (at least
-    one each, at most ``MAXS``) fit in ``NW``: a binary search over C that every program does on
-    the whole batch's lengths (a few hundred instructions; none when NW == B). Splits of equal
+    one each, at most ``MAXS``) fit in ``NW``: a binary search over C on the whole batch's lengths
+    (a few hundred instructions; none when NW == B), once a step (``_plan_kernel``). Splits of equal
     length over the whole batch, in one wave: a long sequence among short ones gets more of them,
     and no program of the wave waits on a longer one. Returns (b, split, n_splits, first, per):
     ``per`` tiles per split; b >= B for a work item beyond the batch's."""
@@ -442,13 +447,43 @@ def _seal_block(KN, kn_off, COS, SIN, cs_off, res_row, KC, KS, page, kvh, s_rt, 
 
 
 @gluon.jit
+def _l2(ptr, lane, size: gl.constexpr):
+    """Lane 0 asks for ``size`` bytes at ``ptr`` (the same for every lane) to be brought into L2."""
+    gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [ptr + lane * 0, lane, lane * 0 + size], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _plan_kernel(SEQ_LENS, BT, PLAN, WORK, B, NW, stride_bt, MAXS: gl.constexpr, BPAD: gl.constexpr,
+                 PAGE: gl.constexpr):
+    """The step's split plan, once for every layer: work item w's row of PLAN [NW, PLAN_W]
+    (b, first key, end key, the sequence's length, its splits, this split, the first key's block)
+    and, for the merge, WORK [B, 2] (first work item, splits) of each sequence. Grid (NW,)."""
+    w = gl.program_id(0)
+    b, split, active, first, per = _work(SEQ_LENS, B, w, NW, MAXS, BPAD)
+    i = gl.arange(0, PLAN_W, layout=_LANE)
+    if b < B:
+        seq_len = gl.load(SEQ_LENS + b)
+        start = split * per * BLOCK_N
+        end = gl.minimum(start + per * BLOCK_N, seq_len)
+        page0 = gl.load(BT + b.to(gl.int64) * stride_bt + start // PAGE)
+        row = gl.where(i == 0, b, gl.where(i == 1, start, gl.where(i == 2, end, gl.where(
+            i == 3, seq_len, gl.where(i == 4, active, gl.where(i == 5, split, gl.where(i == 6, page0, 0)))))))
+        gl.store(PLAN + w * PLAN_W + i, row, mask=i < PLAN_W)
+        if split == 0:
+            gl.store(WORK + 2 * b + i, gl.where(i == 0, first, active), mask=i < 2)
+    else:
+        gl.store(PLAN + w * PLAN_W + i, B + i * 0, mask=i < PLAN_W)
+
+
+@gluon.jit
 def _bits(x):
     """The fp16 bits of float32 ``x`` (exact in fp16) in the low half of an int32 (sign-extended)."""
     return x.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
 
 
 @gluon.jit
-def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, WORK, B, NW,
+def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, RSLOTS, O, OP, LSEP, PLAN, B,
                          SLOT, RMAP, KN, VN, COS, SIN, stride_knt, stride_knh, stride_vnt, stride_vnh,
                          stride_cos,
                          stride_qb, stride_qh, s_kcb: gl.constexpr, s_kct: gl.constexpr, s_kch: gl.constexpr,
@@ -456,36 +491,33 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          s_ksh: gl.constexpr, s_vsb: gl.constexpr, s_vst: gl.constexpr, s_vsh: gl.constexpr,
                          s_rt, s_rh, stride_bt,
                          stride_ob, stride_oh, stride_ps, stride_ph, stride_lh,
-                         scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, MAXS: gl.constexpr,
-                         BPAD: gl.constexpr, L2_AHEAD: gl.constexpr, ROPE: gl.constexpr, SEAL: gl.constexpr,
-                         TINY: gl.constexpr):
+                         scale_log2, GROUP: gl.constexpr, PAGE: gl.constexpr, L2_AHEAD: gl.constexpr,
+                         ROPE: gl.constexpr, SEAL: gl.constexpr, TINY: gl.constexpr):
     """Q: [B, H, 128]; KC, VC: int32 words [nb, PAGE, kvh, 16] (head-major in memory); KS: int32
     (scale, min) words [nb, kvh, 128]; VS: [nb, PAGE, kvh] words; RES: [slots, PAGE, kvh, 128] (the
-    model's dtype). Grid (kvh, NW), one warp: work item w of ``_work``. A split's partial output
-    goes to OP [NW, H, 128] at row w, its log-sum-exp to LSEP [H, NW]; WORK [B, 2] gets each split
-    sequence's (first work item, splits) for the merge. ``ROPE``: Q, KN, VN are this step's q, k, v
+    model's dtype). Grid (kvh, NW), one warp: work item w, row w of the step's PLAN
+    (``_plan_kernel``). A split's partial output goes to OP [NW, H, 128] at row w, its log-sum-exp
+    to LSEP [H, NW]. ``ROPE``: Q, KN, VN are this step's q, k, v
     before RoPE, its token the sequence's last key (position seq_len - 1); q is rotated in registers
     and the sequence's last split writes its KV head's k and v before it reads the cache
     (``_write_token``: at ``SLOT``, the key in the residual at ``RMAP``), and with ``SEAL`` (blocks
     of one tile) quantizes the block that key fills (``_seal_block``)."""
-    # a sequence's KV heads are neighbours in the grid, so they run together and read the block
-    # each asked its share of into L2 (with token-major codes, whose rows of two heads shared a
-    # line: 0.463 -> 0.437 ms; the codes are head-major since)
     kvh = gl.program_id(0)
     w = gl.program_id(1)
-    b, split, active, first, per = _work(SEQ_LENS, B, w, NW, MAXS, BPAD)
+    pw = PLAN + w * PLAN_W  # the step's plan (``_plan_kernel``): the first tile's loads wait on this one
+    b = gl.load(pw)
     if b >= B:
         return  # (fewer splits than work items)
+    start = gl.load(pw + 1)
+    end = gl.load(pw + 2)
+    seq_len = gl.load(pw + 3)
+    active = gl.load(pw + 4)
+    split = gl.load(pw + 5)
+    page0 = gl.load(pw + 6).to(gl.int64)
     DT: gl.constexpr = Q.dtype.element_ty
-    seq_len = gl.load(SEQ_LENS + b)
-    start = split * per * BLOCK_N
-    end = gl.minimum(start + per * BLOCK_N, seq_len)
     full_end = (seq_len // PAGE) * PAGE  # sealed keys end here; later ones are in the residual
     bt_row = BT + b.to(gl.int64) * stride_bt
     res_row = RES + gl.load(RSLOTS + b).to(gl.int64) * PAGE * s_rt + kvh * s_rh
-    if (kvh + split == 0) & (NW > B):  # for the merge (NW == B: no sequence is split)
-        two = gl.arange(0, 2, layout=_LANE)
-        gl.store(WORK + 2 * b + two, gl.where(two == 0, first, active), mask=two < 2)
     pos = gl.maximum(seq_len - 1, 0).to(gl.int64)  # (ROPE: this step's token's)
     if ROPE:
         if split == active - 1:  # this step's token is the sequence's last key: its split writes it
@@ -510,22 +542,24 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     if start < sealed_end:
         # the first tile's codes and scales, asked for before q (their wait then covers q's); each
         # iteration asks for the next tile's first
-        kw, vw, ksw, vsw = _tile_words(KC, VC, KS, VS, gl.load(bt_row + start // PAGE).to(gl.int64), start % PAGE,
+        kw, vw, ksw, vsw = _tile_words(KC, VC, KS, VS, page0, start % PAGE,
                                        kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct, s_kch,
                                        s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh)
         q16 = _query(Q, COS, SIN, b, kvh, pos, stride_qb, stride_qh, stride_cos, GROUP, ROPE, DT)
         last = ((sealed_end - 1) // BLOCK_N) * BLOCK_N  # (a prefetch past it re-reads it)
-        if L2_AHEAD:
-            lane = gl.arange(0, 32, layout=_LANE)
-            kvh_n = gl.num_programs(0)
-            chunk = gl.cdiv(s_kcb, kvh_n * 4) * 4  # words: this head's share of a block, 16-byte multiple
-            size = gl.maximum(gl.minimum(chunk, s_kcb - kvh * chunk), 0) * 4
+        lane = gl.arange(0, 32, layout=_LANE)
         for s in range(start, sealed_end, BLOCK_N):
             s1 = gl.minimum(s + BLOCK_N, last)
-            if L2_AHEAD:  # the block of the tile L2_AHEAD ahead, into L2: this program's share of it
-                page2 = gl.load(bt_row + gl.minimum(s + L2_AHEAD * BLOCK_N, last) // PAGE).to(gl.int64)
-                gl.inline_asm_elementwise(_L2_ASM, "=r,l,r,r", [KC + page2 * s_kcb + kvh * chunk + lane * 0, lane,
-                                                               size + lane * 0], dtype=gl.int32, is_pure=False, pack=1)
+            if L2_AHEAD:  # the tile L2_AHEAD ahead, into L2: this program's own codes and scales. (Each
+                # of a sequence's KV-head programs asking for an eighth of the block, a program
+                # whose neighbour ran behind found its tile not yet asked for: 0.329 -> 0.320 ms)
+                s2 = gl.minimum(s + L2_AHEAD * BLOCK_N, last)
+                page2 = gl.load(bt_row + s2 // PAGE).to(gl.int64)
+                w2 = s2 % PAGE
+                _l2(KC + (page2 * s_kcb + w2 * s_kct + kvh * s_kch), lane, BLOCK_N * s_kct * 4)
+                _l2(VC + (page2 * s_vcb + w2 * s_vct + kvh * s_vch), lane, BLOCK_N * s_vct * 4)
+                _l2(KS + (page2 * s_ksb + kvh * s_ksh), lane, s_ksh * 4)
+                _l2(VS + (page2 * s_vsb + w2 * s_vst + kvh * s_vsh), lane, BLOCK_N * s_vst * 4)
             kw1, vw1, ksw1, vsw1 = _tile_words(KC, VC, KS, VS, gl.load(bt_row + s1 // PAGE).to(gl.int64), s1 % PAGE,
                                                kvh, kkey, kword, vkey, vword, kch, skey, s_kcb, s_kct,
                                                s_kch, s_vcb, s_vct, s_vch, s_ksb, s_ksh, s_vsb, s_vst, s_vsh)
@@ -628,6 +662,24 @@ def work_items(batch: int, num_kv_heads: int, device: torch.device, max_splits: 
     return max(batch, min(batch * max_splits, WAVE * _sm_count(device) // num_kv_heads))
 
 
+def split_plan(seq_lens: torch.Tensor, block_tables: torch.Tensor, nw: int, page: int, max_splits: int,
+               plans: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's split plan for ``nw`` work items (``_plan_kernel``): (PLAN [nw, PLAN_W], WORK
+    [B, 2]) int32. Kept in ``plans`` (the step's ``AttentionMetadata.plans``) and taken from there
+    by the step's other layers: the lengths and block tables are every layer's."""
+    key = ("kivi4", seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], nw, page, max_splits)
+    if plans is not None and key in plans:
+        return plans[key]
+    B = seq_lens.shape[0]
+    plan = torch.empty(nw, PLAN_W.value, dtype=torch.int32, device=seq_lens.device)
+    work = torch.empty(B, 2, dtype=torch.int32, device=seq_lens.device)
+    _plan_kernel[(nw,)](seq_lens, block_tables, plan, work, B, nw, block_tables.stride(0), MAXS=max_splits,
+                        BPAD=max(32, triton.next_power_of_2(B)), PAGE=page, num_warps=1)
+    if plans is not None:
+        plans[key] = (plan, work)
+    return plan, work
+
+
 def seals(fmt) -> bool:
     """Whether the fused decode path (``kivi4_decode(rope=...)``) seals the key block its token
     fills itself: blocks of one 64-key tile, which the sequence's last split reads alone. Larger
@@ -637,7 +689,7 @@ def seals(fmt) -> bool:
 
 def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  res_slots: torch.Tensor, scale: float, out: torch.Tensor, max_splits: int = MAX_SPLITS,
-                 rope: tuple | None = None) -> torch.Tensor:
+                 rope: tuple | None = None, plans: dict | None = None) -> torch.Tensor:
     """Decode attention over a KIVI int4 layer (``supported``); arguments as
     ``paged_decode_attention``'s; a sequence's keys in at most ``max_splits`` splits, the splits
     of equal length over the batch (``_work``). ``rope``: (slot_mapping [B], res_mapping [B],
@@ -661,7 +713,7 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
     split = nw > B
     op = torch.empty(nw, H, D, dtype=torch.float32, device=q.device) if split else out  # (else unused)
     lsep = torch.empty(H, nw, dtype=torch.float32, device=q.device) if split else out
-    work = torch.empty(B, 2, dtype=torch.int32, device=q.device) if split else seq_lens
+    plan, work = split_plan(seq_lens, block_tables, nw, f.block_size, max_splits, plans)
     if rope is not None:
         slots, res_mapping, k_new, v_new, cos, sin = rope
         assert k_new.shape == v_new.shape == (B, KVH, D) and k_new.stride(-1) == v_new.stride(-1) == 1
@@ -672,10 +724,10 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
     else:
         rope_args = (seq_lens, seq_lens, q, q, q, q, 0, 0, 0, 0, 0)  # (placeholders)
     _kivi4_decode_kernel[(KVH, nw)](
-        q, kc, vc, ks, vs, res, block_tables, seq_lens, res_slots, out, op, lsep, work, B, nw, *rope_args,
+        q, kc, vc, ks, vs, res, block_tables, res_slots, out, op, lsep, plan, B, *rope_args,
         q.stride(0), q.stride(1), *cache_strides(views), res.stride(1), res.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), H * D, D, nw, scale * _LOG2E,
-        GROUP=group, PAGE=f.block_size, MAXS=max_splits, BPAD=max(32, triton.next_power_of_2(B)), num_warps=1,
+        GROUP=group, PAGE=f.block_size, num_warps=1,
         L2_AHEAD=L2_AHEAD if kc.stride(0) % 4 == 0 and kernels._capability(q.device.index or 0) >= 9 else 0,
         ROPE=rope is not None, SEAL=rope is not None and seals(f), TINY=_TINY)
     if split:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,9 @@ class AttentionMetadata:
     res_slots_t: torch.Tensor | None = None
     res_mapping: torch.Tensor | None = None
     max_seal: int = 0
+    # Work plans of the step's decode kernels (KIVI int4's splits), made by the first layer that
+    # needs one and read by the rest: the step's lengths are every layer's.
+    plans: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -71,7 +71,7 @@ class TritonPagedAttention:
             rope_args = (positions, meta.slot_mapping, k, v, rope.cos, rope.sin) if fused else None
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
                                           splits=splits, res_slots=meta.res_slots_t, rope=rope_args,
-                                          res_mapping=meta.res_mapping)
+                                          res_mapping=meta.res_mapping, plans=meta.plans)
         if plain_prompt and sdpa_kernel is not None:
             return _sdpa_causal(q, k, v, scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q, meta.seq_lens_t,

@@ -72,11 +72,19 @@ def test_kivi4_decode_many_sequences_shared_out(max_splits):
     q = torch.randn(len(batch), H, D, generator=gen).to("cuda", torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=max_splits)
+    plans = {}  # the step's: made by the first layer, read by the next
+    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=max_splits, plans=plans)
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     some = [i for i, n in enumerate(lens) if n]
     assert torch.equal(out[[3, 17]], torch.zeros_like(out[[3, 17]]))
     torch.testing.assert_close(out[some].double(), ref[some], rtol=1e-2, atol=1e-2)
+    # a second layer (another query) on the step's plan: as with a plan of its own
+    assert len(plans) == 1
+    q2 = torch.randn(len(batch), H, D, generator=gen).to("cuda", torch.bfloat16)
+    own, shared = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    kivi_decode.kivi4_decode(q2, views, tables, seq_lens, rs, D ** -0.5, own, max_splits=max_splits)
+    kivi_decode.kivi4_decode(q2, views, tables, seq_lens, rs, D ** -0.5, shared, max_splits=max_splits, plans=plans)
+    assert len(plans) == 1 and torch.equal(own, shared)
 
 
 @needs_cuda
@@ -103,16 +111,15 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels.kivi_decode import _kivi4_decode_kernel as K
 names = K.arg_names
-ptr = dict(Q="*bf16", KC="*i32", VC="*i32", KS="*i32", VS="*i32", RES="*bf16", BT="*i32", SEQ_LENS="*i32",
-           RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32", WORK="*i32", SLOT="*i64",
+ptr = dict(Q="*bf16", KC="*i32", VC="*i32", KS="*i32", VS="*i32", RES="*bf16", BT="*i32",
+           RSLOTS="*i32", O="*bf16", OP="*fp32", LSEP="*fp32", PLAN="*i32", SLOT="*i64",
            RMAP="*i64", KN="*bf16", VN="*bf16", COS="*fp32", SIN="*fp32")
 import torch
 from kvserve.kernels.kivi_decode import cache_strides
 from kvserve.layers import kv_format as kf
 f = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
 views = f.views(torch.zeros(2, f.block_bytes, dtype=torch.uint8), torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16))
-const = dict(GROUP=4, PAGE=64, MAXS=32, BPAD=32, L2_AHEAD=2, ROPE=sys.argv[1] == "1", SEAL=sys.argv[1] == "1",
-             TINY=1e-6)
+const = dict(GROUP=4, PAGE=64, L2_AHEAD=2, ROPE=sys.argv[1] == "1", SEAL=sys.argv[1] == "1", TINY=1e-6)
 const.update(zip(["s_kcb", "s_kct", "s_kch", "s_vcb", "s_vct", "s_vch", "s_ksb", "s_ksh", "s_vsb", "s_vst", "s_vsh"],
                  cache_strides(views)))
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
@@ -230,6 +237,38 @@ def test_kivi4_work_split_the_batch_evenly(lens, nw, max_splits):
     assert w <= nw and all(p[0] >= B for p in plan[w:])
     if len(set(lens)) == 1:
         assert w == 4 * B and plan[0][2] == 4
+
+
+@needs_cuda
+@pytest.mark.parametrize("lens,nw,max_splits,page", [
+    ([32769] * 32, 132, 32, 64),
+    ([0, 1, 64, 65, 300, 70000, 5, 128], 40, 32, 128),
+    (list(range(0, 40000, 157)), 300, 32, 64),
+])
+def test_kivi4_step_plan_rows(lens, nw, max_splits, page):
+    """``_plan_kernel``'s rows (what every layer's programs read instead of planning) are
+    ``_work``'s plan spelled out: the work item's sequence, its key range, the sequence's length
+    and splits, the split, and the block of its first key (through a shuffled block table); the
+    rows past the plan name no sequence; WORK holds each sequence's (first item, splits)."""
+    B = len(lens)
+    g = torch.Generator().manual_seed(3)
+    width = max(math.ceil(n / page) for n in lens) + 1
+    tables = torch.randperm(B * width, generator=g).view(B, width).to(torch.int32).cuda()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    plan = torch.full((nw, kivi_decode.PLAN_W.value), -7, dtype=torch.int32, device="cuda")
+    work = torch.full((B, 2), -7, dtype=torch.int32, device="cuda")
+    kivi_decode._plan_kernel[(nw,)](seq_lens, tables, plan, work, B, nw, tables.stride(0), MAXS=max_splits,
+                                    BPAD=max(32, 1 << (B - 1).bit_length()), PAGE=page, num_warps=1)
+    expect = _plan(lens, nw, max_splits)
+    rows, work, tables = plan.tolist(), work.tolist(), tables.tolist()
+    for w, (b, split, n, first, per) in enumerate(expect):
+        if b >= B:
+            assert rows[w][0] >= B
+            continue
+        start = split * per * 64
+        assert rows[w][:6] == [b, start, min(start + per * 64, lens[b]), lens[b], n, split], w
+        assert rows[w][6] == tables[b][start // page]
+        assert work[b] == [first, n]
 
 
 def _clone_cache(f, views):
