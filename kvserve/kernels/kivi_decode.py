@@ -67,8 +67,8 @@ BLOCK_N = gl.constexpr(64)  # keys per tile
 QN = gl.constexpr(8)  # the N side of the products: the GQA group's queries, padded
 OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or OFF + 16 c)
 # Tiles ahead asked into L2 (sm90's bulk prefetch): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3:
-# 0.414, 4: 0.467, 6: 0.54 (L2 thrashes). (Measured with each program asking for an eighth of
-# the block; since, each asks for its own tile)
+# 0.414, 4: 0.467, 6: 0.54 (L2 thrashes), each program asking for an eighth of the block. Each
+# asking for its own tile (since): 0.318-0.320 ms at 2, 0.331-0.333 at 3
 L2_AHEAD = 2
 # The grid is one wave: programs per SM that it fills (the one-warp programs of ~240 registers an
 # SM holds at once), with the sequences' keys cut into splits of about equal length (``_work``).
@@ -667,10 +667,10 @@ def split_plan(seq_lens: torch.Tensor, block_tables: torch.Tensor, nw: int, page
     """The step's split plan for ``nw`` work items (``_plan_kernel``): (PLAN [nw, PLAN_W], WORK
     [B, 2]) int32. Kept in ``plans`` (the step's ``AttentionMetadata.plans``) and taken from there
     by the step's other layers: the lengths and block tables are every layer's."""
-    key = ("kivi4", seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], nw, page, max_splits)
+    B = seq_lens.shape[0]
+    key = ("kivi4", seq_lens.data_ptr(), block_tables.data_ptr(), B, nw, page, max_splits)
     if plans is not None and key in plans:
         return plans[key]
-    B = seq_lens.shape[0]
     plan = torch.empty(nw, PLAN_W.value, dtype=torch.int32, device=seq_lens.device)
     work = torch.empty(B, 2, dtype=torch.int32, device=seq_lens.device)
     _plan_kernel[(nw,)](seq_lens, block_tables, plan, work, B, nw, block_tables.stride(0), MAXS=max_splits,
