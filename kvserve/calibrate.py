@@ -4,9 +4,9 @@ the largest |K| (after RoPE, turned by the Hadamard matrix as the 8-bit caches s
 caches then use one static scale per layer and head instead of a scale per token, so a block
 holds codes only (exactly half of bf16) and nothing is computed per token to write one.
 
-The file is saved beside the model (``<model.gguf>.kv_scales.json``, or ``kv_scales.json`` in a
-Hugging Face directory) and loaded with it; ``--kv-scales PATH`` names another, ``off`` ignores it.
-Values beyond the calibrated range are clipped to it: calibrate on text like what will be served.
+The file is saved beside the model and loaded with it (``kvserve/kv_scales.py``: where it lives,
+how it is read back and checked). Values beyond the calibrated range are clipped to it: calibrate
+on text like what will be served.
 """
 from __future__ import annotations
 
@@ -18,21 +18,9 @@ import textwrap
 import torch
 
 from kvserve.errors import ConfigError
-from kvserve.layers.kv_format import hadamard
+from kvserve.kv_format import hadamard
+from kvserve.kv_scales import FORMAT, VERSION, default_path, load  # noqa: F401  (the file's format)
 from kvserve.models import loader
-
-FORMAT = "kvserve-kv-scales"
-VERSION = 2  # 2: keys' maxima measured turned (version 1 files measured them unturned)
-
-
-def default_path(model: str | None) -> str | None:
-    """Where a model's scales live beside it (None for dummy weights: give a path)."""
-    src = loader.resolve(model)
-    if src.kind == "dummy":
-        return None
-    if os.path.isdir(src.path):
-        return os.path.join(src.path, "kv_scales.json")
-    return src.path + ".kv_scales.json"
 
 
 def default_text() -> str:
@@ -97,27 +85,3 @@ def calibrate(model: str | None = None, text: str | None = None, num_tokens: int
         json.dump(doc, f)
     os.replace(tmp, output)
     return output
-
-
-def load(path: str, src: loader.ModelSource, seed: int, num_layers: int, num_kv_heads: int) -> torch.Tensor:
-    """The calibrated max |K| and |V| as [layers, 2, kv_heads] float32, checked against the model."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise ConfigError("kv_scales", f"cannot read {path!r}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("kv_scales", f"{path}: not valid JSON ({e})") from None
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        old = doc.get("format") == FORMAT and doc.get("version") == 1
-        why = " (version 1 measured the keys unturned)" if old else ""
-        raise ConfigError("kv_scales", f"{path}: not a {FORMAT} v{VERSION} file{why}: run kvserve calibrate-kv")
-    fp = loader.fingerprint(src, seed)
-    if doc.get("fingerprint") != fp:
-        raise ConfigError("kv_scales", f"{path} was calibrated on other weights ({doc.get('model')}, "
-                          f"{doc.get('fingerprint')}); this model is {src.name} ({fp}): recalibrate")
-    amax = torch.tensor([doc["k_amax"], doc["v_amax"]], dtype=torch.float32).transpose(0, 1)
-    if tuple(amax.shape) != (num_layers, 2, num_kv_heads) or not bool(torch.isfinite(amax).all()):
-        raise ConfigError("kv_scales", f"{path}: scales of shape {tuple(amax.shape)}, the model needs "
-                          f"({num_layers}, 2, {num_kv_heads}) finite values")
-    return amax
