@@ -32,7 +32,7 @@ class _Recorder:
     """Wraps the attention backend: notes max |K| (rotated and turned) and |V| per layer and KV head."""
 
     def __init__(self, inner, num_layers: int, num_kv_heads: int):
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.kernel = inner, inner.name, inner.kernel
         self.layer_of: dict[int, int] = {}
         self.k_amax = torch.zeros(num_layers, num_kv_heads, dtype=torch.float64)
         self.v_amax = torch.zeros_like(self.k_amax)

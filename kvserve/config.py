@@ -114,6 +114,52 @@ class SchedulerConfig:
             raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len}")
 
 
+# Rows of x the skinny-GEMM kernel takes at most (kernels/gemv.py: MAX_ROWS)
+_GEMV_MAX_ROWS = 32
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices of the CUDA path. The defaults are the fastest measured on an H200; the
+    others exist to measure against them (the benchmarks' A/B) and to rule a kernel out. The
+    attention backend holds it and passes each choice to the launchers as an argument."""
+    # Programmatic dependent launch (Hopper and later): a kernel may start while the one before it
+    # in the stream finishes, and waits for its inputs inside.
+    pdl: bool = True
+    # Decode steps: the attention kernel does the step's RoPE + KV write itself (uncompressed
+    # caches, and KIVI int4 layers of the Gluon kernel); False: a separate write kernel first.
+    fused_rope_decode: bool = True
+    # KIVI int4 caches with heads of 128 decode through the Gluon kernel (kernels/kivi_decode.py);
+    # False: through the Triton kernel that serves every format.
+    kivi_gluon: bool = True
+    # Rows of x up to which a product takes the skinny-GEMM kernel instead of cuBLAS (0: never):
+    # the linear layers, the fused gate/up + SiLU, the logits.
+    gemv_max_rows_linear: int = 1
+    gemv_max_rows_gate_up: int = 32
+    gemv_max_rows_logits: int = 16
+    # The Gluon int4 decode kernel: 64-key tiles each program asks into L2 ahead of its loads
+    # (0: none), and programs per SM in its one wave.
+    kivi_l2_ahead: int = 2
+    kivi_wave: int = 8
+
+    def __post_init__(self):
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
+        for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
+                             ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
+                             ("kivi_wave", 1, None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ConfigError(name, f"must be an integer {bound}, got {v!r}")
+
+    def gemv_max_rows(self, kind: str) -> int:
+        """The row limit of a product of ``kind``: "linear", "gate_up_silu" or "logits"."""
+        return {"linear": self.gemv_max_rows_linear, "gate_up_silu": self.gemv_max_rows_gate_up,
+                "logits": self.gemv_max_rows_logits}[kind]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
@@ -123,6 +169,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)  # CUDA kernel choices
     show_progress: bool = True
     # auto: Triton kernels on CUDA, the PyTorch reference elsewhere.
     attention_backend: str = "auto"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import KernelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,11 +34,9 @@ def _random_model(tmp_path, kind):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["rope_kv_write", "fused_rope_decode"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_cuda_parity_float32(tmp_path, kind, fused, monkeypatch):
+def test_cuda_parity_float32(tmp_path, kind, fused):
     """fused_rope_decode: decode steps with the RoPE + KV write done inside the decode attention
-    kernel (``triton_attention.FUSED_ROPE_DECODE``)."""
-    from kvserve.layers import triton_attention
-    monkeypatch.setattr(triton_attention, "FUSED_ROPE_DECODE", fused)
+    kernel (``KernelConfig.fused_rope_decode``)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     hf, path = _random_model(tmp_path, kind)
     gen = torch.Generator().manual_seed(3)
@@ -53,7 +52,8 @@ def test_cuda_parity_float32(tmp_path, kind, fused, monkeypatch):
                 seq.append(int(hf(torch.tensor([seq], device="cuda")).logits[0, -1].argmax()))
             want.append(seq[len(p):])
     llm = LLM(path, device="cuda", dtype="float32", show_progress=False, kv_cache_memory="1GiB",
-              max_num_batched_tokens=512)
+              max_num_batched_tokens=512, kernel=KernelConfig(fused_rope_decode=fused))
+    assert llm.engine.runner.backend.kernel.fused_rope_decode is fused
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=64, temperature=0, ignore_eos=True), use_tqdm=False)
     for p, o, w in zip(prompts, outs, want):
@@ -67,14 +67,12 @@ def test_cuda_parity_float32(tmp_path, kind, fused, monkeypatch):
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
-def test_kivi_int4_decode_fused_write_same_tokens(tmp_path, monkeypatch):
+def test_kivi_int4_decode_fused_write_same_tokens(tmp_path):
     """int4 KV in a bfloat16 model with heads of 128 (the Gluon decode kernel's): greedy decode with
     the RoPE + KV write inside the decode kernel gives the same tokens as with the separate
     quantizing write kernel (they write the same bytes: ``test_kivi_decode``), through CUDA graphs,
     over decode steps that seal blocks; every block is freed after."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvserve.layers import triton_attention
     cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=1024, num_hidden_layers=3,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                       rope_theta=500000.0, tie_word_embeddings=False)
@@ -88,10 +86,10 @@ def test_kivi_int4_decode_fused_write_same_tokens(tmp_path, monkeypatch):
     prompts = [torch.randint(0, 2000, (n,), generator=gen).tolist() for n in (1, 63, 64, 130, 700)]
     got = {}
     for fused in (False, True):
-        monkeypatch.setattr(triton_attention, "FUSED_ROPE_DECODE", fused)
         llm = LLM(str(tmp_path / "m"), device="cuda", dtype="bfloat16", show_progress=False, kv_cache_memory="1GiB",
-                  kv_cache_dtype="int4", block_size=64, max_num_batched_tokens=512)
-        assert llm.engine.runner.graphs is not None
+                  kv_cache_dtype="int4", block_size=64, max_num_batched_tokens=512,
+                  kernel=KernelConfig(fused_rope_decode=fused))
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.backend.kernel.fused_rope_decode is fused
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=80, temperature=0, ignore_eos=True), use_tqdm=False)
         got[fused] = [o.outputs[0].token_ids for o in outs]

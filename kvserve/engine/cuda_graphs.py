@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels.decode_attention import decode_splits
-from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context
+from kvserve.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 

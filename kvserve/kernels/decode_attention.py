@@ -14,24 +14,20 @@ serves every context length. A sequence of length 0 (graph padding) yields zeros
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import dot_precision, pdl_kw
+from kvserve.kernels.common import (LOG2E, RopeWrite, SplitCounters, dot_precision, merge_group, merge_splits,
+                                    online_softmax_step, pdl_kw, sm_count, wait_inputs)
 from kvserve.kernels.kv_quant import (compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile,
                                       rope_rotate, tile_scales)
-from kvserve.kernels.online_softmax import online_softmax_step
-from kvserve.kernels.pdl import wait_inputs
 
-_LOG2E = 1.4426950408889634
 # Launch options with the fused RoPE + KV write: no FMA contraction, or the rotation would round
 # once fewer than ``rope_kv_write`` does (``rope_rotate``)
-ROPE_LAUNCH = {"enable_fp_fusion": False}
-# KIVI int4 caches with heads of 128 go through the Gluon kernel of ``kivi_decode`` on the GPU
-# (``kivi_decode.supported``); False: this file's kernel (the benchmarks' A/B)
-KIVI_GLUON = True
+ROPE_LAUNCH = MappingProxyType({"enable_fp_fusion": False})
 
 
 @triton.jit
@@ -144,11 +140,10 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         # Compressed, a scale per token and head (per channel for KIVI keys): the scales are
         # folded around the dots. A tile lies in one block. The loop fetches the next tile's
         # scales, and the block of the one after, while it works on this one: Triton pipelines
-        # no 2-byte load, and waited for in their own tile they cost a memory latency per tile
-        # (fp8 at batch 32 x 32k on the H200: 1.48x -> 1.64x bf16's speed). The codes' block is
-        # read again in the loop, from the table: the pipeliner prefetches loads addressed
-        # through an in-loop load, and stopped prefetching the codes when their block came from
-        # the previous iteration (seen in the SASS).
+        # no 2-byte load, and waited for in their own tile they cost a memory latency per tile.
+        # The codes' block is read again in the loop, from the table: the pipeliner prefetches
+        # loads addressed through an in-loop load, and does not prefetch the codes when their
+        # block comes from the previous iteration.
         tp = tl.load(bt_row + start // PAGE, mask=start < end, other=0).to(tl.int64)
         ks, vs = tile_scales(KS, VS, tp, start % PAGE + w, start + w < end, kvh, start + BLOCK_N - 1 < full_end,
                              s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, FMT, HEAD_DIM)
@@ -198,58 +193,18 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         tl.debug_barrier()
         counter = COUNTS + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
-            _merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
+            merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
                          stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_D, MERGE_S)
             tl.atomic_xchg(counter, 0)
 
 
-@triton.jit
-def _merge_group(OP, LSEP, O, b, kvh, n_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
-                 stride_oh, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr):
-    """Combine the ``n_splits`` partials of KV head ``kvh``'s query heads by their log-sum-exps,
-    ``HEADS`` heads at a time (all of a group up to 1,024 channels): (head, channel) flattened
-    into one axis, the splits taken ``MERGE_S`` at a time with an online softmax over them. A
-    short context's merge is then a round trip to L2 or a few, not one per head: batch-1 decode
-    on the H200 (Llama-3-8B shape, 512-token prompt) went from 223.2 to 230.1 tok/s, and from
-    203.5 to 210.6 at 7,936 tokens (BENCHMARKS.md). Each column loads its head's log-sum-exp
-    itself (a broadcast load). Loads bypass L1 (``.cg``): the other splits wrote them from other
-    SMs."""
-    c = tl.arange(0, HEADS * BLOCK_D)
-    dd = c % BLOCK_D
-    s = tl.arange(0, MERGE_S)
-    for h0 in range(0, GROUP, HEADS):
-        hi = h0 + c // BLOCK_D
-        h = kvh * GROUP + hi
-        cmask = (hi < GROUP) & (dd < HEAD_DIM)
-        m = tl.full([HEADS * BLOCK_D], float("-inf"), tl.float32)
-        total = tl.zeros([HEADS * BLOCK_D], tl.float32)
-        acc = tl.zeros([HEADS * BLOCK_D], tl.float32)
-        for s0 in range(0, n_splits, MERGE_S):
-            ok = ((s0 + s) < n_splits)[:, None] & cmask[None, :]
-            lse = tl.load(LSEP + b * stride_lb + h[None, :] * stride_lh + (s0 + s)[:, None], mask=ok,
-                          other=float("-inf"), cache_modifier=".cg")
-            parts = tl.load(OP + b * stride_pb + h[None, :] * stride_ph + (s0 + s)[:, None] * stride_ps
-                            + dd[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # (a column with no keys yet stays at zero)
-            alpha = tl.where(m > float("-inf"), tl.exp2(m - base), 0.0)
-            w = tl.where(lse > float("-inf"), tl.exp2(lse - base[None, :]), 0.0)
-            total = total * alpha + tl.sum(w, 0)
-            acc = acc * alpha + tl.sum(parts * w, 0)
-            m = m_new
-        out = acc / tl.where(total > 0, total, 1.0)
-        tl.store(O + b * stride_ob + h * stride_oh + dd, out.to(O.dtype.element_ty), mask=cmask)
-
-
 def register_cap(eight_bit: bool, fused: bool, num_warps: int, programs: int, sms: int) -> int | None:
-    """Registers per thread to cap a CUDA launch at (None: ptxas's choice), as measured on an
-    H200. 8-bit caches at 2 warps: 160 (ptxas took 168; capped, fp8 at 32 x 32k 0.545 ms against
-    0.585, int8 unchanged). The fused RoPE + KV write in a grid of more than two programs per SM:
-    128. It takes ptxas from 116 registers to 154, 3 programs of 4 warps per SM instead of 4, and a
-    grid of more than one wave then runs in two. Capped (an 8-byte spill): bf16 at 32 x 32k 0.970 ms
-    against 1.279 uncapped and 0.975 for the separate kernel + attention; 256 x 1k 0.278 / 0.298 /
-    0.291 (BENCHMARKS.md, tenth session). Smaller grids (batch 1) need no more than 2 per SM."""
+    """Registers per thread to cap a CUDA launch at (None: ptxas's choice), tuned on an H200.
+    8-bit caches at 2 warps: 160, a little under ptxas's choice and faster. The fused RoPE + KV
+    write in a grid of more than two programs per SM: 128. Uncapped, the write takes ptxas to 154
+    registers, 3 programs of 4 warps fit an SM instead of 4, and a grid of more than one wave runs
+    in two; capped (an 8-byte spill) the fused kernel is as fast as the separate write kernel plus
+    attention, or faster. Smaller grids (batch 1) need no more than 2 programs per SM."""
     if eight_bit and num_warps == 2:
         return 160
     if fused and programs > 2 * sms:
@@ -257,42 +212,11 @@ def register_cap(eight_bit: bool, fused: bool, num_warps: int, programs: int, sm
     return None
 
 
-def merge_splits(group: int, block_d: int, num_warps: int, small_grid: bool = False) -> tuple[int, int]:
-    """(HEADS, MERGE_S) of ``_merge_group``: heads per pass (the group padded to a power of two, at
-    most 1,024 channels: a large group, as in multi-query attention, takes several passes), and
-    splits per round such that each [MERGE_S, HEADS * BLOCK_D] tile holds 16 values per thread (at
-    32 the merge raised the bf16 kernel from 120 to 152 registers, above what its loop needs), or
-    64 in a grid of at most 2 programs per SM with no register cap (``small_grid``: small
-    batches, where registers limit nothing and a 16-split merge takes one round instead of four;
-    bf16: 238 registers; batch-1 decode at 7,936 tokens on the H200: 208.9 -> 210.6 tok/s, the
-    same at 512). Under the 8-bit formats' 160-register cap it would spill."""
-    heads = min(triton.next_power_of_2(group), max(1, 1024 // block_d))
-    return heads, max(1, (64 if small_grid else 16) * 32 * num_warps // (heads * block_d))
-
-
-_COUNTS: dict = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, kv head), that the split kernel leaves zeroed.
-    Allocated once per device, outside any graph capture (the graphs' warm-up runs first); a
-    larger batch gets a larger buffer and the old one stays alive for the graphs that use it."""
-    have = _COUNTS.get(device)
-    if have is None or have[-1].numel() < n:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "split counters must exist before graph capture"
-        _COUNTS.setdefault(device, []).append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return _COUNTS[device][-1]
-
-
-_NUM_SMS: int | None = None
-
-
 def split_per_sm(fmt) -> int:
     """Programs per SM to aim for (``num_splits``) with a cache of format ``fmt`` (a KVFormat;
     None: uncompressed). 8-bit caches: 16, their small programs (2 warps) hide the dequantizing
-    loads' latency by numbers (fp8 at batch 32 x 32k on an H200: 0.65 ms at 16, 0.76 at 8, 0.84
-    at 2); otherwise 2. (``kivi_decode`` cuts its splits itself, from the lengths.)"""
+    loads' latency by numbers; otherwise 2. (``kivi_decode`` cuts its splits itself, from the
+    lengths.)"""
     if fmt is None or not fmt.quantized or fmt.kivi:
         return 2
     return 16
@@ -301,7 +225,7 @@ def split_per_sm(fmt) -> int:
 def num_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
     """Enough programs to fill the GPU ``per_sm`` times over (``split_per_sm``); a function of the
     batch only (graph-safe)."""
-    return max(1, min(32, math.ceil(per_sm * _sm_count(device) / max(1, batch * num_kv_heads))))
+    return max(1, min(32, math.ceil(per_sm * sm_count(device) / max(1, batch * num_kv_heads))))
 
 
 def decode_splits(fmt, batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -312,35 +236,22 @@ def decode_splits(fmt, batch: int, num_kv_heads: int, device: torch.device) -> i
     return num_splits(batch, num_kv_heads, device, split_per_sm(fmt))
 
 
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs (4 for the CPU's interpreter runs)."""
-    global _NUM_SMS
-    if device.type != "cuda":
-        return 4
-    if _NUM_SMS is None:
-        _NUM_SMS = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None,
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, maxnreg: int | None = None, rope: tuple | None = None,
-                           res_mapping: torch.Tensor | None = None, plans: dict | None = None) -> torch.Tensor:
+                           num_stages: int = 2, maxnreg: int | None = None, rope: RopeWrite | None = None,
+                           pdl: bool = True, counters: SplitCounters | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
     included); ``block_n``, ``num_warps``, ``num_stages``, ``maxnreg`` (registers per thread):
-    the launch, None for the measured defaults. ``rope`` (where ``fuses_rope``): (positions
-    [B], slot_mapping [B], k [B, KVH, D], v [B, KVH, D], cos, sin) of this step's tokens, unrotated:
-    ``rope_kv_write``'s work done in this kernel (q rotated in registers, left as it is in memory;
-    k rotated and k, v stored at each slot >= 0 by the split that reads that key, which must be
-    the sequence's last, ``seq_lens - 1``); a KIVI cache also takes ``res_mapping`` [B] (the key's
-    place in the residual, ``rope_kv_write_quant``'s) and there seals the block the key fills
-    where ``kivi_decode.seals`` (``seal_keys`` runs before otherwise). ``plans``: the step's dict
-    (``AttentionMetadata.plans``), where a kernel that plans the step's work (``kivi_decode``'s
-    splits) keeps the plan for the next layers. Returns [B, H, D]."""
+    the launch, None for the tuned defaults. ``rope`` (uncompressed caches): this step's tokens,
+    unrotated: ``rope_kv_write``'s work done in this kernel (q rotated in registers, left as it
+    is in memory; k rotated and k, v stored at each slot >= 0 by the split that reads that key,
+    which must be the sequence's last, ``seq_lens - 1``). ``pdl``: programmatic dependent launch
+    where the GPU has it. ``counters``: the splits' counters (the caller's, kept across launches
+    and graph captures; None: fresh ones for this launch). Returns [B, H, D]."""
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -358,27 +269,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         out = torch.empty_like(q)
     if B == 0:
         return out
-    if views is not None and _gluon_kivi(views, q) and block_n is None and num_warps is None:
-        from kvserve.kernels import kivi_decode
-        if rope is not None:  # (the positions are seq_lens - 1)
-            _, slots, k_new, v_new, cos, sin = rope
-            rope = (slots, res_mapping, k_new, v_new, cos, sin)
-        return kivi_decode.kivi4_decode(q, views, block_tables, seq_lens, res_slots, scale, out, rope=rope,
-                                        plans=plans)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_G = max(16, triton.next_power_of_2(group))
     fast = fast_path(fmt_kw, D)
     eight_bit = fast and fmt_kw["FMT"] != 3
     # 8-bit on CUDA: 64-key tiles (a block's worth by default), 2 warps, 2 stages, 160 registers
-    # (and split_per_sm's 16 programs per SM): measured best on an H200 (batch 32 x 32k, GQA 32/8).
+    # (and split_per_sm's 16 programs per SM): the best on an H200 (batch 32 x 32k, GQA 32/8).
     # Larger blocks keep 64-key tiles: 2 warps hold a tile in registers.
     if block_n is None and eight_bit and q.is_cuda:
         block_n = 64 if D <= 128 else 32
     elif block_n is None:
         block_n = max(16, min(64, page * 4)) if D <= 128 else 32
-    if num_warps is None:  # (KIVI too: 1.10 ms at 2 warps against 1.33 at 4)
+    if num_warps is None:  # (the compressed fast path, KIVI too: 2 warps are faster than 4)
         num_warps = 2 if fast and q.is_cuda else 4
-    programs, sms = B * KVH * splits, _sm_count(q.device)
+    programs, sms = B * KVH * splits, sm_count(q.device)
     if maxnreg is None and q.is_cuda:
         maxnreg = register_cap(eight_bit, rope is not None, num_warps, programs, sms)
     block_n = fit_tile(views, block_n, fast)
@@ -388,51 +292,35 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     if splits > 1:
         op = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         lsep = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        counts = (counters or SplitCounters()).get(q.device, B * KVH)
     else:
-        op, lsep = out, seq_lens  # unused placeholders
+        op, lsep, counts = out, seq_lens, seq_lens  # unused placeholders
     kc, vc, ks, vs, res, *strides = cache_args
     rs = res_slots if res_slots is not None else seq_lens
     if rope is not None:
         assert views is None, "the fused RoPE + KV write takes an uncompressed cache"
-        positions, slots, k_new, v_new, cos, sin = rope
+        k_new, v_new, cos, sin = rope.k, rope.v, rope.cos, rope.sin
         assert k_new.shape == v_new.shape == (B, KVH, D) and k_new.stride(-1) == v_new.stride(-1) == 1
         assert D % 2 == 0 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(-1) == 1
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        rope_args = [positions, slots, k_new, v_new, cos, sin,
+        rope_args = [rope.positions, rope.slots, k_new, v_new, cos, sin,
                      k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0)]
     else:
         rope_args = [seq_lens, seq_lens, q, q, q, q, 0, 0, 0, 0, 0]  # (placeholders)
     _decode_split_kernel[(B, KVH, splits)](
-        q, kc, vc, ks, vs, res, block_tables, seq_lens, rs, out, op, lsep,
-        _split_counters(q.device, B * KVH) if splits > 1 else seq_lens, *rope_args,
+        q, kc, vc, ks, vs, res, block_tables, seq_lens, rs, out, op, lsep, counts, *rope_args,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0),
         out.stride(0), out.stride(1),
         op.stride(0) if splits > 1 else 0, op.stride(1) if splits > 1 else 0,
         op.stride(2) if splits > 1 else 0,
         lsep.stride(0) if splits > 1 else 0, lsep.stride(1) if splits > 1 else 0,
-        scale * _LOG2E,
+        scale * LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, PREC=dot_precision(q.dtype),
         FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
         HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
-        **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q), **(ROPE_LAUNCH if rope is not None else {}))
+        **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q, pdl), **(ROPE_LAUNCH if rope is not None else {}))
     return out
-
-
-def _gluon_kivi(views, q: torch.Tensor) -> bool:
-    """Whether a compressed layer's decode attention goes to ``kivi_decode`` (KIVI int4, heads of
-    128, CUDA: ``kivi_decode.supported``)."""
-    if not (KIVI_GLUON and views.fmt.kivi):
-        return False
-    from kvserve.kernels import kivi_decode
-    return kivi_decode.supported(views, q)
-
-
-def fuses_rope(k_cache, q: torch.Tensor) -> bool:
-    """Whether ``paged_decode_attention`` takes ``rope=`` (does the step's RoPE + KV write itself)
-    for this layer's cache and query: an uncompressed cache, or a KIVI int4 layer of
-    ``kivi_decode``'s."""
-    return isinstance(k_cache, torch.Tensor) or _gluon_kivi(k_cache, q)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):

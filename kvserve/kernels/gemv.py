@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import dot_precision, pdl_kw
-from kvserve.kernels.pdl import wait_inputs
+from kvserve.kernels.common import dot_precision, pdl_kw, wait_inputs
 from kvserve.kernels.silu_mul import silu_mul_rounded
 
 MAX_ROWS = 32  # rows of x this kernel takes; more go to cuBLAS
@@ -132,16 +131,14 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, up_offset
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_bytes: int = 2) -> dict:
-    """Tile per shape at the Llama-3-8B shapes on the H200. Several rows: from the sweep
+    """Tile per shape, tuned at the Llama-3-8B shapes on the H200. Several rows: from the sweep
     (``benchmarks/gemv_tune.py``). One row: 4 output rows per program (2 gate + 2 up rows with
-    the fused SiLU), 1 KiB row segments per load, two tiles asked for ahead: measured in the
-    engine's batch-1 decode (graphs, PDL), 223.4 tok/s against 218.9 with one 2-4 KiB tile ahead
-    (three or four ahead: 194-200; isolated timings, which see no kernel to overlap, ranked these
-    the other way). Up to 16 rows: 16-row dot tiles, 3 stages of (x, W[, W_up]) tiles in shared
-    memory (float32 takes shorter tiles to fit). 17 to 32 rows: 128 rows of W (and 128 of W_up)
-    on the product's M side by 128 columns, 3 stages: the fused gate/up + SiLU at 32 rows took
-    67.2 us against cuBLAS + SiLU's 71.6 (L2 flushed), and the engine's decode step at batch 32
-    (16 layers of the 8B shape) up to 0.10 ms less (BENCHMARKS.md, thirteenth session)."""
+    the fused SiLU), 1 KiB row segments per load, two tiles asked for ahead: chosen in the
+    engine's batch-1 decode (graphs, PDL), where the prefetch overlaps the previous kernel (timed
+    alone, which sees no kernel to overlap, the variants rank the other way). Up to 16 rows:
+    16-row dot tiles, 3 stages of (x, W[, W_up]) tiles in shared memory (float32 takes shorter
+    tiles to fit). 17 to 32 rows: 128 rows of W (and 128 of W_up) on the product's M side by 128
+    columns, 3 stages."""
     if M == 1:
         return {"BLOCK_N": 2 if silu_mul else 4, "BLOCK_K": 512 * 2 // elem_bytes, "PREFETCH": 2,
                 "num_warps": 4, "num_stages": 1}
@@ -153,9 +150,10 @@ def default_config(M: int, N: int, K: int, silu_mul: bool = False, elem_bytes: i
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         silu_mul: bool = False, config: dict | None = None) -> torch.Tensor:
+         silu_mul: bool = False, config: dict | None = None, pdl: bool = True) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] row-major -> [M, N]; with ``silu_mul``, weight is
-    [gate | up] ([2I, K]) and the result silu(x W_gate.T) * (x W_up.T), [M, I]."""
+    [gate | up] ([2I, K]) and the result silu(x W_gate.T) * (x W_up.T), [M, I]. ``config``: the
+    tile (None: ``default_config``); ``pdl``: programmatic dependent launch where the GPU has it."""
     assert x.dim() == 2 and weight.dim() == 2, "gemv takes x [M, K] and weight [N, K]"
     M, K = x.shape
     assert 1 <= M <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {M}"
@@ -177,7 +175,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                        x.stride(0), weight.stride(0), y.stride(0), N,
                        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=K % block_k == 0,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                       PRECISION=dot_precision(weight.dtype), **pdl_kw(x), **cfg)
+                       PRECISION=dot_precision(weight.dtype), **pdl_kw(x, pdl), **cfg)
     return y
 
 

@@ -3,8 +3,8 @@ codes go from global memory straight into the tensor-core operands' registers.
 
 Why a second kernel: the Triton kernel (``decode_attention`` through ``kv_quant.compressed_tile``)
 leaves the codes' placement to the compiler, which moves them through shared memory byte by byte
-into the products' operand layout. At batch 32 x 32k on an H200 that is 2,300 instructions per
-64-key tile and warp, bound by issue, not memory: 1.10 ms per layer against bf16's 0.96.
+into the products' operand layout: at long contexts it is bound by instruction issue, not memory,
+and slower than bf16's attention, which reads four times the bytes.
 
 **The layout.** Both products are ``mma.m16n8k16``: ``S^T = K q^T`` with the keys on M, ``O^T =
 V^T P^T`` with the channels on M, and the GQA group's queries on N (8 columns, so a group of 4
@@ -27,30 +27,30 @@ as two running sums beside ``l_i``. Products run in fp16 for bf16 models too: fp
 offset codes exactly and rounds q * scale and p * scale to 11 bits instead of 8.
 
 **The loop** asks for the next tile's codes and scales before working on this one (one warp per
-program holds both in registers: 236 of them), and for the tile after next into L2 (its own
-codes and scales, ``L2_AHEAD``): with 8 warps per SM, a register prefetch alone leaves too few
-bytes in flight.
+program holds both in registers: about 240 of them), and for a tile further ahead into L2 (its
+own codes and scales, ``l2_ahead`` tiles ahead): with 8 warps per SM, a register prefetch alone
+leaves too few bytes in flight.
 A tile's addresses are one base per thread plus immediates (the cache strides are compile-time
 constants, ``cache_strides``, and ``_hint`` keeps the loads 16 and 8 bytes wide); sealed tiles
 are whole, so unmasked; the softmax's three running sums stay per lane (``_lane_sum``) until the
-end. 894 SASS instructions per tile and warp (1,234 before these). The newest keys of a sequence
-(its unsealed block) come from the full-precision residual, after the loop.
+end. The newest keys of a sequence (its unsealed block) come from the full-precision residual,
+after the loop.
 
-**The splits** follow the lengths (``_work``): one wave of programs (``WAVE`` per SM), the
+**The splits** follow the lengths (``_work``): one wave of programs (``wave`` per SM), the
 batch's keys cut into splits of about equal length, so a sequence gets splits in proportion to
 its length and no program waits on a longer one. The plan is made once a step, for every layer
 (``split_plan``): a program's first load is its row (sequence, key range, the first tile's
-block), then the first tile. Their merge is ``_merge_group``, in a small second kernel.
+block), then the first tile. Their merge is ``common.merge_group``, in a small second kernel.
 
 **The step's token** (``rope=``, the engine's decode steps): every program rotates q in registers;
 the split that reads the sequence's last key first writes this step's key into the residual and
 quantizes its value, and with 64-token blocks seals the block that key fills, all operation for
 operation as ``rope_kv_write_quant`` and ``seal_keys`` (the same bytes); then a barrier, then its
 reads. Two kernels a layer fewer. The first tile is asked for before q is loaded and rotated.
-Engine step at batch 32 x 32k on an H200: 7.34 -> 7.26 ms (2.445x -> 2.47x bf16's); with the plan
-made once a step and each program asking for its own tile into L2, 7.10-7.17 ms (2.49-2.51x).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -59,22 +59,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kvserve import kernels
-from kvserve.kernels.decode_attention import _LOG2E, _merge_group, _sm_count, merge_splits
-from kvserve.layers.kv_format import _TINY
+from kvserve.kernels import interpreting
+from kvserve.kernels.common import LOG2E, RopeWrite, capability, merge_group, merge_splits, sm_count
+from kvserve.kv_format import MIN_SCALE
 
 BLOCK_N = gl.constexpr(64)  # keys per tile
 QN = gl.constexpr(8)  # the N side of the products: the GQA group's queries, padded
 OFF = gl.constexpr(1024.0)  # the codes enter the products as fp16 OFF + c (or OFF + 16 c)
-# Tiles ahead asked into L2 (sm90's bulk prefetch): at batch 32 x 32k 0.437 -> 0.384 ms at 2; 3:
-# 0.414, 4: 0.467, 6: 0.54 (L2 thrashes), each program asking for an eighth of the block. Each
-# asking for its own tile (since): 0.318-0.320 ms at 2, 0.331-0.333 at 3
+# The launcher's defaults (``KernelConfig.kivi_l2_ahead``, ``kivi_wave``): tiles ahead that each
+# program asks into L2 (sm90's bulk prefetch; further ahead, L2 thrashes), and the programs per SM
+# of the grid's one wave (the one-warp programs of ~240 registers an SM holds at once)
 L2_AHEAD = 2
-# The grid is one wave: programs per SM that it fills (the one-warp programs of ~240 registers an
-# SM holds at once), with the sequences' keys cut into splits of about equal length (``_work``).
-# Against two waves of a fixed split count per batch size (H200): 32 x 32k 0.322-0.328 ms against
-# 0.325-0.328; 32 sequences of 1k-32k 0.202-0.215 against 0.260-0.262; 64 of 1k-16k 0.191-0.192
-# against 0.246-0.248
 WAVE = 8
 MAX_SPLITS = 32  # splits of one sequence at most (the merge's)
 PLAN_W = gl.constexpr(8)  # int32 words per work item of the step's plan (``_plan_kernel``)
@@ -550,9 +545,9 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, RSLOTS, O, OP, LSEP, PLAN, 
         lane = gl.arange(0, 32, layout=_LANE)
         for s in range(start, sealed_end, BLOCK_N):
             s1 = gl.minimum(s + BLOCK_N, last)
-            if L2_AHEAD:  # the tile L2_AHEAD ahead, into L2: this program's own codes and scales. (Each
-                # of a sequence's KV-head programs asking for an eighth of the block, a program
-                # whose neighbour ran behind found its tile not yet asked for: 0.329 -> 0.320 ms)
+            if L2_AHEAD:  # the tile L2_AHEAD ahead, into L2: this program's own codes and scales (not a
+                # share of a block that its neighbours ask for the rest of: one that runs behind
+                # would leave this program's tile not yet asked for)
                 s2 = gl.minimum(s + L2_AHEAD * BLOCK_N, last)
                 page2 = gl.load(bt_row + s2 // PAGE).to(gl.int64)
                 w2 = s2 % PAGE
@@ -608,18 +603,16 @@ def _kivi4_decode_kernel(Q, KC, VC, KS, VS, RES, BT, RSLOTS, O, OP, LSEP, PLAN, 
 @triton.jit
 def _merge_kernel(WORK, OP, LSEP, O, stride_ps, stride_ph, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr,
                   HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr):
-    """The splits' merge (``decode_attention._merge_group``) for one (sequence, KV head) whose
-    keys took more than one split (``WORK``: its first work item and splits); grid (B, kvh). A
-    kernel of its own: the Gluon kernel's last split to finish merging them (an acquire-release
-    counter, as ``decode_attention`` does) made the engine's step at batch 32 x 32k 0.016 ms
-    slower (7.130 against 7.114 ms, H200; BENCHMARKS.md, fifteenth session): the counter's round
-    trip and the partials' reads sit on the kernel's tail."""
+    """The splits' merge (``common.merge_group``) for one (sequence, KV head) whose keys took more
+    than one split (``WORK``: its first work item and splits); grid (B, kvh). A kernel of its own,
+    not the last split to finish (as ``decode_attention`` does): there the counter's round trip
+    and the partials' reads would sit on the Gluon kernel's tail."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     first = tl.load(WORK + 2 * b)
     n = tl.load(WORK + 2 * b + 1)
     if n > 1:
-        _merge_group(OP + first * stride_ps, LSEP + first, O, b.to(tl.int64), kvh, n, 0, stride_ph, stride_ps, 0,
+        merge_group(OP + first * stride_ps, LSEP + first, O, b.to(tl.int64), kvh, n, 0, stride_ph, stride_ps, 0,
                      stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, HEAD_DIM, MERGE_S)
 
 
@@ -635,9 +628,9 @@ def supported(views, q: torch.Tensor) -> bool:
     most 8 query heads, a CUDA GPU of compute capability 8.0 or later (``mma.sync`` m16n8k16),
     not the interpreter."""
     f = views.fmt
-    return (fmt_supported(f) and q.is_cuda and not kernels.interpreting() and q.dtype == f.model_dtype
+    return (fmt_supported(f) and q.is_cuda and not interpreting() and q.dtype == f.model_dtype
             and q.shape[1] % f.num_kv_heads == 0 and q.shape[1] // f.num_kv_heads <= QN
-            and views.residual is not None and kernels._capability(q.device.index or 0) >= 8)
+            and views.residual is not None and capability(q.device) >= 8)
 
 
 def _words(views):
@@ -656,28 +649,36 @@ def cache_strides(views) -> tuple[int, ...]:
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), vs.stride(2))
 
 
-def work_items(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = MAX_SPLITS) -> int:
-    """Work items per KV head (the grid's second axis): a wave of ``WAVE`` programs per SM, at
+def work_items(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = MAX_SPLITS,
+               wave: int = WAVE) -> int:
+    """Work items per KV head (the grid's second axis): a wave of ``wave`` programs per SM, at
     least one per sequence, at most ``max_splits`` per sequence."""
-    return max(batch, min(batch * max_splits, WAVE * _sm_count(device) // num_kv_heads))
+    return max(batch, min(batch * max_splits, wave * sm_count(device) // num_kv_heads))
 
 
-def split_plan(seq_lens: torch.Tensor, block_tables: torch.Tensor, nw: int, page: int, max_splits: int,
-               plans: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's split plan for ``nw`` work items (``_plan_kernel``): (PLAN [nw, PLAN_W], WORK
-    [B, 2]) int32. Kept in ``plans`` (the step's ``AttentionMetadata.plans``) and taken from there
-    by the step's other layers: the lengths and block tables are every layer's."""
+class SplitPlan(NamedTuple):
+    """A step's split plan (``_plan_kernel``), the same for every layer: the lengths and block
+    tables are every layer's. The attention backend keeps it on the step's metadata."""
+    rows: torch.Tensor  # [items, PLAN_W] int32: each work item's row
+    work: torch.Tensor  # [B, 2] int32: each sequence's first work item and splits (the merge's)
+    max_splits: int
+
+    @property
+    def items(self) -> int:
+        return self.rows.shape[0]
+
+
+def split_plan(seq_lens: torch.Tensor, block_tables: torch.Tensor, num_kv_heads: int, page: int,
+               max_splits: int = MAX_SPLITS, wave: int = WAVE) -> SplitPlan:
+    """The split plan of a step's batch (``seq_lens`` [B], ``block_tables``) for a cache of
+    ``num_kv_heads`` heads and ``page``-token blocks: ``work_items`` work items per KV head."""
     B = seq_lens.shape[0]
-    key = ("kivi4", seq_lens.data_ptr(), block_tables.data_ptr(), B, nw, page, max_splits)
-    if plans is not None and key in plans:
-        return plans[key]
-    plan = torch.empty(nw, PLAN_W.value, dtype=torch.int32, device=seq_lens.device)
+    nw = work_items(B, num_kv_heads, seq_lens.device, max_splits, wave)
+    rows = torch.empty(nw, PLAN_W.value, dtype=torch.int32, device=seq_lens.device)
     work = torch.empty(B, 2, dtype=torch.int32, device=seq_lens.device)
-    _plan_kernel[(nw,)](seq_lens, block_tables, plan, work, B, nw, block_tables.stride(0), MAXS=max_splits,
+    _plan_kernel[(nw,)](seq_lens, block_tables, rows, work, B, nw, block_tables.stride(0), MAXS=max_splits,
                         BPAD=max(32, triton.next_power_of_2(B)), PAGE=page, num_warps=1)
-    if plans is not None:
-        plans[key] = (plan, work)
-    return plan, work
+    return SplitPlan(rows, work, max_splits)
 
 
 def seals(fmt) -> bool:
@@ -689,15 +690,17 @@ def seals(fmt) -> bool:
 
 def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  res_slots: torch.Tensor, scale: float, out: torch.Tensor, max_splits: int = MAX_SPLITS,
-                 rope: tuple | None = None, plans: dict | None = None) -> torch.Tensor:
+                 rope: RopeWrite | None = None, plan: SplitPlan | None = None, l2_ahead: int = L2_AHEAD,
+                 wave: int = WAVE) -> torch.Tensor:
     """Decode attention over a KIVI int4 layer (``supported``); arguments as
     ``paged_decode_attention``'s; a sequence's keys in at most ``max_splits`` splits, the splits
-    of equal length over the batch (``_work``). ``rope``: (slot_mapping [B], res_mapping [B],
-    k [B, KVH, D], v [B, KVH, D], cos, sin) of this step's tokens, each its sequence's last key
-    (position ``seq_lens - 1``), q, k and v before RoPE: ``rope_kv_write_quant``'s work done in
-    this kernel (q rotated in registers and left as it is in memory; k and v written by the split
-    that reads the sequence's last key), and where ``seals(fmt)`` ``seal_keys``' too (else it runs
-    before this). Returns ``out``."""
+    of equal length over the batch (``_work``), ``wave`` programs per SM. ``rope``: this step's
+    tokens (``slots``, ``res_mapping``, ``k``, ``v``, ``cos``, ``sin``; the positions are
+    ``seq_lens - 1``), q, k and v before RoPE: ``rope_kv_write_quant``'s work done in this kernel
+    (q rotated in registers and left as it is in memory; k and v written by the split that reads
+    the sequence's last key), and where ``seals(fmt)`` ``seal_keys``' too (else it runs before
+    this). ``plan``: the step's ``split_plan`` (None: made here). ``l2_ahead``: tiles ahead asked
+    into L2 on sm90 and later (0: none). Returns ``out``."""
     B, H, D = q.shape
     f = views.fmt
     KVH = f.num_kv_heads
@@ -706,33 +709,35 @@ def kivi4_decode(q: torch.Tensor, views, block_tables: torch.Tensor, seq_lens: t
     res = views.residual
     assert q.stride(-1) == 1 and res.stride(-1) == 1 and kc.stride(-1) == 1 and ks.stride(2) == 1
     assert res.stride(0) == f.block_size * res.stride(1)
-    assert 1 <= max_splits <= MAX_SPLITS
+    assert 1 <= max_splits <= MAX_SPLITS and l2_ahead >= 0
     if B == 0:
         return out
-    nw = work_items(B, KVH, q.device, max_splits)
+    if plan is None:
+        plan = split_plan(seq_lens, block_tables, KVH, f.block_size, max_splits, wave)
+    assert plan.max_splits == max_splits and plan.work.shape[0] == B
+    nw = plan.items
     split = nw > B
     op = torch.empty(nw, H, D, dtype=torch.float32, device=q.device) if split else out  # (else unused)
     lsep = torch.empty(H, nw, dtype=torch.float32, device=q.device) if split else out
-    plan, work = split_plan(seq_lens, block_tables, nw, f.block_size, max_splits, plans)
     if rope is not None:
-        slots, res_mapping, k_new, v_new, cos, sin = rope
+        k_new, v_new, cos, sin = rope.k, rope.v, rope.cos, rope.sin
         assert k_new.shape == v_new.shape == (B, KVH, D) and k_new.stride(-1) == v_new.stride(-1) == 1
-        assert slots.shape == res_mapping.shape == (B,)
+        assert rope.res_mapping is not None and rope.slots.shape == rope.res_mapping.shape == (B,)
         assert cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(-1) == 1
-        rope_args = (slots, res_mapping, k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
-                     v_new.stride(1), cos.stride(0))
+        rope_args = (rope.slots, rope.res_mapping, k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1),
+                     v_new.stride(0), v_new.stride(1), cos.stride(0))
     else:
         rope_args = (seq_lens, seq_lens, q, q, q, q, 0, 0, 0, 0, 0)  # (placeholders)
     _kivi4_decode_kernel[(KVH, nw)](
-        q, kc, vc, ks, vs, res, block_tables, res_slots, out, op, lsep, plan, B, *rope_args,
+        q, kc, vc, ks, vs, res, block_tables, res_slots, out, op, lsep, plan.rows, B, *rope_args,
         q.stride(0), q.stride(1), *cache_strides(views), res.stride(1), res.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), H * D, D, nw, scale * _LOG2E,
+        block_tables.stride(0), out.stride(0), out.stride(1), H * D, D, nw, scale * LOG2E,
         GROUP=group, PAGE=f.block_size, num_warps=1,
-        L2_AHEAD=L2_AHEAD if kc.stride(0) % 4 == 0 and kernels._capability(q.device.index or 0) >= 9 else 0,
-        ROPE=rope is not None, SEAL=rope is not None and seals(f), TINY=_TINY)
+        L2_AHEAD=l2_ahead if kc.stride(0) % 4 == 0 and capability(q.device) >= 9 else 0,
+        ROPE=rope is not None, SEAL=rope is not None and seals(f), TINY=MIN_SCALE)
     if split:
         heads, merge_s = merge_splits(group, D, 4)
-        _merge_kernel[(B, KVH)](work, op, lsep, out, H * D, D, nw, out.stride(0), out.stride(1), GROUP=group,
+        _merge_kernel[(B, KVH)](plan.work, op, lsep, out, H * D, D, nw, out.stride(0), out.stride(1), GROUP=group,
                                 HEADS=heads, HEAD_DIM=D, MERGE_S=min(merge_s, triton.next_power_of_2(max_splits)),
                                 num_warps=4)
     return out

@@ -1,7 +1,7 @@
 """Compressed KV in the kernels: quantize on write (fused with RoPE), seal KIVI key blocks, and
 the dequantizing tile loads the attention kernels read K and V through.
 
-Formats and byte layout: ``kvserve/layers/kv_format.py``. ``FMT`` codes, compile-time:
+Formats and byte layout: ``kvserve/kv_format.py``. ``FMT`` codes, compile-time:
 0 = uncompressed, 1 = fp8 (e4m3, symmetric), 2 = int8 (symmetric), 3 = KIVI int4/int2 (``BITS``).
 
 Every quantizing step mirrors the PyTorch reference operation for operation (fp32 arithmetic,
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve import kernels
-from kvserve.kernels.online_softmax import online_softmax_probs
-from kvserve.layers.kv_format import _TINY, FP8_MAX, INT8_MAX, KVFormat, KVViews
+from kvserve.kernels import interpreting
+from kvserve.kernels.common import online_softmax_probs
+from kvserve.kv_format import FP8_MAX, INT8_MAX, MIN_SCALE, KVFormat, KVViews
 
 FMT_PLAIN, FMT_FP8, FMT_INT8, FMT_KIVI = 0, 1, 2, 3
 
@@ -381,7 +381,7 @@ def seal_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_q: torch
         k.stride(0), k.stride(1), cos.stride(0), block_tables.stride(0),
         res.stride(0), res.stride(1), res.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
-        HEAD_DIM=D, PAGE=f.block_size, BITS=f.bits, QMAX=_qmax(f), TINY=_TINY,
+        HEAD_DIM=D, PAGE=f.block_size, BITS=f.bits, QMAX=_qmax(f), TINY=MIN_SCALE,
         num_warps=4, enable_fp_fusion=False)
 
 
@@ -399,7 +399,7 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     f = views.fmt
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and D == f.head_dim
     kc, vc, vs = views.k_codes, views.v_codes, views.v_scales
-    soft_fp8 = f.name == "fp8" and kernels.interpreting()
+    soft_fp8 = f.name == "fp8" and interpreting()
     if soft_fp8:
         kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
     if f.static:  # calibrated [kvh] scales; nothing per token
@@ -419,7 +419,7 @@ def rope_kv_write_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         *(vs_s if f.static else (vs.stride(0), vs.stride(1), vs.stride(2))), res_h, PAGE=f.block_size,
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), FMT=fmt_code(f), BITS=f.bits, GROUP=f.group,
-        QMAX=_qmax(f), TINY=_TINY, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static,
+        QMAX=_qmax(f), TINY=MIN_SCALE, WRITE_K=rotate_k_inplace, SOFT_FP8=soft_fp8, STATIC=f.static,
         VD=vc.stride(3), ROT=f.rotate_keys, LOG_D=D.bit_length() - 1, RSQRT_D=1.0 / math.sqrt(D),
         num_warps=4, enable_fp_fusion=False)
 
@@ -452,8 +452,7 @@ def _parts(x, PER: tl.constexpr):
 def _magic(c, DT: tl.constexpr):
     """Codes c (int16; 4/2-bit, so 0..15; bf16's mantissa holds 0..127) as ``DT`` values
     OFF + c, by writing them into the mantissa of the offset: logic ops, where an
-    integer-to-float conversion runs at a quarter of the rate (int4 decode attention on the
-    H200: 1.54 -> 1.33 ms). float32: c itself."""
+    integer-to-float conversion runs at a quarter of the rate. float32: c itself."""
     if DT == tl.bfloat16:
         return (c | 0x4300).to(tl.bfloat16, bitcast=True)  # 128 + c (bf16's ulp at 128 is 1)
     elif DT == tl.float16:

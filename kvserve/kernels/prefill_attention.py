@@ -16,12 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import dot_precision
+from kvserve.kernels.common import LOG2E, dot_precision, online_softmax_step
 from kvserve.kernels.kv_quant import (compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile,
                                       tile_scales)
-from kvserve.kernels.online_softmax import online_softmax_step
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -36,7 +33,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
                     FAST: tl.constexpr, VD: tl.constexpr, IDX32: tl.constexpr):
     # Query tiles in reverse: the causal tiles with the most keys start first and the light ones
-    # fill the tail (+1.5% at 8k on the H200).
+    # fill the tail.
     mt = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -83,7 +80,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
             if IDX32:
                 # One table entry per page of the tile, broadcast to its keys, and 32-bit offsets
                 # (the launcher checks the cache fits): the key/value addresses cost a third fewer
-                # integer ops on the tensor cores' warps (382 -> 432 TFLOP/s at 8k, pages of 16).
+                # integer ops on the tensor cores' warps.
                 pg = tl.load(bt_row + s // PAGE + tl.arange(0, BLOCK_N // PAGE))
                 page = tl.reshape(tl.broadcast_to(pg[:, None], [BLOCK_N // PAGE, PAGE]), [BLOCK_N])
                 within = n % PAGE
@@ -161,7 +158,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     on_gpu = q.is_cuda
     if block_m is None:
         block_m = 128 if on_gpu and max_query_len > 64 else (64 if on_gpu else 16)
-    if block_n is None:  # 128 measured fastest on an H200 for head 128 (371 vs 344 TFLOP/s at 8k)
+    if block_n is None:  # 128: the fastest on an H200 for heads of 128
         block_n = (128 if D <= 128 and max_query_len > 64 and q.element_size() == 2 else 64) if on_gpu else 16
     fast = fast_path(fmt_kw, D)
     block_n = fit_tile(views, block_n, fast)
@@ -179,7 +176,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     _prefill_kernel[grid](
         q, kc, vc, ks, vs, res, out, block_tables, cu_q, seq_lens, rs,
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
-        block_tables.stride(0), scale * _LOG2E,
+        block_tables.stride(0), scale * LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"],
         BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],

@@ -10,8 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import pdl_kw
-from kvserve.kernels.pdl import wait_inputs
+from kvserve.kernels.common import pdl_kw, wait_inputs
 
 
 @triton.jit
@@ -35,9 +34,10 @@ def _rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """x: [T, N]. With ``residual``, it is updated in place to ``x + residual`` and the norm of
-    that is returned (``(y, residual)`` in the caller's terms)."""
+    that is returned (``(y, residual)`` in the caller's terms). ``pdl``: launch with programmatic
+    dependent launch where the GPU has it."""
     assert x.dim() == 2 and x.stride(-1) == 1, "rmsnorm expects a [T, N] row-major tensor"
     T, N = x.shape
     y = torch.empty_like(x)
@@ -47,7 +47,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     assert r.stride(-1) == 1
     _rmsnorm_kernel[(T,)](x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), N, eps,
                           HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N),
-                          num_warps=4 if N <= 4096 else 8, **pdl_kw(x))
+                          num_warps=4 if N <= 4096 else 8, **pdl_kw(x, pdl))
     return y
 
 

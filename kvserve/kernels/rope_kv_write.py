@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import pdl_kw
-from kvserve.kernels.pdl import wait_inputs
+from kvserve.kernels.common import pdl_kw, wait_inputs
 
 
 @triton.jit
@@ -67,7 +66,8 @@ def _rope_kv_write_kernel(Q, K, V, POS, SLOT, COS, SIN, KC, VC,
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, rotate_k_inplace: bool = False) -> None:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, rotate_k_inplace: bool = False,
+                  pdl: bool = True) -> None:
     """q: [T, H, D], k/v: [T, KVH, D] (strided views are fine, last dim contiguous);
     cos/sin: [max_pos, D] (halves duplicated); caches: [num_blocks, block_size, KVH, D]."""
     T, H, D = q.shape
@@ -86,7 +86,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         NUM_HEADS=H, NUM_KV_HEADS=KVH, HALF=half, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KH=triton.next_power_of_2(KVH), BLOCK_HALF=triton.next_power_of_2(half),
-        WRITE_K=rotate_k_inplace, num_warps=4, **pdl_kw(q),
+        WRITE_K=rotate_k_inplace, num_warps=4, **pdl_kw(q, pdl),
         enable_fp_fusion=False)  # no FMA contraction: each product is rounded, as in the reference
 
 

@@ -5,8 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels import pdl_kw
-from kvserve.kernels.pdl import wait_inputs
+from kvserve.kernels.common import pdl_kw, wait_inputs
 
 
 @triton.jit
@@ -29,7 +28,7 @@ def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: 
     tl.store(Y + row * stride_y + cols, silu_mul_rounded(g, u, g.dtype).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0
     T, N2 = x.shape
     N = N2 // 2
@@ -38,7 +37,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return y
     BLOCK = min(2048, triton.next_power_of_2(N))
     _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4,
-                                                 **pdl_kw(x))
+                                                 **pdl_kw(x, pdl))
     return y
 
 

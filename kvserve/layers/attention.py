@@ -1,90 +1,33 @@
-"""Paged attention: the per-step context, the backend interface and the PyTorch reference.
+"""Paged attention: the backend interface and the PyTorch reference backend.
 
-The runner sets an ``AttentionMetadata`` for the step with ``forward_context``; layers read it.
-Tokens of all sequences are packed along one axis:
+Each layer first rotates q/k and writes the step's K/V into the cache at ``slot_mapping``, then
+every query attends causally to its sequence's keys, all read back through the block table (the
+step's ``AttentionMetadata``, ``layers/forward_context.py``). A backend takes q, k, v before RoPE
+so that it can fuse the rotation with the cache write.
 
-    tokens        | seq0 chunk (q=5) | seq1 (q=1) | seq2 (q=1) |
-    query_start   0                  5            6            7
-    seq_lens      ctx0 + 5           ctx1 + 1     ctx2 + 1       (keys after this step)
-
-Each layer first rotates q/k and writes the step's K/V into the cache at ``slot_mapping``,
-then every query attends causally to its sequence's keys, all read back through the block table.
-A backend takes q, k, v before RoPE so that it can fuse the rotation with the cache write.
+A backend is an object with ``name``, ``kernel`` (the ``KernelConfig`` the step's CUDA layers
+follow), ``prepare(meta, device)`` (once per step) and ``forward(positions, q, k, v, rope,
+k_cache, v_cache, meta, scale)`` (per layer); ``get_backend`` makes one by name.
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers import kv_format
-from kvserve.layers.kv_format import KVViews
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
-    seq_lens: list[int]  # keys per sequence after this step
-    query_lens: list[int]  # new tokens per sequence this step
-    query_start: list[int]  # B + 1 offsets into the token axis
-    block_size: int
-    # Built by the backend's prepare(), once per step, shared by all layers.
-    seq_tables: list[torch.Tensor] | None = None  # torch: each sequence's own blocks
-    seq_lens_t: torch.Tensor | None = None  # triton: [B] int32 on the device
-    cu_q: torch.Tensor | None = None  # triton: [B + 1] int32 on the device
-    max_query_len: int = 0
-    num_splits: int = 1  # triton decode: context splits per sequence
-    # KIVI-compressed caches (int4/int2): each sequence's row of the full-precision key residual,
-    # each token's place in it (row * block_size + offset, -1: its block is sealed this step),
-    # and the most key blocks any sequence fills (and seals) this step.
-    res_slots: list[int] | None = None
-    res_slots_t: torch.Tensor | None = None
-    res_mapping: torch.Tensor | None = None
-    max_seal: int = 0
-    # Work plans of the step's decode kernels (KIVI int4's splits), made by the first layer that
-    # needs one and read by the rest: the step's lengths are every layer's.
-    plans: dict = field(default_factory=dict)
-
-
-@dataclass
-class ForwardContext:
-    attn: AttentionMetadata
-    # per layer (K, V): [blocks, bs, kvh, d]; a compressed cache: (KVViews, None)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | tuple[KVViews, None]]
-    backend: type = None  # the attention backend class for this step
-
-    def __post_init__(self):
-        if self.backend is None:
-            self.backend = TorchPagedAttention
-
-
-_CTX: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("kvserve_fwd", default=None)
-
-
-@contextlib.contextmanager
-def forward_context(ctx: ForwardContext):
-    token = _CTX.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CTX.reset(token)
-
-
-def get_forward_context() -> ForwardContext:
-    ctx = _CTX.get()
-    if ctx is None:
-        raise RuntimeError("attention called outside forward_context()")
-    return ctx
+from kvserve import kv_format
+from kvserve.config import KernelConfig
+from kvserve.kv_format import KVViews
+from kvserve.layers.forward_context import (AttentionMetadata, ForwardContext, forward_context,  # noqa: F401
+                                            get_forward_context)
 
 
 class TorchPagedAttention:
     """Reference backend: plain PyTorch, any device."""
 
     name = "torch"
+
+    def __init__(self, kernel: KernelConfig | None = None):
+        self.kernel = kernel or KernelConfig()  # (the other layers' kernels on CUDA)
 
     @staticmethod
     def prepare(meta: AttentionMetadata, device: torch.device) -> None:
@@ -135,7 +78,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, sca
 
 
 def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The reference path for a compressed cache (``layers/kv_format.py``): quantize the step's
+    """The reference path for a compressed cache (``kvserve/kv_format.py``): quantize the step's
     K/V into it, then attend over each sequence's dequantized blocks. As in the Triton backend, a
     lone whole prompt attends to its own keys in full precision (it computed them just now)."""
     f = views.fmt
@@ -159,11 +102,12 @@ def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale:
     return out
 
 
-def get_backend(name: str = "torch"):
-    """Backends load lazily by name so the CPU path never imports what it cannot run."""
+def get_backend(name: str = "torch", kernel: KernelConfig | None = None):
+    """A backend by name, with its kernel choices (None: the defaults). Backends load lazily so
+    the CPU path never imports what it cannot run."""
     if name == "torch":
-        return TorchPagedAttention
+        return TorchPagedAttention(kernel)
     if name == "triton":
         from kvserve.layers.triton_attention import TritonPagedAttention
-        return TritonPagedAttention
+        return TritonPagedAttention(kernel)
     raise ValueError(f"unknown attention backend {name!r}; available: torch, triton")

@@ -1,2 +1,1 @@
 from kvserve.kv_format import *  # noqa: F401,F403  (moved to kvserve/kv_format.py; the engine's old imports)
-from kvserve.kv_format import MIN_SCALE as _TINY  # noqa: F401

@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+from kvserve.layers.forward_context import kernel_config
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.dim() == 2 and kernels.available(x):
             from kvserve.kernels.rmsnorm import rmsnorm
-            y = rmsnorm(x, self.weight, self.eps, residual)
+            y = rmsnorm(x, self.weight, self.eps, residual, pdl=kernel_config().pdl)
             return y if residual is None else (y, residual)
         if residual is None:
             return self._norm(x)

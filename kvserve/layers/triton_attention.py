@@ -1,40 +1,170 @@
-"""Triton attention backend (CUDA): fused RoPE + KV write, then per step the fastest correct
-kernel: paged flash-decoding when every sequence brings one token, SDPA (cuDNN/flash) for a
-single plain prompt with nothing cached, the paged varlen prefill kernel otherwise (batched
-prompts, chunked prefill, prefix-cache hits, mixed prefill + decode)."""
+"""Triton attention backend (CUDA): per layer and step, the kernels picked by one table
+(``ROUTES``) from the step's phase and the cache's kind:
+
+    phase    decode: every sequence brings one token (paged flash-decoding)
+             prompt: one whole prompt with nothing cached (SDPA, cuDNN/flash, on its own K/V)
+             prefill: anything else: batched prompts, chunked prefill, prefix-cache hits, mixed
+                      prefill + decode (the paged varlen prefill kernel)
+    cache    plain (the model's dtype), 8bit (fp8/int8), kivi (int4/int2 through the Triton
+             kernels), kivi4 (KIVI int4 that the Gluon decode kernel takes)
+
+A route is the step's RoPE + KV write (a kernel of its own) and the attention kernel; where the
+route allows it and ``KernelConfig.fused_rope_decode`` asks for it, the attention kernel does the
+write itself (one kernel less per layer; KIVI with 64-token blocks: two, the key seal too). The
+backend holds the engine's ``KernelConfig`` and passes its choices to the launchers.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.config import KernelConfig
 from kvserve.kernels import kivi_decode
-from kvserve.kernels.decode_attention import decode_splits, fuses_rope, paged_decode_attention
+from kvserve.kernels.common import RopeWrite, SplitCounters
+from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention
 from kvserve.kernels.rope_kv_write import rope_kv_write
-from kvserve.layers.attention import AttentionMetadata
-from kvserve.layers.kv_format import KVViews
+from kvserve.kv_format import KVViews
+from kvserve.layers.forward_context import AttentionMetadata
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    _SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                   SDPBackend.MATH]
+    _SDPA_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH)
 except ImportError:  # pragma: no cover - old torch
     sdpa_kernel = None
 
 
-# Decode steps with an uncompressed cache or a KIVI int4 one (``fuses_rope``): the decode
-# attention kernel does the RoPE + KV write itself (``paged_decode_attention(rope=...)``), one
-# kernel less per layer (KIVI with 64-token blocks: two, the key seal too); the uncompressed one
-# reads the cache before waiting on the QKV product.
-# Batch-1 decode on the H200 (Llama-3-8B shape, graphs, PDL): 232.0 -> 238.5 tok/s at a 512-token
-# prompt, 213.0 -> 218.0 at 7,936 (BENCHMARKS.md, ninth session). False: the separate
-# ``rope_kv_write`` / ``rope_kv_write_quant`` kernel (the benchmarks' A/B).
-FUSED_ROPE_DECODE = True
+@dataclass
+class _Call:
+    """One layer's attention call, as the backend's ``forward`` receives it."""
+    positions: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    rope: object  # RotaryEmbedding: its cos/sin tables
+    k_cache: torch.Tensor | KVViews
+    v_cache: torch.Tensor | None
+    meta: AttentionMetadata
+    scale: float
+    kernel: KernelConfig
+    counters: SplitCounters
+    phase: str
+
+    def rope_write(self) -> RopeWrite:
+        m = self.meta
+        return RopeWrite(self.positions, m.slot_mapping, self.k, self.v, self.rope.cos, self.rope.sin, m.res_mapping)
+
+
+# -- the step's RoPE + KV write ---------------------------------------------------------------
+def _write_plain(c: _Call, fused: bool) -> None:
+    if not fused:
+        m = c.meta
+        rope_kv_write(c.q, c.k, c.v, c.positions, m.slot_mapping, c.rope.cos, c.rope.sin, c.k_cache, c.v_cache,
+                      rotate_k_inplace=c.phase == "prompt", pdl=c.kernel.pdl)
+
+
+def _write_quant(c: _Call, fused: bool) -> None:
+    """Quantize on write; KIVI first seals the key blocks this step fills (unless the fused decode
+    kernel seals them itself: ``kivi_decode.seals``)."""
+    m, f = c.meta, c.k_cache.fmt
+    if f.kivi and not (fused and kivi_decode.seals(f)):
+        seal_keys(c.k, c.rope.cos, c.rope.sin, m.cu_q, m.seq_lens_t, m.block_tables, m.res_slots_t, c.k_cache,
+                  m.max_seal)
+    if not fused:
+        rope_kv_write_quant(c.q, c.k, c.v, c.positions, m.slot_mapping, m.res_mapping, c.rope.cos, c.rope.sin,
+                            c.k_cache, rotate_k_inplace=c.phase == "prompt")
+
+
+# -- the attention kernels ---------------------------------------------------------------------
+def _decode(c: _Call, fused: bool) -> torch.Tensor:
+    """The Triton split decode kernel (every cache kind)."""
+    m = c.meta
+    views = c.k_cache if isinstance(c.k_cache, KVViews) else None
+    kvh = views.fmt.num_kv_heads if views is not None else c.k_cache.shape[2]
+    splits = m.num_splits or decode_splits(views.fmt if views is not None else None, len(m.seq_lens), kvh,
+                                           c.q.device)
+    return paged_decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.seq_lens_t, c.scale, splits=splits,
+                                  res_slots=m.res_slots_t, rope=c.rope_write() if fused else None,
+                                  pdl=c.kernel.pdl, counters=c.counters)
+
+
+def _decode_kivi4(c: _Call, fused: bool) -> torch.Tensor:
+    """The Gluon KIVI int4 decode kernel; its split plan made by the step's first layer."""
+    m, f, kc = c.meta, c.k_cache.fmt, c.kernel
+    out = torch.empty_like(c.q)
+    if not m.seq_lens:
+        return out
+    if m.decode_plan is None:
+        m.decode_plan = kivi_decode.split_plan(m.seq_lens_t, m.block_tables, f.num_kv_heads, f.block_size,
+                                               wave=kc.kivi_wave)
+    return kivi_decode.kivi4_decode(c.q, c.k_cache, m.block_tables, m.seq_lens_t, m.res_slots_t, c.scale, out,
+                                    rope=c.rope_write() if fused else None, plan=m.decode_plan,
+                                    l2_ahead=kc.kivi_l2_ahead, wave=kc.kivi_wave)
+
+
+def _prompt(c: _Call, fused: bool) -> torch.Tensor:
+    return _sdpa_causal(c.q, c.k, c.v, c.scale)
+
+
+def _prefill(c: _Call, fused: bool) -> torch.Tensor:
+    m = c.meta
+    return paged_prefill_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.cu_q, m.seq_lens_t,
+                                   m.max_query_len, c.scale, res_slots=m.res_slots_t)
+
+
+class Route(NamedTuple):
+    write: Callable[[_Call, bool], None]  # the RoPE + KV write; told whether the attention kernel does it
+    attend: Callable[[_Call, bool], torch.Tensor]
+    fuses_write: bool  # the attention kernel can do the write itself (KernelConfig.fused_rope_decode)
+
+
+ROUTES: dict[tuple[str, str], Route] = {
+    ("decode", "plain"): Route(_write_plain, _decode, True),
+    ("decode", "8bit"): Route(_write_quant, _decode, False),
+    ("decode", "kivi"): Route(_write_quant, _decode, False),
+    ("decode", "kivi4"): Route(_write_quant, _decode_kivi4, True),
+    ("prompt", "plain"): Route(_write_plain, _prompt, False),
+    ("prompt", "8bit"): Route(_write_quant, _prompt, False),
+    ("prompt", "kivi"): Route(_write_quant, _prompt, False),
+    ("prefill", "plain"): Route(_write_plain, _prefill, False),
+    ("prefill", "8bit"): Route(_write_quant, _prefill, False),
+    ("prefill", "kivi"): Route(_write_quant, _prefill, False),
+}
+
+
+def step_phase(meta: AttentionMetadata) -> str:
+    """The step's phase (module docstring). A lone whole prompt attends to its own keys in full
+    precision (it computed them just now), whatever the cache stores."""
+    if meta.max_query_len == 1:
+        return "decode"
+    plain_prompt = len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1
+    return "prompt" if plain_prompt and sdpa_kernel is not None else "prefill"
+
+
+def cache_kind(k_cache, q: torch.Tensor, phase: str, kernel: KernelConfig) -> str:
+    """The kind of a layer's cache (module docstring); "kivi4" only where the Gluon kernel runs:
+    a decode step, ``kernel.kivi_gluon`` and ``kivi_decode.supported``."""
+    if not isinstance(k_cache, KVViews):
+        return "plain"
+    if not k_cache.fmt.kivi:
+        return "8bit"
+    if phase == "decode" and kernel.kivi_gluon and kivi_decode.supported(k_cache, q):
+        return "kivi4"
+    return "kivi"
 
 
 class TritonPagedAttention:
     name = "triton"
+
+    def __init__(self, kernel: KernelConfig | None = None):
+        self.kernel = kernel or KernelConfig()
+        self.counters = SplitCounters()  # the split decode kernel's, one buffer per device
 
     @staticmethod
     def prepare(meta: AttentionMetadata, device: torch.device) -> None:
@@ -45,37 +175,14 @@ class TritonPagedAttention:
         if meta.res_slots is not None:
             meta.res_slots_t = torch.tensor(meta.res_slots, dtype=torch.int32).to(device, non_blocking=True)
 
-    @staticmethod
-    def forward(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        B = len(meta.seq_lens)
-        plain_prompt = B == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1 if meta.seq_lens else False
-        compressed = isinstance(k_cache, KVViews)
-        fused = FUSED_ROPE_DECODE and meta.max_query_len == 1 and fuses_rope(k_cache, q)
-        if compressed:  # quantize on write (KIVI: seal full key blocks first)
-            kvh = k_cache.fmt.num_kv_heads
-            if k_cache.fmt.kivi and not (fused and kivi_decode.seals(k_cache.fmt)):
-                seal_keys(k, rope.cos, rope.sin, meta.cu_q, meta.seq_lens_t, meta.block_tables, meta.res_slots_t,
-                          k_cache, meta.max_seal)
-            if not fused:
-                rope_kv_write_quant(q, k, v, positions, meta.slot_mapping, meta.res_mapping, rope.cos, rope.sin,
-                                    k_cache, rotate_k_inplace=plain_prompt)
-        else:
-            kvh = k_cache.shape[2]
-            if not fused:
-                rope_kv_write(q, k, v, positions, meta.slot_mapping, rope.cos, rope.sin, k_cache, v_cache,
-                              rotate_k_inplace=plain_prompt)
-        if meta.max_query_len == 1:
-            splits = meta.num_splits or decode_splits(k_cache.fmt if compressed else None, B, kvh, q.device)
-            rope_args = (positions, meta.slot_mapping, k, v, rope.cos, rope.sin) if fused else None
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
-                                          splits=splits, res_slots=meta.res_slots_t, rope=rope_args,
-                                          res_mapping=meta.res_mapping, plans=meta.plans)
-        if plain_prompt and sdpa_kernel is not None:
-            return _sdpa_causal(q, k, v, scale)
-        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q, meta.seq_lens_t,
-                                       meta.max_query_len, scale, res_slots=meta.res_slots_t)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
+                k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        phase = step_phase(meta)
+        route = ROUTES[phase, cache_kind(k_cache, q, phase, self.kernel)]
+        fused = route.fuses_write and self.kernel.fused_rope_decode
+        call = _Call(positions, q, k, v, rope, k_cache, v_cache, meta, scale, self.kernel, self.counters, phase)
+        route.write(call, fused)
+        return route.attend(call, fused)
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -88,6 +195,6 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     qt = q.transpose(0, 1).unsqueeze(0).contiguous()
     kt = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0).contiguous()
     vt = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0).contiguous()
-    with sdpa_kernel(_SDPA_ORDER, set_priority=True):
+    with sdpa_kernel(list(_SDPA_ORDER), set_priority=True):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     return o.squeeze(0).transpose(0, 1)

@@ -32,13 +32,13 @@ SHAPES = [(2, 2, 32, 1), (9, 3, 16, 4), (4, 1, 48, 8), (8, 1, 64, 16)]
 SEQ_LENS = [37, 0, 1, 100, 64]
 
 
-def _run(gen, device, paged_kv, H, KVH, D, page, dtype, seq_lens, splits, block_n=None):
+def _run(gen, device, paged_kv, H, KVH, D, page, dtype, seq_lens, splits, block_n=None, counters=None):
     k_cache, v_cache, bt = paged_kv(gen, seq_lens, page, KVH, D, dtype, device)
     q = (torch.randn(len(seq_lens), H, D, generator=gen) * 1.5).to(dtype).to(device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = torch.full_like(q, float("nan"))
     got = paged_decode_attention(q, k_cache, v_cache, bt, sl, D ** -0.5, splits=splits, out=out,
-                                 block_n=block_n)
+                                 block_n=block_n, counters=counters)
     assert got is out
     ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, D ** -0.5)
     return out, ref
@@ -152,6 +152,7 @@ def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, spli
     than the one that reads the key (a race on a GPU) leaves that split reading NaN."""
     import builtins
 
+    from kvserve.kernels.common import RopeWrite
     from kvserve.kernels.rope_kv_write import rope_kv_write_ref
     from kvserve.layers.rotary import RotaryEmbedding
     if grid_order == "reversed":
@@ -178,7 +179,7 @@ def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, spli
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, kc, vc, bt, sl, D ** -0.5, splits=splits, out=out,
-                           rope=(positions, slots, k, v, rope.cos, rope.sin))
+                           rope=RopeWrite(positions, slots, k, v, rope.cos, rope.sin))
     assert torch.equal(q, q0)
     assert torch.equal(kc.isnan(), kc_ref.isnan()) and torch.equal(kc.nan_to_num(), kc_ref.nan_to_num())
     assert torch.equal(vc.isnan(), vc_ref.isnan()) and torch.equal(vc.nan_to_num(), vc_ref.nan_to_num())
@@ -236,7 +237,7 @@ def test_register_caps(monkeypatch):
     from kvserve.kernels import decode_attention as da
     from kvserve.kernels.decode_attention import register_cap
     sms, kvh = 132, 8
-    monkeypatch.setattr(da, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(da, "sm_count", lambda device: sms)
     grid = {b: b * kvh * da.num_splits(b, kvh, torch.device("cpu")) for b in (1, 32, 256)}
     assert grid[1] == 256 and grid[32] == 512 and grid[256] == 2048
     assert register_cap(False, True, 4, grid[1], sms) is None
@@ -251,7 +252,7 @@ def test_split_merge_in_rounds(device, paged_kv, rel):
     the last one partial. A group of 3 pads to 4 heads, the fourth masked, 8 splits per round:
     700 keys in 11 splits, 2 rounds. A group of 32 (multi-query) merges 8 heads per pass, 4
     passes. (Counts for the interpreter's grid; on a GPU the small-grid rule may take more.)"""
-    from kvserve.kernels.decode_attention import merge_splits
+    from kvserve.kernels.common import merge_splits
     assert merge_splits(8, 128, 4) == (8, 2) and merge_splits(3, 64, 4) == (4, 8)
     assert merge_splits(8, 128, 4, small_grid=True) == (8, 8) and merge_splits(32, 128, 4) == (8, 2)
     gen = torch.Generator().manual_seed(21)
@@ -269,10 +270,13 @@ def test_split_merge_in_rounds(device, paged_kv, rel):
 
 def test_split_merge_counters_reset(device, paged_kv, rel):
     """The last split of each (sequence, KV head) merges the others and zeroes its counter again,
-    so launch after launch (as a graph replays) stays right and leaves every counter at 0."""
-    from kvserve.kernels.decode_attention import _split_counters
+    so launch after launch on the same counters (as a graph replays) stays right and leaves every
+    counter at 0."""
+    from kvserve.kernels.common import SplitCounters
     gen = torch.Generator().manual_seed(7)
+    counters = SplitCounters()
+    buffer = counters.get(device, 1)
     for splits in (3, 5, 3, 2):
-        out, ref = _run(gen, device, paged_kv, 8, 2, 32, 4, torch.float32, [45, 0, 9, 61], splits)
+        out, ref = _run(gen, device, paged_kv, 8, 2, 32, 4, torch.float32, [45, 0, 9, 61], splits, counters=counters)
         assert rel(out, ref) < 1e-5, splits
-        assert (_split_counters(device, 1) == 0).all()
+        assert counters.get(device, 1) is buffer and (buffer == 0).all()

@@ -23,14 +23,14 @@ from kvserve.kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from kvserve.layers import kv_format as kf
+from kvserve import kv_format as kf
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,KVH,bs,splits", [(32, 8, 64, 1), (32, 8, 64, 5), (8, 8, 128, 3), (16, 2, 64, 16),
                                              (32, 8, 64, 32)])
-def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits, monkeypatch):
+def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits):
     gen = torch.Generator().manual_seed(7 + H + bs + splits)
     D = 128
     f = kf.KVFormat("int4", KVH, D, bs, dtype)
@@ -48,8 +48,6 @@ def test_kivi4_decode_against_reference(dtype, H, KVH, bs, splits, monkeypatch):
     # fp16 products: q times the channel scales and p times the value scales round to fp16
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
     # the Triton kernel on the same cache agrees as closely
-    from kvserve.kernels import decode_attention
-    monkeypatch.setattr(decode_attention, "KIVI_GLUON", False)
     other = paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, splits=splits, res_slots=rs)
     torch.testing.assert_close(out.double(), other.double(), rtol=2e-2, atol=2e-2)
 
@@ -72,19 +70,20 @@ def test_kivi4_decode_many_sequences_shared_out(max_splits):
     q = torch.randn(len(batch), H, D, generator=gen).to("cuda", torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    plans = {}  # the step's: made by the first layer, read by the next
-    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=max_splits, plans=plans)
+    # the step's plan: made for the first layer, read by the next
+    plan = kivi_decode.split_plan(seq_lens, tables, KVH, bs, max_splits)
+    assert plan.items == kivi_decode.work_items(len(lens), KVH, q.device, max_splits)
+    kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out, max_splits=max_splits, plan=plan)
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     some = [i for i, n in enumerate(lens) if n]
     assert torch.equal(out[[3, 17]], torch.zeros_like(out[[3, 17]]))
     torch.testing.assert_close(out[some].double(), ref[some], rtol=1e-2, atol=1e-2)
     # a second layer (another query) on the step's plan: as with a plan of its own
-    assert len(plans) == 1
     q2 = torch.randn(len(batch), H, D, generator=gen).to("cuda", torch.bfloat16)
     own, shared = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     kivi_decode.kivi4_decode(q2, views, tables, seq_lens, rs, D ** -0.5, own, max_splits=max_splits)
-    kivi_decode.kivi4_decode(q2, views, tables, seq_lens, rs, D ** -0.5, shared, max_splits=max_splits, plans=plans)
-    assert len(plans) == 1 and torch.equal(own, shared)
+    kivi_decode.kivi4_decode(q2, views, tables, seq_lens, rs, D ** -0.5, shared, max_splits=max_splits, plan=plan)
+    assert torch.equal(own, shared)
 
 
 @needs_cuda
@@ -116,7 +115,7 @@ ptr = dict(Q="*bf16", KC="*i32", VC="*i32", KS="*i32", VS="*i32", RES="*bf16", B
            RMAP="*i64", KN="*bf16", VN="*bf16", COS="*fp32", SIN="*fp32")
 import torch
 from kvserve.kernels.kivi_decode import cache_strides
-from kvserve.layers import kv_format as kf
+from kvserve import kv_format as kf
 f = kf.KVFormat("int4", 8, 128, 64, torch.bfloat16)
 views = f.views(torch.zeros(2, f.block_bytes, dtype=torch.uint8), torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16))
 const = dict(GROUP=4, PAGE=64, L2_AHEAD=2, ROPE=sys.argv[1] == "1", SEAL=sys.argv[1] == "1", TINY=1e-6)
@@ -154,8 +153,9 @@ def test_kivi4_decode_compiles_for_sm90_without_shared_memory(rope):
 
 def test_kivi4_work_items_are_one_wave(monkeypatch):
     """The grid is one wave of ``WAVE`` one-warp programs per SM (a part wave runs as long as a
-    whole one), at least one work item per sequence and at most ``max_splits``."""
-    monkeypatch.setattr(kivi_decode, "_sm_count", lambda device: 132)
+    whole one), at least one work item per sequence and at most ``max_splits``; another wave
+    size (``KernelConfig.kivi_wave``) scales it."""
+    monkeypatch.setattr(kivi_decode, "sm_count", lambda device: 132)
     dev = torch.device("cuda")
     for kvh in (1, 2, 8):
         for batch in (1, 3, 8, 16, 32, 33, 64, 100, 131, 132, 256, 512):
@@ -165,13 +165,14 @@ def test_kivi4_work_items_are_one_wave(monkeypatch):
             assert nw == batch * kivi_decode.MAX_SPLITS or (nw + 1) * kvh > kivi_decode.WAVE * 132 or nw == batch
     assert kivi_decode.work_items(32, 8, dev) == 132
     assert kivi_decode.work_items(2, 8, dev, max_splits=4) == 8
+    assert kivi_decode.work_items(32, 8, dev, wave=4) == 66 and kivi_decode.work_items(32, 8, dev, wave=1) == 32
 
 
 def test_decode_splits_of_the_other_formats(monkeypatch):
     """What the engine launches for the Triton decode kernel: bf16 2 programs per SM, 8-bit 16,
     KIVI 2 (a layer ``kivi_decode`` turns away takes the Triton kernel at these), rounded up."""
     from kvserve.kernels import decode_attention as da
-    monkeypatch.setattr(da, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(da, "sm_count", lambda device: 132)
     dev = torch.device("cuda")
     bf16 = kf.KVFormat("auto", 8, 128, 16, torch.bfloat16)
     assert da.decode_splits(bf16, 32, 8, dev) == da.num_splits(32, 8, dev, 2) == 2  # ceil(2 * 132 / 256)
@@ -290,6 +291,7 @@ def test_kivi4_fused_rope_write_as_separate_kernels(dtype, bs):
     (residual only), tokens that fill a block (sealed this step: the key through ``seal_keys``, the
     value through this kernel), an unsealed tail, a long one over many splits, and a graph-padding
     row (length 0, slot -1). The new tokens' places start as garbage."""
+    from kvserve.kernels.common import RopeWrite
     from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
     from kvserve.layers.rotary import RotaryEmbedding
     gen = torch.Generator().manual_seed(5 + bs)
@@ -331,8 +333,8 @@ def test_kivi4_fused_rope_write_as_separate_kernels(dtype, bs):
         if not fused:
             rope_kv_write_quant(q, k, v, positions, slots, rmap, rope.cos, rope.sin, vw)
         out = torch.full_like(q, float("nan"))
-        kivi_decode.kivi4_decode(q, vw, tables, seq_lens, rs, D ** -0.5, out,
-                                 rope=(slots, rmap, k, v, rope.cos, rope.sin) if fused else None)
+        write = RopeWrite(positions, slots, k, v, rope.cos, rope.sin, res_mapping=rmap)
+        kivi_decode.kivi4_decode(q, vw, tables, seq_lens, rs, D ** -0.5, out, rope=write if fused else None)
         runs.append((data, vw, x, out))
     (data_a, vw_a, x_a, out_a), (data_b, vw_b, x_b, out_b) = runs
     assert torch.equal(data_b, data_a), (data_b != data_a).nonzero()[:8]

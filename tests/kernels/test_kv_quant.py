@@ -1,4 +1,4 @@
-"""Compressed KV cache (``kvserve/layers/kv_format.py``, ``kvserve/kernels/kv_quant.py``).
+"""Compressed KV cache (``kvserve/kv_format.py``, ``kvserve/kernels/kv_quant.py``).
 
 * round trip: quantize -> dequantize against float64, within each format's error bound;
 * the quantizing write kernel (fused with RoPE) writes the same codes and scales as the
@@ -18,10 +18,11 @@ import torch
 pytest.importorskip("triton")
 
 from kvserve.errors import ConfigError
+from kvserve.kernels import kivi_decode
 from kvserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kvserve.layers import kv_format as kf
+from kvserve import kv_format as kf
 from kvserve.layers.rotary import RotaryEmbedding
 
 from kernelutil import needs_cuda  # noqa: E402
@@ -296,9 +297,10 @@ def _compressed_batch(gen, f, batch, H, nb, slots_per_seq=None):
     return views, tables.to(DEV), kd, vd, torch.tensor(res_slots, dtype=torch.int32, device=DEV)
 
 
-def _decode_against_ref(gen, f, batch, H, nb, tol, **launch):
+def _decode_against_ref(gen, f, batch, H, nb, tol, gluon=False, **launch):
     """Decode attention over a cache filled by ``_compressed_batch`` (the output poisoned first)
-    against float64 attention over the dequantized cache. q in the format's model dtype."""
+    against float64 attention over the dequantized cache. q in the format's model dtype.
+    ``gluon``: also the Gluon KIVI int4 kernel where it takes the layer (the engine's choice)."""
     views, tables, kd, vd, rs = _compressed_batch(gen, f, batch, H, nb=nb)
     D = f.head_dim
     q = torch.randn(len(batch), H, D, generator=gen).to(DEV, f.model_dtype)
@@ -307,6 +309,10 @@ def _decode_against_ref(gen, f, batch, H, nb, tol, **launch):
     paged_decode_attention(q, views, None, tables, seq_lens, D ** -0.5, out=out, res_slots=rs, **launch)
     ref = paged_decode_attention_ref(q, kd, vd, tables, seq_lens, D ** -0.5)
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    if gluon and kivi_decode.supported(views, q):
+        out = torch.full_like(q, float("nan"))
+        kivi_decode.kivi4_decode(q, views, tables, seq_lens, rs, D ** -0.5, out)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
 def _prefill_against_ref(gen, f, batch, H, nb, tol, **launch):
@@ -408,4 +414,4 @@ def test_decode_attention_compressed_real_size(name):
     batch = [(1000, 1), (4095, 1), (77, 1)]
     nb = sum(math.ceil((c + n) / f.block_size) for c, n in batch) + 3
     # bf16: the dequantized keys/values (or q times the KIVI channel scales) round to bf16 first
-    _decode_against_ref(gen, f, batch, H, nb, 3e-2)
+    _decode_against_ref(gen, f, batch, H, nb, 3e-2, gluon=True)
