@@ -1,9 +1,9 @@
 """Tile sweep for the skinny-GEMM kernel (``kvserve/kernels/gemv.py``) against cuBLAS at the
 Llama-3-8B decode shapes, on the GPU. Its results set ``gemv.default_config`` for several rows
-and ``layers/linear.GEMV_MAX_ROWS``. The one-row default does not come from here: timed alone, a
-kernel has no previous kernel to overlap its prefetch with (PDL), and this sweep ranked the
-one-row prefetch variants the other way from the engine's batch-1 decode (BENCHMARKS.md, seventh
-session). Try one-row changes in the engine.
+and ``KernelConfig.gemv_max_rows_*``. The one-row default does not come from here: timed alone, a
+kernel has no previous kernel to overlap its prefetch with (PDL), and this sweep ranks the
+one-row prefetch variants the other way from the engine's batch-1 decode. Try one-row changes in
+the engine.
 
     PYTHONPATH=$PWD python benchmarks/gemv_tune.py --out $OUT
 

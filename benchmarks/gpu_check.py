@@ -1,4 +1,4 @@
-"""One call on the GPU: kernel tests at real sizes, parity, then the fast-path benchmarks.
+"""On the GPU in one run: kernel tests at real sizes, parity, then the fast-path benchmarks.
 
     PYTHONPATH=$PWD python benchmarks/gpu_check.py --out $OUT            # everything
     PYTHONPATH=$PWD python benchmarks/gpu_check.py --out $OUT --quick    # no transformers generate peers
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -36,7 +37,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.engine.model_runner import GpuTimer  # noqa: E402
+from kvserve.layers.attention import get_backend  # noqa: E402
 
 HBM = 4.25e12
 PEAK = 793e12
@@ -91,9 +94,11 @@ def run_tests(paths):
 
 @section("kernels")
 def run_kernels():
+    from kvserve.kernels.common import SplitCounters
     from kvserve.kernels.decode_attention import num_splits, paged_decode_attention, paged_decode_attention_ref
     from kvserve.kernels.prefill_attention import paged_prefill_attention
     dev, dt = torch.device("cuda"), torch.bfloat16
+    counters = SplitCounters()  # (kept across launches, as the engine's backend keeps them)
     g = torch.Generator(device=dev).manual_seed(0)
     out = {}
     # -- decode: 64 x 4k, 32 q heads / 8 kv heads, head 128, pages of 16 -------------------
@@ -106,18 +111,19 @@ def run_kernels():
     lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
     q = torch.randn(B, H, D, device=dev, dtype=dt, generator=g)
     kv_bytes = 2 * B * ctx * KVH * D * 2
-    o = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+    o = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, counters=counters)
     ref = paged_decode_attention_ref(q[:2], kc, vc, tables[:2], lens[:2], D ** -0.5)
     err = ((o[:2].double() - ref).norm() / ref.norm()).item()
     variants = {}
     for splits in sorted({1, 2, 4, num_splits(B, KVH, dev)}):
         for bn in (32, 64, 128):
             try:
-                t = bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, splits=splits, block_n=bn))
+                t = bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, splits=splits, block_n=bn,
+                                                         counters=counters))
                 variants[f"splits={splits},block_n={bn}"] = kv_bytes / t / 1e12
             except Exception as e:
                 variants[f"splits={splits},block_n={bn}"] = repr(e)[:80]
-    t_default = bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5))
+    t_default = bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, counters=counters))
     # contiguous SDPA peer over the same amount of K/V
     kq = kc[tables.long()].view(B, ctx, KVH, D).transpose(1, 2).contiguous()
     vq = vc[tables.long()].view(B, ctx, KVH, D).transpose(1, 2).contiguous()
@@ -173,6 +179,17 @@ def run_kernels():
                  f"{peers.get('cudnn')}, flash {peers.get('flash')}; rel diff {perr:.1e}")
     print(json.dumps(out["prefill"], indent=1))
     return out
+
+
+def use_kernels(llm, kernel: KernelConfig) -> None:
+    """The engine's attention backend made again with ``kernel`` (every layer follows its
+    choices), and the decode graphs captured again with it."""
+    runner = llm.engine.runner
+    if runner.backend.kernel == kernel:
+        return
+    runner.backend = get_backend(runner.backend.name, kernel)
+    if runner.graphs is not None:
+        runner.capture_graphs()
 
 
 def make_llm(args, **kw):
@@ -286,23 +303,35 @@ def run_parity(llm, hf):
                  f"{top1}/{rows}, transformers bf16 {top1_hf}/{rows}")
     print(out)
     return out
+
+
 @section("backends")
 def run_backends(llm):
     """The Triton backend against the PyTorch reference backend in the same engine (same weights,
     same batch: a prefix-cache hit, a 300- and a 900-token prompt), logits per row; and every
     Triton attention call of the batch's prefill step against the reference on the same inputs."""
-    from kvserve.layers.attention import TorchPagedAttention, get_backend
-    from kvserve.layers.triton_attention import TritonPagedAttention
+    from kvserve.layers.attention import TorchPagedAttention
     runner = llm.engine.runner
     rng = random.Random(7)
     prompts = [[rng.randrange(128000) for _ in range(n)] for n in (37, 300, 900)]
-    orig_logits, orig_fwd = runner.model.compute_logits, TritonPagedAttention.forward
+    orig_logits = runner.model.compute_logits
     layer_errs = []
 
-    def checked(positions, q, k, v, rope, kc, vc, meta, scale):
-        if meta.max_query_len > 1 and len(meta.seq_lens) > 1:
+    class Checked:
+        """The Triton backend, each of its batched prefill calls also run through the reference
+        backend on the same inputs."""
+
+        def __init__(self, inner):
+            self.inner, self.name, self.kernel = inner, inner.name, inner.kernel
+
+        def prepare(self, meta, device):
+            self.inner.prepare(meta, device)
+
+        def forward(self, positions, q, k, v, rope, kc, vc, meta, scale):
+            if not (meta.max_query_len > 1 and len(meta.seq_lens) > 1):
+                return self.inner.forward(positions, q, k, v, rope, kc, vc, meta, scale)
             q0, k0, v0 = q.clone(), k.clone(), v.clone()
-            o = orig_fwd(positions, q, k, v, rope, kc, vc, meta, scale)
+            o = self.inner.forward(positions, q, k, v, rope, kc, vc, meta, scale)
             meta.seq_tables = [meta.block_tables[i, : -(-L // meta.block_size)] for i, L in enumerate(meta.seq_lens)]
             r = TorchPagedAttention.forward(positions, q0, k0, v0, rope, kc.clone(), vc.clone(), meta, scale)
             per = []
@@ -311,14 +340,13 @@ def run_backends(llm):
                 per.append(round(((o[a:b].float() - r[a:b].float()).norm() / r[a:b].float().norm()).item(), 5))
             layer_errs.append(per)
             return o
-        return orig_fwd(positions, q, k, v, rope, kc, vc, meta, scale)
 
-    def run(name):
+    def run(backend):
         captured = []
         runner.model.compute_logits = lambda h: captured.append(orig_logits(h).clone()) or captured[-1]
         saved_backend, saved_graphs = runner.backend, runner.graphs
-        runner.backend = get_backend(name)
-        if name == "torch":
+        runner.backend = backend
+        if backend.name == "torch":
             runner.graphs = None
         llm.engine.kv.pool.reset_prefix_cache()
         try:
@@ -329,12 +357,8 @@ def run_backends(llm):
             runner.backend, runner.graphs = saved_backend, saved_graphs
         return captured[4:]  # the batch's steps
 
-    ref = run("torch")
-    TritonPagedAttention.forward = staticmethod(checked)
-    try:
-        got = run("triton")
-    finally:
-        TritonPagedAttention.forward = staticmethod(orig_fwd)
+    ref = run(get_backend("torch", runner.backend.kernel))
+    got = run(Checked(get_backend("triton", runner.backend.kernel)))
     rows = [[round(((g[i] - r[i]).norm() / r[i].norm()).item(), 4) for g, r in zip(got, ref)] for i in range(3)]
     print("logits rel err triton vs torch backend, per row per step:", rows)
     print("prefill attention rel err per layer (per sequence):", layer_errs[:4], "... max",
@@ -353,21 +377,15 @@ def run_decode(llm, hf, args):
     kv_per_tok = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
     rng = random.Random(1)
     out = {"weight_bytes": weight_bytes}
-    from kvserve import kernels
-    from kvserve.layers import linear, triton_attention
-    rows_on, rows_off = dict(linear.GEMV_MAX_ROWS), dict.fromkeys(linear.GEMV_MAX_ROWS, 0)
-    fused_on = triton_attention.FUSED_ROPE_DECODE
-    modes = {"skinny GEMM + PDL": (rows_on, True, fused_on), "skinny GEMM": (rows_on, False, fused_on),
-             "cuBLAS": (rows_off, False, fused_on), "separate RoPE + KV write": (rows_on, True, False)}
+    default = llm.engine.runner.backend.kernel
+    no_pdl = dataclasses.replace(default, pdl=False)
+    modes = {"skinny GEMM + PDL": default, "skinny GEMM": no_pdl,
+             "cuBLAS": dataclasses.replace(no_pdl, gemv_max_rows_linear=0, gemv_max_rows_gate_up=0,
+                                           gemv_max_rows_logits=0),
+             "separate RoPE + KV write": dataclasses.replace(default, fused_rope_decode=False)}
     runs = [(512, m) for m in modes] + [(8192 - 256, "skinny GEMM + PDL")]
     for plen, mode in runs:
-        rows, pdl, fused = modes[mode]
-        if (rows, pdl, fused) != (linear.GEMV_MAX_ROWS, kernels.PDL, triton_attention.FUSED_ROPE_DECODE):
-            linear.GEMV_MAX_ROWS.update(rows)  # other kernels: graphs captured again
-            kernels.PDL = pdl
-            triton_attention.FUSED_ROPE_DECODE = fused
-            if llm.engine.runner.graphs is not None:
-                llm.engine.runner.capture_graphs()
+        use_kernels(llm, modes[mode])  # (graphs captured again for another configuration)
         prompt = [rng.randrange(128000) for _ in range(plen)]
         run_requests(llm, [prompt[:64]], 4)  # warm
         timer = llm.engine.runner.gpu_timer = GpuTimer()
@@ -396,12 +414,7 @@ def run_decode(llm, hf, args):
             line += f"; transformers eager generate {hf_tps:.1f} tok/s (ratio {tps / hf_tps:.2f}x)"
         TABLE.append(line)
         print(line, flush=True)
-    if (rows_on, True, fused_on) != (linear.GEMV_MAX_ROWS, kernels.PDL, triton_attention.FUSED_ROPE_DECODE):
-        linear.GEMV_MAX_ROWS.update(rows_on)
-        kernels.PDL = True
-        triton_attention.FUSED_ROPE_DECODE = fused_on
-        if llm.engine.runner.graphs is not None:
-            llm.engine.runner.capture_graphs()
+    use_kernels(llm, default)
     return out
 
 
@@ -591,7 +604,6 @@ def run_offline(llm, hf, args):
 @contextlib.contextmanager
 def scheduling(llm, async_: bool):
     """The engine switched to async (or synchronous) scheduling for the block, then back."""
-    import dataclasses
     eng = llm.engine
     saved = eng.config
 

@@ -1,5 +1,5 @@
-"""Compressed KV cache on the GPU (issue: fp8 / int8 / int4 / int2 KV), Llama-3-8B shape, dummy
-bf16 weights. One call:
+"""Compressed KV cache on the GPU (fp8 / int8 / int4 / int2 KV), Llama-3-8B shape, dummy bf16
+weights. One run:
 
     PYTHONPATH=$PWD python benchmarks/kv_compression.py --out $OUT
 
@@ -16,8 +16,8 @@ Sections (JSON saved after each, a table printed last):
   GiB and does not fit one H200 beside the weights, so this runs a 16-layer model of the
   Llama-3-8B layer shape (identical layers; the ratio per layer is what changes with the
   format). Contexts are block tables over the cache as written (no prefill is timed);
-* ``offline``  - the GPU issue's offline benchmark (256 requests, prompts 128-1024, 256 new
-  tokens) with fp8 KV and with bf16 KV in the same call.
+* ``offline``  - the offline benchmark (256 requests, prompts 128-1024, 256 new tokens) with
+  fp8 KV and with bf16 KV in the same run.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from kvserve import LLM  # noqa: E402
-from kvserve.layers import kv_format as kf  # noqa: E402
+from kvserve import kv_format as kf  # noqa: E402
+from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
 
 from benchmarks import gpu_check  # noqa: E402
@@ -105,6 +106,25 @@ def run_capacity(budget_gib: float = 40, seq_len: int = 4096):
     return out
 
 
+def engine_decode(q, kc, vc, tables, seq_lens, scale, rs, kernel: KernelConfig = KernelConfig(), counters=None,
+                  **launch):
+    """A layer's decode attention over a cache as the engine launches it (the backend's
+    ``triton_attention.ROUTES``): the Gluon kernel for the KIVI int4 caches it takes, else the
+    Triton split kernel at the engine's splits. ``launch``: the Triton kernel's launch instead
+    of its defaults (``splits``, ``block_n``, ...)."""
+    from kvserve.kernels import kivi_decode
+    from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
+    from kvserve.layers.triton_attention import cache_kind
+    if not launch and cache_kind(kc, q, "decode", kernel) == "kivi4":
+        return kivi_decode.kivi4_decode(q, kc, tables, seq_lens, rs, scale, torch.empty_like(q),
+                                        l2_ahead=kernel.kivi_l2_ahead, wave=kernel.kivi_wave)
+    f = kc.fmt if isinstance(kc, kf.KVViews) else None
+    kvh = f.num_kv_heads if f is not None else kc.shape[2]
+    launch.setdefault("splits", decode_splits(f, q.shape[0], kvh, q.device))
+    return paged_decode_attention(q, kc, vc, tables, seq_lens, scale, res_slots=rs, pdl=kernel.pdl,
+                                  counters=counters, **launch)
+
+
 def _fill(f: kf.KVFormat, batch: int, ctx: int, gen):
     """A compressed (or bf16) cache for ``batch`` sequences of ``ctx`` keys, written by the
     reference writer from random bf16 K/V with a few outlier channels."""
@@ -134,9 +154,10 @@ def _fill(f: kf.KVFormat, batch: int, ctx: int, gen):
 
 @section("kernel")
 def run_kernel(batch: int = 32, ctx: int = 32768, formats=FORMATS):
-    from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
+    from kvserve.kernels.common import SplitCounters
     a = arch_8b()
     H, D = a.num_heads, a.head_dim
+    counters = SplitCounters()
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = torch.randn(batch, H, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
@@ -144,9 +165,7 @@ def run_kernel(batch: int = 32, ctx: int = 32768, formats=FORMATS):
     for name in formats:
         f = kf.KVFormat(name, a.num_kv_heads, D, kf.default_block_size(name), torch.bfloat16)
         (kc, vc), tables, rs = _fill(f, batch, ctx, gen)
-        splits = decode_splits(f, batch, a.num_kv_heads, q.device)  # as the engine launches it
-        fn = lambda: paged_decode_attention(q, kc, vc, tables, seq_lens, D ** -0.5, res_slots=rs,  # noqa: E731
-                                            splits=splits)
+        fn = lambda: engine_decode(q, kc, vc, tables, seq_lens, D ** -0.5, rs, counters=counters)  # noqa: E731
         fn()
         t = bench(fn)
         nbytes = batch * ctx * f.block_bytes / f.block_size  # K+V codes and scales read

@@ -1,7 +1,7 @@
 """Launch-configuration sweep of paged decode attention over compressed KV caches (CUDA), at
-the issue's shape: batch 32 x 32k-token contexts, Llama-3-8B heads (GQA 32/8, head 128). Each
-format's cache is filled by the reference writer, its default launch timed first, then every
-configuration of the grid against bf16's default. One call:
+batch 32 x 32k-token contexts, Llama-3-8B heads (GQA 32/8, head 128). Each format's cache is
+filled by the reference writer, the engine's launch timed first (for KIVI int4: the Gluon
+kernel), then every configuration of the Triton kernel's grid against bf16's default. One run:
 
     PYTHONPATH=$PWD python benchmarks/kv_decode_sweep.py --out $OUT [--seconds 240]
     PYTHONPATH=$PWD python benchmarks/kv_decode_sweep.py --out $OUT --formats fp8,int4 --defaults-only
@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.kv_compression import _fill, arch_8b, bench  # noqa: E402
+from benchmarks.kv_compression import _fill, arch_8b, bench, engine_decode  # noqa: E402
+from kvserve import kv_format as kf  # noqa: E402
 from kvserve.kernels import decode_attention as da  # noqa: E402
-from kvserve.layers import kv_format as kf  # noqa: E402
+from kvserve.kernels.common import SplitCounters  # noqa: E402
 
 # (format, block size): bf16 first, the baseline of the ratios
 CACHES = [("auto", 16), ("fp8", 64), ("int8", 64), ("int4", 64), ("int2", 64)]
@@ -57,6 +58,7 @@ def main():
     q = torch.randn(args.batch, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     lens = torch.full((args.batch,), args.ctx, dtype=torch.int32, device="cuda")
     res, base = {}, None
+    counters = SplitCounters()
     for name, bs in CACHES:
         if name not in wanted:
             continue
@@ -76,12 +78,12 @@ def main():
                 break
             cfg = dict(cfg)
             per_sm = cfg.pop("per_sm", None)  # (default: the engine's splits)
-            splits = (da.decode_splits(f, args.batch, a.num_kv_heads, q.device) if per_sm is None
-                      else da.num_splits(args.batch, a.num_kv_heads, q.device, per_sm))
+            launch = dict(cfg)
+            if per_sm is not None:
+                launch["splits"] = da.num_splits(args.batch, a.num_kv_heads, q.device, per_sm)
 
             def fn():
-                return da.paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, res_slots=rs, splits=splits,
-                                                 **cfg)
+                return engine_decode(q, kc, vc, tables, lens, D ** -0.5, rs, counters=counters, **launch)
             o = fn().float()
             ref = o if ref is None else ref
             t = bench(fn)
