@@ -194,7 +194,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         counter = COUNTS + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
             merge_group(OP, LSEP, O, b.to(tl.int64), kvh, active, stride_pb, stride_ph, stride_ps, stride_lb,
-                         stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_D, MERGE_S)
+                        stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_D, MERGE_S)
             tl.atomic_xchg(counter, 0)
 
 

@@ -613,7 +613,7 @@ def _merge_kernel(WORK, OP, LSEP, O, stride_ps, stride_ph, stride_lh, stride_ob,
     n = tl.load(WORK + 2 * b + 1)
     if n > 1:
         merge_group(OP + first * stride_ps, LSEP + first, O, b.to(tl.int64), kvh, n, 0, stride_ph, stride_ps, 0,
-                     stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, HEAD_DIM, MERGE_S)
+                    stride_lh, stride_ob, stride_oh, GROUP, HEADS, HEAD_DIM, HEAD_DIM, MERGE_S)
 
 
 def fmt_supported(f) -> bool:

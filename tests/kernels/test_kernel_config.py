@@ -100,9 +100,11 @@ def test_route_table():
     assert step_phase(_meta([], [])) == "prefill"
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     plain = torch.zeros(4, 16, 2, 128)
-    views = {name: kf.KVFormat(name, 2, 128, 64, torch.bfloat16).views(
-        torch.zeros(4, kf.KVFormat(name, 2, 128, 64, torch.bfloat16).block_bytes, dtype=torch.uint8),
-        torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)) for name in ("fp8", "int4", "int2")}
+    views = {}
+    for name in ("fp8", "int4", "int2"):
+        f = kf.KVFormat(name, 2, 128, 64, torch.bfloat16)
+        views[name] = f.views(torch.zeros(4, f.block_bytes, dtype=torch.uint8),
+                              torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16))
     k = KernelConfig()
     assert cache_kind(plain, q, "decode", k) == "plain"
     assert cache_kind(views["fp8"], q, "decode", k) == "8bit"
@@ -117,7 +119,6 @@ def test_backend_passes_fused_rope_down(device, paged_kv):
     """A decode step through the Triton backend with ``fused_rope_decode`` on and off: the same
     cache, bit for bit (the fused kernel rounds as the separate write does), and the same output."""
     from kvserve.layers.rotary import RotaryEmbedding
-    gen = torch.Generator().manual_seed(3)
     H, KVH, D, page = 4, 2, 32, 8
     seq_lens = [21, 1, 40]
     runs = []
