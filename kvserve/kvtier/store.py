@@ -196,8 +196,8 @@ class TieredStore:
         """Whether disk or Redis might hold ``key`` (disk: its index; Redis: only asking tells)."""
         if self.disk is not None and key in self.disk:
             return True
-        r = self.redis  # while it is down, ask again once a retry is due (the prefetch thread pings)
-        return r is not None and (r.stats.available or time.monotonic() >= r._next_try)
+        # While Redis is down, ask again once a retry is due (the prefetch thread pings).
+        return self.redis is not None and self.redis.may_answer()
 
     def start_prefetch(self, keys: list[bytes]) -> int:
         """Bring the leading run of ``keys`` that lives in disk/Redis into memory, off the step.

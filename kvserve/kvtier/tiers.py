@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -407,18 +408,21 @@ class DiskTier:
 class RedisTier:
     """Chunks as Redis strings under ``kvserve:kv:<key hex>``, shared by every process that points
     at the same server. When Redis does not answer, the tier is off (logged once, ``available``
-    false in stats) and is tried again every ``retry_seconds``."""
+    false in stats) and is tried again every ``retry_seconds`` of ``clock`` (monotonic seconds;
+    tests replace it instead of sleeping)."""
 
     name = "redis"
     PREFIX = b"kvserve:kv:"
 
-    def __init__(self, url: str, retry_seconds: float = 2.0, timeout: float = 1.0, ttl_seconds: int | None = None):
+    def __init__(self, url: str, retry_seconds: float = 2.0, timeout: float = 1.0, ttl_seconds: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         import redis
         self.url = url
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self.errors_cls = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self.retry_seconds = retry_seconds
         self.ttl = ttl_seconds
+        self.clock = clock
         self.stats = TierStats()
         self._next_try = 0.0
         try:
@@ -432,12 +436,16 @@ class RedisTier:
         if self.stats.available:
             log.warning("Redis KV tier at %s unreachable (%s): off until it answers again", self.url, e)
         self.stats.available = False
-        self._next_try = time.monotonic() + self.retry_seconds
+        self._next_try = self.clock() + self.retry_seconds
+
+    def may_answer(self) -> bool:
+        """Up, or down with a retry due: only asking tells whether it holds a chunk."""
+        return self.stats.available or self.clock() >= self._next_try
 
     def _usable(self) -> bool:
         if self.stats.available:
             return True
-        if time.monotonic() < self._next_try:
+        if self.clock() < self._next_try:
             return False
         try:
             self.client.ping()
