@@ -60,3 +60,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)  # type: ignore[assignment]
+    # Prompt tokens whose KV was reused instead of computed: GPU prefix-cache hits plus tokens
+    # loaded from the KV tiers (vLLM's name). None: the engine did not report it.
+    num_cached_tokens: int | None = None

@@ -16,7 +16,7 @@ from fastapi import Request
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.protocol import TokenLogprob, TopLogprob, Usage
+from kvserve.server.protocol import PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ async def collect(streams: list[RequestStream], raw: Request) -> list[RequestOut
 def usage(outs: Sequence[RequestOutput]) -> Usage:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    cached = sum(o.num_cached_tokens or 0 for o in outs)  # None: the engine did not say; report 0
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _token_str(lp, tok: int) -> str:
