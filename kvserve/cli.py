@@ -71,6 +71,12 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _served_name(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"a model name must be non-empty, got {value!r}")
+    return value
+
+
 def _make_llm(args):
     from kvserve.llm import LLM
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -238,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
+    s.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
+                   help="the model names clients may send; the first is the one /v1/models lists first and "
+                   "responses carry (default: the model's file or directory name, and --model as given)")
     s.add_argument("--api-key", default=None, help="require this bearer key (default: env KVSERVE_API_KEY; "
                    "none: open)")
     s.add_argument("--max-request-bytes", default="1MiB", help="larger bodies get 413 (bytes or 1MiB, 64KiB)")

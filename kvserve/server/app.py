@@ -12,9 +12,8 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -98,17 +97,19 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | None = None,
+def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | Sequence[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
-    on a thread at startup. `served_model_name` None: the engine's model name. `on_load_error` is
-    called on the event loop if that function raises (the launcher shuts the server down)."""
-    cfg = ServerConfig(served_model_name, api_key, max_request_bytes, max_waiting)
+    on a thread at startup. `served_model_name`: one name or several (the first is the one responses
+    carry); None: the engine's (state.default_names). `on_load_error` is called on the event loop if
+    that function raises (the launcher shuts the server down)."""
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
+    cfg = ServerConfig(tuple(dict.fromkeys(names)), api_key, max_request_bytes, max_waiting)
     ready = engine if isinstance(engine, AsyncEngine) else None
-    state = ServerState(ready, cfg, Metrics(lambda: state.engine))
-    if ready is not None and not served_model_name:
-        state.config = replace(cfg, served_model_name=ready.engine.model_name)
+    state = ServerState(None, cfg, Metrics(lambda: state.engine))
+    if ready is not None:
+        state.set_engine(ready)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -143,9 +144,9 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
 
     @app.get("/v1/models")
     async def v1_models():
-        return {"object": "list", "data": [{"id": state.config.served_model_name, "object": "model",
-                                            "created": created, "owned_by": "kvserve",
-                                            "max_model_len": state.engine.engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                                            "max_model_len": state.engine.engine.max_model_len}
+                                           for name in state.config.served_model_names]}
 
     @app.get("/health")
     async def health():

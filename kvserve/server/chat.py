@@ -52,14 +52,14 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
                           logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k))
                           if req.logprobs else None)
                for c in out.outputs]
-    return ChatCompletionResponse(id=rid, model=req.model, choices=choices, usage=st.usage([out]))
+    return ChatCompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage([out]))
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, streams, k: int) -> AsyncIterator[str]:
-    created = int(time.time())
+    created, model = int(time.time()), state.config.model_name
 
     def chunk(choices, usage=None) -> str:
-        return st.sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, usage=usage))
+        return st.sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
     sent_chars: dict[int, int] = {}
     sent_toks: dict[int, int] = {}

@@ -50,12 +50,12 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
             choices.append(CompletionChoice(index=i * params.n + c.index, text=c.text,
                                             logprobs=_logprobs(c, 0, len(c.token_ids), req.logprobs, 0),
                                             finish_reason=c.finish_reason))
-    return CompletionResponse(id=rid, model=req.model, choices=choices, usage=st.usage(outs))
+    return CompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage(outs))
 
 
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams) -> AsyncIterator[str]:
     n = req.n
-    created = int(time.time())
+    created, model = int(time.time()), state.config.model_name
     sent_chars: dict[int, int] = {}
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
@@ -79,13 +79,13 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams)
                 sent_chars[idx], sent_toks[idx] = len(c.text), ntok
                 if c.finished:
                     done.add(idx)
-                yield st.sse(CompletionResponse(id=rid, created=created, model=req.model, choices=[choice]))
+                yield st.sse(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
             if out.finished:
                 finals[i] = out
                 state.metrics.observe_finished(out)
         if req.include_usage:
             outs = [finals[i] for i in sorted(finals)]
-            yield st.sse(CompletionResponse(id=rid, created=created, model=req.model, choices=[],
+            yield st.sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                             usage=st.usage(outs)))
         yield st.DONE
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, then close

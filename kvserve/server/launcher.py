@@ -33,7 +33,7 @@ def serve(args, make_engine) -> int:
 
     def load():
         engine = make_engine(args)
-        name = args.served_model_name or engine.model_name
+        name = (args.served_model_name or [engine.model_name])[0]
         blocks, bs = engine.num_kv_blocks, engine.block_size
         gib = blocks * engine.runner.kv_bytes_per_block() / 2**30
         print(f"kvserve: model {name!r} loaded | KV cache: {blocks} blocks x {bs} tokens = {blocks * bs} tokens, "

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
@@ -31,9 +30,7 @@ def start_loading(state: ServerState, make_engine: Callable[[], LLMEngine],
     def install(engine: LLMEngine) -> None:
         ae = AsyncEngine(engine)
         ae.start()
-        if not state.config.served_model_name:
-            state.config = replace(state.config, served_model_name=engine.model_name)
-        state.engine = ae
+        state.set_engine(ae)
 
     def fail(e: BaseException) -> None:
         state.load_error = e

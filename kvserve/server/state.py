@@ -5,27 +5,45 @@ answers 503 for every API path until it is set, so endpoints may assume it is th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.errors import ConfigError
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    served_model_name: str | None  # None: the engine's model name, filled in once it has loaded
+    # The names clients may send as `model`; the first is the one /v1/models lists first and
+    # responses carry. Empty: the engine's (default_names), filled in once it has loaded.
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
 
     def __post_init__(self):
-        if self.served_model_name is not None and not self.served_model_name:
-            raise ValueError("served_model_name: must be non-empty")
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
+            raise ConfigError("served_model_name", f"names must be non-empty, got {list(self.served_model_names)}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def default_names(engine: LLMEngine) -> tuple[str, ...]:
+    """Without --served-model-name: the model's file or directory name, and the model as given
+    (vLLM's default), e.g. ("m.gguf", "models/m.gguf")."""
+    given = engine.config.model
+    return (engine.model_name,) + ((given,) if given and given != engine.model_name else ())
 
 
 @dataclass
@@ -39,10 +57,17 @@ class ServerState:
     def ready(self) -> bool:
         return self.engine is not None
 
+    def set_engine(self, engine: AsyncEngine) -> None:
+        if not self.config.served_model_names:
+            self.config = replace(self.config, served_model_names=default_names(engine.engine))
+        self.engine = engine
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                           f"`{self.config.served_model_name}`.", "model", "model_not_found")
+        names = self.config.served_model_names
+        if model is not None and model not in names:
+            also = f" (also accepted: {', '.join(f'`{n}`' for n in names[1:])})" if len(names) > 1 else ""
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{names[0]}`{also}.",
+                           "model", "model_not_found")
 
     def check_capacity(self) -> None:
         """Refuse new work while the waiting queue is full (429), so load sheds instead of queueing."""
