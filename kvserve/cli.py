@@ -56,10 +56,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling")
+    g = p.add_argument_group("sampling", "The CLI decodes greedily unless given --temperature; the server and "
+                             "SamplingParams default to temperature 1.0, as OpenAI's API does.")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
     g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default: 0 here; the server's and SamplingParams' default is 1.0)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
