@@ -60,7 +60,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams)
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
-    has_text = state.engine.engine.detokenizer is not None
+    has_text = state.engine.engine.tokenizer is not None  # without one, outputs have token ids only
     try:
         async for i, out in st.merge(streams):
             for c in out.outputs:
