@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One command: set everything up, then run the whole test suite on the CPU.
+# Arguments go to pytest: `bash scripts/test.sh tests/test_engine.py`, `-k prefix`, `-m unit`, `-q`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
@@ -11,7 +12,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
     || { echo "error: redis-server is needed by the KV tier tests and could not be installed" >&2; exit 1; }
 fi
 . .venv/bin/activate
-python -m pytest tests "$@"
+# The whole suite (tests/) unless an argument names a path (a file, directory or node id): then
+# only what it names, so a file or -k/-m selection narrows the run instead of adding to it. An
+# option's value that happens to be a path (-k tests) only drops `tests` here; pytest then runs
+# its testpaths, which are tests/ too.
+paths=()
+for a in "$@"; do
+  case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && paths+=("$a") ;; esac
+done
+[ "${#paths[@]}" -eq 0 ] && set -- tests "$@"
+python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
