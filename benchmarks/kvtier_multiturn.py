@@ -67,18 +67,18 @@ async def run_config(args, tiers: bool) -> dict:
     eng = llm.engine
     vocab = eng.arch.vocab_size
     runner_offload = {"seconds": 0.0, "blocks": 0, "calls": 0}
-    if tiers:  # the runner's copies of evicted blocks the tiers did not hold (engine thread)
-        real = eng.runner.offload_blocks
+    if tiers:  # copies of blocks out of the GPU on the engine thread (evictions, sessions)
+        real = eng.tiers.offload
 
-        def timed_offload_blocks(blocks, *a, **kw):
+        def timed_offload(data, blocks, *a, **kw):
             t = time.perf_counter()
             try:
-                return real(blocks, *a, **kw)
+                return real(data, blocks, *a, **kw)
             finally:
                 runner_offload["seconds"] += time.perf_counter() - t
                 runner_offload["blocks"] += len(blocks)
                 runner_offload["calls"] += 1
-        eng.runner.offload_blocks = timed_offload_blocks
+        eng.tiers.offload = timed_offload
     system = [random.Random(0).randrange(vocab) for _ in range(args.system_tokens)]
     ae = AsyncEngine(eng)
     ae.start()

@@ -34,7 +34,7 @@ class CacheConfig:
     # Tokens per KV block. None: 16, or 64 for the KIVI formats (int4/int2), whose key scales
     # are per channel per block.
     block_size: int | None = None
-    # KV-cache storage (kvserve/layers/kv_format.py): auto (the model dtype), fp8, int8, int4, int2.
+    # KV-cache storage (kvserve/kv_format.py): auto (the model dtype), fp8, int8, int4, int2.
     kv_cache_dtype: str = "auto"
     kv_group_size: int = 0  # channels sharing a scale; 0: the format's default
     # Calibrated fp8/int8 scales (kvserve calibrate-kv): None: the file beside the model if there
@@ -62,7 +62,7 @@ class CacheConfig:
         return bool(self.cpu_kv_memory or self.disk_kv_dir or self.redis_url)
 
     def __post_init__(self):
-        from kvserve.layers.kv_format import KV_DTYPES, default_block_size
+        from kvserve.kv_format import KV_DTYPES, default_block_size
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.kv_group_size < 0:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
@@ -23,7 +23,7 @@ class LLM:
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, kernel: KernelConfig | None = None):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -38,7 +38,8 @@ class LLM:
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
                                    cache=cache, scheduler=sched, show_progress=show_progress,
                                    attention_backend=attention_backend, enforce_eager=enforce_eager,
-                                   cuda_graph_max_batch=cuda_graph_max_batch, async_scheduling=async_scheduling)
+                                   cuda_graph_max_batch=cuda_graph_max_batch, async_scheduling=async_scheduling,
+                                   kernel=kernel or KernelConfig())
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
         self._counter = 0

@@ -15,6 +15,8 @@ import random
 
 import pytest
 
+from kvserve.engine import lookahead
+
 from kvserve import LLM, SamplingParams
 from kvserve.engine.kv_cache_manager import hash_block
 from kvserve.engine.request import PENDING_TOKEN
@@ -86,14 +88,15 @@ def _run(async_scheduling: bool, seed: int, kv_memory: str):
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(str(i), p, sp)
     ahead = 0
-    advance = eng._advance
+    advance = lookahead.advance
 
     def counting(cur):
         nonlocal ahead
         ahead += 1
         advance(cur)
-    eng._advance = counting
-    outs = _drain(eng)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lookahead, "advance", counting)
+        outs = _drain(eng)
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_blocks  # nothing leaked
     return outs, ahead, eng.scheduler.num_preemptions
 

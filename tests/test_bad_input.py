@@ -295,7 +295,7 @@ def test_one_bad_prompt_rejects_the_whole_batch(llm):
     good = {"prompt_token_ids": [1, 2, 3]}
     e = _gen_error(llm, [good, {"prompt_token_ids": [1, 9999]}, good])
     assert e.field == "prompt"
-    assert not llm.engine.groups
+    assert not llm.engine.scheduler.groups and not llm.engine.output_processor.groups
 
 
 def test_request_longer_than_kv_pool():
@@ -368,7 +368,7 @@ def test_bad_request_does_not_disturb_running_ones():
             if o.finished:
                 got[o.request_id] = o
     used_before = e.kv.pool.num_used_blocks
-    n_groups = len(e.groups)
+    n_groups = len(e.scheduler.groups)
     bad = [
         ("bad1", {"prompt_token_ids": [1, 512]}, None, "prompt"),
         ("bad2", {"prompt_token_ids": []}, None, "prompt"),
@@ -382,12 +382,12 @@ def test_bad_request_does_not_disturb_running_ones():
             e.add_request(rid, prompt, sp)
         assert ei.value.field == field, rid
         assert e.kv.pool.num_used_blocks == used_before
-        assert len(e.groups) == n_groups
+        assert len(e.scheduler.groups) == n_groups
         e.check_invariants()
     _run_to_end(e, got)
     assert _summary(got) == _summary(ref)
     assert e.kv.pool.num_used_blocks == 0
-    assert not e.groups
+    assert not e.scheduler.groups and not e.output_processor.groups
     e.check_invariants()
     # A rejected id is free for later use.
     e.add_request("bad1", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, temperature=0))

@@ -1,9 +1,9 @@
 """Property-based tests of Scheduler + KVCacheManager, with no model.
 
-A ``Sim`` drives the scheduler exactly as ``LLMEngine.step`` does (advance
-``num_computed_tokens``, sample a token when ``ScheduledRequest.samples``, fork ``n > 1`` requests,
-finish at ``max_tokens``) and plays the model runner against a *shadow KV cache*: every slot
-records which token prefix its KV was computed from. Swap-out, copy-on-write and swap-in are
+A ``Sim`` drives the scheduler exactly as ``LLMEngine.step`` does: ``schedule()``, then the real
+``Scheduler.update`` with random tokens for each sampling request (``n`` of them for a request that
+forks), which advances the counters, forks and finishes at ``max_tokens``. It plays the model
+runner against a *shadow KV cache*: every slot records which token prefix its KV was computed from. Swap-out, copy-on-write and swap-in are
 applied in the runner's order, every scheduled token is written, and then every position a
 scheduled request attends to must hold exactly that request's prefix. So prefix-cache hits,
 copy on write, swapping and preemption are checked for what they are for: the right KV.
@@ -25,6 +25,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step import ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 4096
@@ -85,14 +86,22 @@ class Sim:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.sched.finish(req, status)
+        self._finished(req)
+
+    def _finished(self, req: Request) -> None:
+        assert req.is_finished
         self.swapped.pop(req.request_id, None)  # runner.drop_request
         self.live.remove(req)
         self.finished.append(req)
         assert req.request_id not in self.kv.tables
         assert req.request_id not in self.sched.swap_used_blocks
 
-    def abort(self, req: Request) -> None:
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+    def abort_group(self, group_id: str) -> None:
+        """LLMEngine.abort_request: the whole group (a request and its forks) goes."""
+        for r in self.sched.abort_group(group_id):
+            if r in self.live:
+                self._finished(r)
+        assert group_id not in self.sched.groups
 
     def slot(self, table: list[int], p: int) -> int:
         return table[p // self.bs] * self.bs + p % self.bs
@@ -171,25 +180,23 @@ class Sim:
                 assert got == k[p], (
                     f"{r.request_id} reads wrong KV at position {p} (block {s.block_table[p // bs]})")
 
-        # -- LLMEngine._update: advance, sample, fork, finish --------------------------------
-        for s in out.scheduled:
+        # -- the real Scheduler.update: advance, append, fork, finish ------------------------
+        draws = [(1 + s.request.pending_forks) if s.samples else 0 for s in out.scheduled]
+        toks = [[self.rng.randrange(self.vocab) for _ in range(k)] for k in draws]
+        result = ModelRunnerOutput(toks, [[None] * k for k in draws], [[] for _ in draws])
+        before = {id(s.request): (s.request.num_computed_tokens, s.request.num_output_tokens)
+                  for s in out.scheduled}
+        core = sched.update(out, result)
+        for _, child in core.forks:
+            self.live.append(child)
+        for s, k in zip(out.scheduled, draws):
             r = s.request
-            samples = s.samples
-            r.num_computed_tokens += s.num_new_tokens
-            if not samples:
-                continue
-            siblings = [r]
-            if r.pending_forks:
-                for i in range(1, r.pending_forks + 1):
-                    child = r.fork(i)
-                    sched.fork(r, child)
-                    self.live.append(child)
-                    siblings.append(child)
-                r.pending_forks = 0
-            for x in siblings:
-                x.append_token(self.rng.randrange(self.vocab))
-                if x.num_output_tokens >= x.max_tokens:
-                    self._finish(x, RequestStatus.FINISHED_LENGTH)
+            computed, n_out = before[id(r)]
+            assert r.num_computed_tokens == computed + s.num_new_tokens
+            assert r.num_output_tokens == n_out + (1 if k else 0)
+        for r in core.finished:
+            assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+            self._finished(r)
         self.check()
         return out
 
@@ -313,7 +320,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         req = data.draw(st.sampled_from(self.sim.live), label="victim")
-        self.sim.abort(req)
+        self.sim.abort_group(req.group_id)
 
     @rule()
     def reset_prefix_cache(self):

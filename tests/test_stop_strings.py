@@ -1,6 +1,6 @@
 """Incremental detokenization and stop strings with the default model's real tokenizer.
 
-Token ids are fed one at a time the way ``LLMEngine._check_stop`` does it: append the token,
+Token ids are fed one at a time the way ``OutputProcessor`` does it: append the token,
 ``Detokenizer.update``, then (once ``min_tokens`` is reached) ``find_stop``.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 import pytest
 
 from kvserve.engine.detokenizer import Detokenizer, find_stop
-from kvserve.engine.request import Request
+from kvserve.engine.output_processor import RequestState
 from kvserve.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -34,7 +34,7 @@ def enc(tok, text: str) -> list[int]:
 
 def feed(detok, prompt_ids, out_ids, params: SamplingParams):
     """Returns (request, [output_text after each token], stop string or None, tokens fed)."""
-    req = Request("r", list(prompt_ids), params)
+    req = RequestState(0, list(prompt_ids), params)
     texts = []
     stop = None
     for t in out_ids:
@@ -113,7 +113,7 @@ def test_multibyte_never_partial(tok, detok):
     ids = enc(tok, text)
     # The test means something only if some tokens are pieces of a character.
     assert any(REPLACEMENT in tok.decode([t]) for t in ids)
-    req = Request("r", enc(tok, "Say:"), SamplingParams())
+    req = RequestState(0, enc(tok, "Say:"), SamplingParams())
     waited = 0
     for t in ids:
         req.append_token(t)
@@ -198,7 +198,7 @@ def test_earliest_stop_string_wins(tok, detok):
 def test_earliest_stop_string_wins_when_text_arrives_late(tok, detok):
     # Text held back by an unfinished character arrives in one piece with two stop strings in it.
     ids = enc(tok, "ab😀cd efg")
-    req = Request("r", enc(tok, "Go"), SamplingParams(stop=["d e", "😀c"]))
+    req = RequestState(0, enc(tok, "Go"), SamplingParams(stop=["d e", "😀c"]))
     got = None
     for t in ids:
         req.append_token(t)
@@ -211,7 +211,7 @@ def test_earliest_stop_string_wins_when_text_arrives_late(tok, detok):
 def test_stop_string_before_min_tokens_is_not_matched_later(tok, detok):
     """find_stop's contract: a stop string that appeared *in the text just added*. With two stop
     strings of different lengths, one that lies wholly in older text (emitted while min_tokens
-    kept stop strings off, as LLMEngine._check_stop does) must not be matched afterwards: that
+    kept stop strings off, as the OutputProcessor does) must not be matched afterwards: that
     would cut the text back into the min_tokens part."""
     ids = enc(tok, "aX b c d e f g")
     params = SamplingParams(stop=["X", "A MUCH LONGER STOP STRING"], min_tokens=3, max_tokens=20)
@@ -221,6 +221,6 @@ def test_stop_string_before_min_tokens_is_not_matched_later(tok, detok):
 
 
 def test_no_stop_when_nothing_new(tok, detok):
-    req = Request("r", enc(tok, "Go"), SamplingParams(stop=["a"]))
+    req = RequestState(0, enc(tok, "Go"), SamplingParams(stop=["a"]))
     req.output_text = "a"  # pre-existing text is not searched when no new chars arrived
     assert find_stop(req, 0) is None

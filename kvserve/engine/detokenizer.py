@@ -7,7 +7,18 @@ match spanning several tokens is found, and cut off (kept with include_stop_str_
 """
 from __future__ import annotations
 
-from kvserve.engine.request import Request
+from typing import Protocol
+
+from kvserve.sampling_params import SamplingParams
+
+
+class TextState(Protocol):
+    """What the detokenizer reads and writes of a sequence (``output_processor.RequestState``)."""
+    params: SamplingParams
+    all_token_ids: list[int]
+    output_text: str
+    prefix_offset: int
+    read_offset: int
 
 
 class Detokenizer:
@@ -18,7 +29,7 @@ class Detokenizer:
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def update(self, req: Request) -> int:
+    def update(self, req: TextState) -> int:
         """Extend ``req.output_text`` with the newest tokens; returns the number of chars added."""
         skip = req.params.skip_special_tokens
         toks = req.all_token_ids
@@ -34,7 +45,7 @@ class Detokenizer:
         return 0
 
 
-def find_stop(req: Request, num_new_chars: int) -> str | None:
+def find_stop(req: TextState, num_new_chars: int) -> str | None:
     """If a stop string appeared in the text just added, cut the text there and return it."""
     stops = req.params.stop_strings
     if not stops or num_new_chars == 0:

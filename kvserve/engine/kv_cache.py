@@ -2,10 +2,15 @@
 
 Uncompressed (``auto``): one tensor ``[layers, 2 (K, V), num_blocks, block_size, kv_heads,
 head_dim]``; each layer sees its K and V as ``[num_blocks, block_size, kv_heads, head_dim]``
-views. Compressed (``fp8``, ``int8``, ``int4``, ``int2``, see ``layers/kv_format.py``): one byte
+views. Compressed (``fp8``, ``int8``, ``int4``, ``int2``, see ``kvserve/kv_format.py``): one byte
 tensor ``[layers, 1, num_blocks, block_bytes]`` holding each block's codes and scales, and each
 layer sees a ``KVViews``; KIVI formats add a per-sequence full-precision key buffer
 ``[layers, slots, block_size, kv_heads, head_dim]``.
+
+The KIVI key buffer has one row per running sequence: ``residual_row`` hands a sequence its row
+on its first step, ``release`` gives it back (finished, aborted, or preempted: a resumed sequence
+recomputes from a block boundary), ``fork`` gives a forked child a copy of its parent's row (they
+share the unsealed last block). Requests hold rows here and blocks in the ``KVCacheManager``.
 
 Either way ``data[:, :, blocks]`` is every layer's KV of those blocks, which is what block
 copies, swapping and the tiers move. Zero-filled, so padded reads of unused slots stay finite
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.layers.kv_format import KVFormat
+from kvserve.kv_format import KVFormat
 from kvserve.models.arch import ModelArch
 
 
@@ -42,6 +47,8 @@ class KVCache:
                            for i in range(arch.num_layers)]
         self.swap_blocks = swap_blocks
         self.swapped: dict[str, torch.Tensor] = {}
+        self._row: dict[str, int] = {}  # request id -> its row of the KIVI key residual
+        self._free_rows = list(range(residual_slots - 1, -1, -1))
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -60,9 +67,33 @@ class KVCache:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.data[:, :, dst] = self.data[:, :, src]
 
-    def copy_residual(self, src: int, dst: int) -> None:
-        if self.residual is not None:
-            self.residual[:, dst] = self.residual[:, src]
+    # -- KIVI key residual rows ------------------------------------------------------------
+    def residual_rows(self, request_ids: list[str]) -> list[int]:
+        """Each request's row, a free one for a request on its first step."""
+        return [self._row[rid] if rid in self._row else self._take_row(rid) for rid in request_ids]
+
+    def _take_row(self, request_id: str) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"no free KV residual row for {request_id}: {len(self._row)} held")
+        row = self._row[request_id] = self._free_rows.pop()
+        return row
+
+    def release(self, request_id: str) -> None:
+        """The request's residual row goes back (its blocks are the block manager's)."""
+        row = self._row.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if self.residual is not None and parent_id in self._row:
+            self.residual[:, self._take_row(child_id)] = self.residual[:, self._row[parent_id]]
+
+    def drop(self, request_id: str) -> None:
+        """The request has finished: its row and any swapped-out KV go."""
+        self.release(request_id)
+        self.swapped.pop(request_id, None)
+
+    # -- swap space --------------------------------------------------------------------------
 
     def swap_out(self, request_id: str, blocks: list[int]) -> None:
         idx = torch.tensor(blocks, device=self.device)
@@ -73,5 +104,3 @@ class KVCache:
         idx = torch.tensor(blocks, device=self.device)
         self.data[:, :, idx] = self.swapped.pop(request_id).to(self.device, non_blocking=True)
 
-    def drop_swapped(self, request_id: str) -> None:
-        self.swapped.pop(request_id, None)

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,23 +16,15 @@ from kvserve.config import EngineConfig
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler, SamplingRow
-from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
-from kvserve.layers.kv_format import KVFormat
+from kvserve.kv_format import KVFormat
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class StepResult:
-    """What one scheduled request got from the step."""
-    token_ids: list[int]  # empty for a prompt chunk that does not reach the end; n for a forking parent
-    logprobs: list  # per token: (logprob, rank, top) or None
-    prompt_logprobs: list  # per prompt position computed this step: (id, logprob, rank, top)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,10 +92,7 @@ class ModelRunner:
         self.kv_format = KVFormat(cache.kv_cache_dtype, src.arch.num_kv_heads, src.arch.head_dim, self.block_size,
                                   self.dtype, cache.kv_group_size, static=self.kv_scales is not None)
         self._check_kv_format()
-        # KIVI: one row of the full-precision key residual per running sequence (plan_residual)
-        self.residual_slots = 0
-        self._res_slot: dict[str, int] = {}
-        self._free_res: list[int] = []
+        self.residual_slots = 0  # KIVI: rows of the full-precision key residual (plan_residual)
         t0 = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = LlamaForCausalLM(src.arch, max_positions=max_model_len)
@@ -124,19 +113,19 @@ class ModelRunner:
             from kvserve.errors import ConfigError
             raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
                               f"tests), got {self.device}; use torch or auto")
-        self.backend = get_backend(name)
+        self.backend = get_backend(name, config.kernel)
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
-        self.store = None  # kvserve.kvtier.TieredStore, set by the engine when tiers are on
+        self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
     def _load_kv_scales(self, src) -> torch.Tensor | None:
         """Calibrated fp8/int8 scales, [layers, 2, kv_heads] float32 on the device, or None."""
-        from kvserve import calibrate
+        from kvserve import kv_scales
         from kvserve.errors import ConfigError
-        from kvserve.layers.kv_format import FP8_MAX, INT8_MAX
+        from kvserve.kv_format import FP8_MAX, INT8_MAX
         cache = self.config.cache
         name, path = cache.kv_cache_dtype, cache.kv_scales
         if path == "off":
@@ -144,12 +133,12 @@ class ModelRunner:
         if path is None:
             if name not in ("fp8", "int8"):
                 return None
-            path = calibrate.default_path(self.config.model)
+            path = kv_scales.default_path(self.config.model)
             if path is None or not os.path.exists(path):
                 return None
         elif name not in ("fp8", "int8"):
             raise ConfigError("kv_scales", f"calibrated scales apply to kv_cache_dtype fp8 or int8, not {name!r}")
-        amax = calibrate.load(path, src, self.config.seed, src.arch.num_layers, src.arch.num_kv_heads)
+        amax = kv_scales.load(path, src, self.config.seed, src.arch.num_layers, src.arch.num_kv_heads)
         qmax = FP8_MAX if name == "fp8" else INT8_MAX
         log.info("KV cache: calibrated %s scales from %s", name, path)
         return (amax / qmax).clamp_min(1e-8).to(self.device)
@@ -174,7 +163,6 @@ class ModelRunner:
         row = self.arch.num_layers * self.kv_format.residual_bytes(1)
         rows = min(self.config.scheduler.max_num_seqs + 1, max(2, int(kv_bytes * share) // row))
         self.residual_slots = rows
-        self._free_res = list(range(rows - 1, -1, -1))
         return rows - 1
 
     def kv_fixed_bytes(self) -> int:
@@ -283,27 +271,10 @@ class ModelRunner:
         max_seal = int((seq_lens // bs - (seq_lens - qlens) // bs).max()) if len(seq_lens) else 0
         return res_map, max_seal
 
-    def _res_slots_for(self, sched) -> list[int]:
-        ids = [s.request.request_id for s in sched]
-        return [self._res_slot[rid] if rid in self._res_slot else self._take_res_slot(rid) for rid in ids]
-
-    def _take_res_slot(self, request_id: str) -> int:
-        if not self._free_res:
-            raise RuntimeError(f"no free KV residual row for {request_id}: {len(self._res_slot)} held")
-        slot = self._res_slot[request_id] = self._free_res.pop()
-        return slot
-
-    def _release_res_slot(self, request_id: str) -> None:
-        slot = self._res_slot.pop(request_id, None)
-        if slot is not None:
-            self._free_res.append(slot)
-
     def fork_request(self, parent_id: str, child_id: str) -> None:
         """A forked child shares its parent's unsealed last block, so it gets a copy of the
         parent's residual row."""
-        if not self.kv_format.kivi or parent_id not in self._res_slot:
-            return
-        self.kv_cache.copy_residual(self._res_slot[parent_id], self._take_res_slot(child_id))
+        self.kv_cache.fork(parent_id, child_id)
 
     def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None):
         positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
@@ -320,14 +291,22 @@ class ModelRunner:
         self.backend.prepare(meta, dev)
         return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
 
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step and return what each scheduled request got."""
+        return self.launch(out)()
+
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput):
-        """Queue the step's GPU work and return a callable that waits for it and returns the
-        per-request results. Between the two the host is free (the engine does its bookkeeping
-        there while the device computes)."""
+    def launch(self, out: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Queue the step's GPU work and return a callable that waits for it and returns its
+        ``ModelRunnerOutput``. Between the two the host is free (the engine does its
+        bookkeeping there while the device computes)."""
         kv = self.kv_cache
-        if out.offloads or out.loads:
-            self.move_kv(out.offloads, out.loads)
+        if self.tiers is not None:
+            # Before the step writes anything: evicted blocks leave first (a load or a new
+            # token may be about to overwrite them), then loaded chunks fill their blocks.
+            self.tiers.offload(kv.data, out.offloads)
+            self.tiers.stats.offloaded_blocks += len(out.offloads)
+            self.tiers.load(kv.data, out.loads)
         for rid, blocks in out.swap_out.items():
             kv.swap_out(rid, blocks)
         if out.copies:
@@ -335,7 +314,7 @@ class ModelRunner:
         for rid, blocks in out.swap_in.items():
             kv.swap_in(rid, blocks)
         for rid in out.preempted:  # recomputed from scratch (or a block boundary) when resumed
-            self._release_res_slot(rid)
+            kv.release(rid)
         sched = out.scheduled
         ids: list[int] = []
         pending_rows, pending_src = [], []  # async scheduling: input tokens sampled by the step in flight
@@ -359,7 +338,7 @@ class ModelRunner:
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
         if self.gpu_timer is not None:
             self.gpu_timer.start()
-        res_slots = self._res_slots_for(sched) if self.kv_format.kivi else None
+        res_slots = kv.residual_rows([s.request.request_id for s in sched]) if self.kv_format.kivi else None
         hidden, query_start = self._forward(ids, seqs, res_slots, patch)
 
         # Rows to turn into logits: the last token of each sampling request, and every
@@ -389,58 +368,21 @@ class ModelRunner:
             self.gpu_timer.stop()
 
         @torch.inference_mode()
-        def finish() -> list[StepResult]:
-            results = [StepResult([], [], []) for _ in sched]
+        def finish() -> ModelRunnerOutput:
+            res = ModelRunnerOutput.empty(len(sched))
             if pending is not None:
                 so = self.sampler.finish(pending)
                 for k, i in enumerate(sample_of):
-                    results[i].token_ids.append(so.token_ids[k])
-                    results[i].logprobs.append(so.logprobs[k])
+                    res.sampled_token_ids[i].append(so.token_ids[k])
+                    res.logprobs[i].append(so.logprobs[k])
             for i, s in enumerate(sched):
                 r = s.request
-                if r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
-                    results[i].prompt_logprobs = self._prompt_logprobs(r, s, hidden, query_start[i])
+                if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
+                    res.prompt_logprobs[i] = self._prompt_logprobs(r, s, hidden, query_start[i])
             if self.gpu_timer is not None:
                 self.gpu_timer.collect()
-            return results
+            return res
         return finish
-
-    def offload_blocks(self, blocks: list[tuple[int, bytes]], wait: bool = False, batch: int = 256) -> None:
-        """Copy these blocks' KV to the tiered store under their keys, ``batch`` blocks at a time
-        (a gather of the whole cache would double its memory). ``wait``: block on a full write
-        queue instead of dropping the write (shutdown flush)."""
-        if not blocks or self.store is None:
-            return
-        for i in range(0, len(blocks), batch):
-            part = blocks[i:i + batch]
-            idx = torch.tensor([b for b, _ in part], device=self.device)
-            host = self.kv_cache.data[:, :, idx].to("cpu")  # [L, 2, n, bs, kvh, d] (compressed: [L, 1, n, bytes])
-            for j, (_, key) in enumerate(part):
-                self.store.put(key, host[:, :, j].clone(), wait=wait)
-
-    def move_kv(self, offloads: list[tuple[int, bytes]], loads, batch: int = 256) -> None:
-        """Before the step writes anything: evicted blocks leave for the tiers first (a load or
-        a new token may be about to overwrite them), then loaded chunks fill their blocks."""
-        self.offload_blocks(offloads)
-        if self.store is not None:
-            self.store.load_stats.offloaded_blocks += len(offloads)
-        data = self.kv_cache.data
-        for blocks, run in loads:
-            t0 = time.perf_counter()
-            # Each (pinned) chunk goes to the device whole, one plain copy each, into a staging
-            # buffer; one scatter then puts the batch into its blocks (a chunk's place in the
-            # cache is strided across layers: copied directly, every chunk would cost a hidden
-            # temporary and an extra kernel).
-            for i in range(0, len(run), batch):
-                part, ids = run[i:i + batch], blocks[i:i + batch]
-                stage = torch.empty((len(part),) + tuple(part[0][1].shape), dtype=data.dtype, device=self.device)
-                for j, (_, kv, _) in enumerate(part):
-                    stage[j].copy_(kv, non_blocking=True)
-                idx = torch.tensor(ids, device=self.device)
-                data[:, :, idx] = stage.movedim(0, 2)
-            if self.device.type == "cuda":  # the chunks stay pinned in the CPU tier until copied
-                torch.cuda.current_stream(self.device).synchronize()
-            self.store.loaded(run, time.perf_counter() - t0)
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -500,6 +442,5 @@ class ModelRunner:
         return out
 
     def drop_request(self, request_id: str) -> None:
-        self._release_res_slot(request_id)
         if self.kv_cache is not None:
-            self.kv_cache.drop_swapped(request_id)
+            self.kv_cache.drop(request_id)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kvserve.outputs import PositionLogprobs, RequestMetrics
+from kvserve.outputs import RequestMetrics
 from kvserve.sampling_params import SamplingParams
 
 # With async scheduling a step is scheduled before the previous step's tokens are known: each
@@ -80,16 +80,7 @@ class Request:
         self.prefetch_state: str | None = None  # tiered store: None, "pending", "done"
         self.prefetch_token = 0
         self.session_id: str | None = None
-        # Text state (kept by the detokenizer).
-        self.output_text = ""
-        self.prefix_offset = max(0, self.num_prompt_tokens - 5)
-        self.read_offset = self.num_prompt_tokens
-        self.stop_reason: int | str | None = None
-        # Log-probs.
-        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
+        self.stop_reason: int | None = None  # the stop token that ended it
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
 
@@ -105,6 +96,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def length_reached(self) -> bool:
+        """The one length rule: ``max_tokens`` is already capped at what ``max_model_len`` leaves."""
+        return self.num_output_tokens >= self.max_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probs are computed for the first sibling only (forks share the prompt)."""
+        return self.index == 0 and self.params.prompt_logprobs is not None
 
     @property
     def token_pending(self) -> bool:
@@ -141,8 +142,6 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.pending_forks = 0
         child.generators = None if self.generators is None else [self.generators[index]]
-        child.logprobs = None if self.logprobs is None else list(self.logprobs)
-        child.prompt_logprobs = None  # reported once, by index 0
         child.metrics = RequestMetrics(**vars(self.metrics))
         return child
 

@@ -6,6 +6,10 @@ step is a request one token behind; prefix-cache hits start a request ahead, pre
 back to zero (recompute) or keeps its counter with its KV in CPU memory (swap). There is no
 separate prefill phase.
 
+After the step, ``update`` applies what the model produced: counters move, tokens are appended,
+a request owing forks (``n > 1``) forks, and a request that reached end-of-text, a stop token or
+its length finishes and gives its blocks back. Each of those rules is written here once.
+
 Order: running requests first, in arrival order (they hold KV), then waiting ones, FCFS. When the
 pool runs dry the newest running request is preempted and put at the head of the queue; nothing
 is admitted in a step that preempted, so an old request is never overtaken for long.
@@ -14,46 +18,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_table: list[int]
-    samples: bool = False  # the step reaches the end of the known tokens, so a token is sampled
-
-    def __post_init__(self):
-        r = self.request
-        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
-    swap_out: dict[str, list[int]] = field(default_factory=dict)  # request id -> device blocks
-    swap_in: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[str] = field(default_factory=list)
-    # Tiered KV store: blocks whose KV leaves for the tiers before this step writes anything
-    # (evicted from the prefix cache), and chunks to copy into freshly allocated blocks.
-    offloads: list[tuple[int, bytes]] = field(default_factory=list)  # (block, key)
-    loads: list[tuple[list[int], list]] = field(default_factory=list)  # (blocks, store run) per request
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from kvserve.engine.step import (EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, ScheduledRequest,
+                                 SchedulerOutput)
 
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager,
-                 max_model_len: int, swap_capacity_blocks: int = 0, store=None):
+                 max_model_len: int, swap_capacity_blocks: int = 0, tiers=None):
         self.config = sched
         self.cache_config = cache
         self.kv = kv
@@ -64,13 +39,24 @@ class Scheduler:
         self.swap_used_blocks: dict[str, int] = {}
         self.watermark_blocks = int(cache.watermark * kv.pool.num_blocks)
         self.num_preemptions = 0
-        self.store = store  # kvserve.kvtier.TieredStore, or None
-        if store is not None:
+        # Every unfinished request by group (a request with n > 1 and its forks): for aborts.
+        self.groups: dict[str, list[Request]] = {}
+        self.tiers = tiers  # kvserve.kvtier.TierConnector, or None
+        if tiers is not None:
             kv.pool.record_evictions = True
 
     # -- admission -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        self.groups[req.group_id] = [req]
         self.waiting.append(req)
+
+    def abort_group(self, group_id: str) -> list[Request]:
+        """Finish every unfinished request of the group as aborted; returns the group."""
+        reqs = self.groups.pop(group_id, [])
+        for req in reqs:
+            if not req.is_finished:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return reqs
 
     def blocks_to_finish(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
         """Blocks a request needs at its largest: its prompt plus n completions."""
@@ -93,7 +79,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0 or (req.token_pending and self._length_done(req)):
+            if n <= 0 or (req.token_pending and req.length_reached):
                 # Nothing to compute; or (async scheduling) the token in flight is its last.
                 i += 1
                 continue
@@ -120,18 +106,18 @@ class Scheduler:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
             else:
                 computed = self.kv.get_computed_blocks(req)
-                if self.store is not None and req.metrics.first_scheduled_time is None:
+                if self.tiers is not None and req.metrics.first_scheduled_time is None:
                     keys = req.block_hashes[len(computed):(req.num_tokens - 1) // self.kv.block_size]
-                    if keys and self._awaiting_prefetch(req, keys):
+                    if keys and self.tiers.awaiting_prefetch(req, keys):
                         idx += 1  # its chunks are on their way from disk/Redis: others go first
                         continue
-                    run = self.store.take_run(keys) if keys else []
+                    run = self.tiers.take_run(keys) if keys else []
                 n_hit = (len(computed) + len(run)) * self.kv.block_size
                 n = req.num_tokens - n_hit
                 if not self.config.enable_chunked_prefill and n > budget:
                     if scheduled:
                         if run:
-                            self.store.release(run)
+                            self.tiers.release(run)
                         break
                     # A prompt over the budget still runs alone rather than never.
                 else:
@@ -141,7 +127,7 @@ class Scheduler:
             n_loaded = len(run) * self.kv.block_size
             if not self.kv.allocate_slots(req, n_loaded + n, computed, reserve_blocks=reserve):
                 if run:
-                    self.store.release(run)
+                    self.tiers.release(run)
                 break
             del self.waiting[idx]
             if req.swapped_out:
@@ -165,39 +151,10 @@ class Scheduler:
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.copies = self.kv.take_pending_copies()
-        if self.store is not None:
+        if self.tiers is not None:
             evicted, self.kv.pool.evicted = self.kv.pool.evicted, []
-            # Only what the tiers do not hold yet is copied out (keys are content hashes): most
-            # evicted blocks were loaded from the CPU tier or written there at the end of their
-            # session's turn, and copying them again cost ~1 ms a block on the engine thread.
-            out.offloads = [(b, k) for b, k in evicted if not self.store.holds(k)]
-            self.store.load_stats.offloads_skipped += len(evicted) - len(out.offloads)
+            out.offloads = self.tiers.to_offload(evicted)
         return out
-
-    def _length_done(self, req: Request) -> bool:
-        return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
-
-    def _awaiting_prefetch(self, req: Request, keys: list[bytes]) -> bool:
-        """True while the store's prefetch thread is fetching ``req``'s chunks from disk/Redis.
-        Started once per request, only when there are lower tiers and the first missing chunk is
-        not already in memory."""
-        store = self.store
-        if not store.lower or req.prefetch_state == "done":
-            return False
-        if req.prefetch_state is None:
-            # The first chunk not already in memory decides: if no lower tier may hold it, the
-            # request goes on now (what is in memory loads, the rest is computed).
-            first_missing = next((k for k in keys if not store.in_memory(k)), None)
-            if first_missing is None or not store.may_have_below(first_missing):
-                req.prefetch_state = "done"
-                return False
-            req.prefetch_state = "pending"
-            req.prefetch_token = store.start_prefetch(keys)
-            return True
-        if store.prefetch_done.pop(req.prefetch_token, None) is not None:
-            req.prefetch_state = "done"
-            return False
-        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
@@ -216,18 +173,101 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- after the forward -----------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput, advanced: bool = False) -> EngineCoreOutputs:
+        """Apply a step's results. ``advanced``: the step's counters were moved and its tokens
+        appended as placeholders when the next step was launched ahead (``lookahead``)."""
+        core = EngineCoreOutputs()
+        now = time.time()
+        for s, toks, lps, plps in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
+                                      result.prompt_logprobs):
+            req = s.request
+            if req.is_finished:  # stopped or aborted after the launch (look-ahead): dropped
+                continue
+            start = req.num_computed_tokens
+            if not advanced:
+                core.num_prompt_tokens += max(0, min(s.num_new_tokens, req.num_prompt_tokens - start))
+                req.num_computed_tokens += s.num_new_tokens
+            if not toks:  # a prompt chunk that does not reach the end
+                core.outputs.append(EngineCoreOutput(req.request_id, req.group_id, req.index, [],
+                                                     prompt_logprobs=plps, prompt_logprobs_start=start,
+                                                     metrics=req.metrics,
+                                                     num_output_tokens=req.num_output_tokens))
+                continue
+            core.num_generated_tokens += len(toks)
+            if req.pending_forks:
+                runs = [(r, [t], [lp]) for r, t, lp in zip(self._fork_all(req, core), toks, lps)]
+            else:
+                runs = [(req, toks, lps)]
+            for r, ts, ls in runs:
+                n = len(ts)
+                status = None
+                for k, tok in enumerate(ts):
+                    if advanced and k == 0:
+                        r.resolve_pending(tok)
+                    else:
+                        r.append_token(tok)
+                    status = self._stop_status(r, tok)
+                    if status is not None:  # tokens accepted past a stop are dropped
+                        n = k + 1
+                        self.finish(r, status)
+                        core.finished.append(r)
+                        break
+                if r.metrics.first_token_time is None:
+                    r.metrics.first_token_time = now
+                r.metrics.num_generation_tokens += n
+                core.outputs.append(EngineCoreOutput(
+                    r.request_id, r.group_id, r.index, ts[:n] if n < len(ts) else ts,
+                    ls[:n] if n < len(ls) else ls, plps if r is req else [], start,
+                    status if status is not None else RequestStatus.RUNNING, r.stop_reason, r.metrics,
+                    r.num_output_tokens))
+        return core
+
+    def _fork_all(self, parent: Request, core: EngineCoreOutputs) -> list[Request]:
+        """The parent's first token is sampled: its n - 1 siblings start here, sharing its blocks."""
+        family = [parent]
+        gens = parent.generators
+        for i in range(1, parent.pending_forks + 1):
+            child = parent.fork(i)
+            self.fork(parent, child)
+            self.groups[parent.group_id].append(child)
+            core.forks.append((parent, child))
+            family.append(child)
+        parent.pending_forks = 0
+        if gens is not None:
+            parent.generators = gens[:1]
+        return family
+
+    @staticmethod
+    def _stop_status(r: Request, tok: int) -> RequestStatus | None:
+        """End-of-text and stop tokens (once ``min_tokens`` are out), then the length. Stop
+        strings need the text: the output processor finds those."""
+        p = r.params
+        if r.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok in r.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                r.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if r.length_reached:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mark ``req`` finished and give its blocks back (it may be running or waiting)."""
+        """Mark ``req`` finished and give its blocks back (it may be running or waiting). A
+        group leaves ``groups`` once all its requests have finished."""
         req.status = status
         req.metrics.finished_time = time.time()
-        if self.store is not None and req.prefetch_state == "pending":
-            self.store.prefetch_done.pop(req.prefetch_token, None)  # (a later finish leaves one int)
+        if self.tiers is not None:
+            self.tiers.forget(req)
         self.kv.free(req)
         self.swap_used_blocks.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        group = self.groups.get(req.group_id)
+        if group is not None and len(group) == req.params.n and all(r.is_finished for r in group):
+            del self.groups[req.group_id]
 
     def fork(self, parent: Request, child: Request) -> None:
         """Put ``child`` right after ``parent`` in the running list, sharing its blocks."""

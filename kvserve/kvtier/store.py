@@ -150,12 +150,14 @@ class TieredStore:
             return self.cpu.touch(key)
         return self.staging.touch(key) or (self.disk is not None and key in self.disk)
 
-    def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], batch: int = 64) -> int:
+    def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], batch: int = 64,
+                wait: bool = False) -> int:
         """Copy the KV of these device blocks (``data[:, :, block]``, the runner's cache) into the
         tiers under their keys, skipping keys they already hold. On the GPU each block goes
         straight into a pinned slot of the CPU tier with an asynchronous copy, one synchronize per
         batch (no pageable buffer, no clone, no pinned allocation per block). The lower tiers get
-        their write-behind copy as with ``put``. Returns the blocks copied."""
+        their write-behind copy as with ``put`` (``wait``: block on a full queue rather than drop
+        the write). Returns the blocks copied."""
         todo = list({k: b for b, k in blocks if not self.holds(k)}.items())
         if not todo:
             return 0
@@ -175,7 +177,7 @@ class TieredStore:
                     held = [(k, tier.chunks[k]) for k in stored if k in tier.chunks]
                 for k, kv in held:  # the writer gets its own copy: a slot is reused after eviction
                     try:
-                        self._writes.put((k, kv.clone()), block=False)
+                        self._writes.put((k, kv.clone()), block=wait)
                     except queue.Full:
                         for t in self.lower:
                             t.stats.errors += 1
