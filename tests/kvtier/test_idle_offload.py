@@ -1,12 +1,19 @@
 """Sessions: a conversation idle for ``idle_offload_seconds`` leaves the GPU for the tiers, and
-its next turn loads it back, with the output of plain recomputation."""
+its next turn loads it back, with the output of plain recomputation. Idle time passes on a fake
+clock (``llm.engine.sessions.clock``)."""
 from __future__ import annotations
 
-import time
+import threading
 
-from tierutil import ONE, favor_loading, gen, prefix_keys
+from tierutil import CPU_BIG, KV_SESSIONS, ONE, FakeClock, favor_loading, gen, prefix_keys
 
 IDLE = 0.5
+
+
+def _engine(make_llm, **kw):
+    llm = make_llm(kv_cache_memory=KV_SESSIONS, idle_offload_seconds=IDLE, **kw)
+    clock = llm.engine.sessions.clock = FakeClock()
+    return llm, clock
 
 
 def _turn2(prompts, turn1_prompt, turn1_output):
@@ -26,17 +33,16 @@ def _first_turn(llm, prompts, reference, sid="s1"):
 
 def test_idle_sessions_own_next_turn_finds_it_on_the_gpu(make_llm, prompts, reference):
     """Nothing runs while the session is idle (offline API), then its next turn arrives: the
-    session is active again and its history is served from the GPU prefix cache. Until the fix
-    of the multi-turn regression (BENCHMARKS.md, issue 5), add_request first moved the idle
-    session to the tiers and the turn loaded it straight back: every turn of the H200 run paid
-    a GPU->CPU copy of its whole history (17,366 blocks) and a load, for no GPU memory gained.
-    Its KV is in the CPU tier all the same: written at the end of turn 1."""
-    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    session is active again and its history is served from the GPU prefix cache, not moved to
+    the tiers by ``add_request`` and loaded straight back (a copy of its whole history out of
+    the GPU and back in, for no GPU memory gained). Its KV is in the CPU tier all the same:
+    written at the end of turn 1."""
+    llm, clock = _engine(make_llm, cpu_kv_memory=CPU_BIG)
     p2, keys = _first_turn(llm, prompts, reference)
     store = llm.engine.store
     assert all(k in store.cpu for k in keys)
     assert store.load_stats.session_blocks_written == len(keys)
-    time.sleep(IDLE + 0.3)
+    clock.advance(IDLE + 0.3)
     out2 = gen(llm, p2, session_id="s1")
     load = store.load_stats
     assert load.idle_offloaded_blocks == 0
@@ -50,13 +56,13 @@ def test_idle_session_offloaded_while_the_engine_serves_others(make_llm, prompts
     """The same with other traffic during the idle time: the engine's step finds the session
     idle, moves its blocks to the CPU tier (they become plain free blocks on the GPU), and the
     next turn loads them."""
-    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    llm, clock = _engine(make_llm, cpu_kv_memory=CPU_BIG)
     p2, keys = _first_turn(llm, prompts, reference)
     pool = llm.engine.kv.pool
     gen(llm, prompts.tail[:20], ONE)  # not yet idle: stays
     assert llm.engine.store.load_stats.idle_offloaded_blocks == 0
     assert all(pool.lookup(k) is not None for k in keys)
-    time.sleep(IDLE + 0.3)
+    clock.advance(IDLE + 0.3)
     gen(llm, prompts.tail[:21], ONE)  # another client's request: the step checks for idle sessions
     load = llm.engine.store.load_stats
     assert load.idle_offloaded_blocks == len(keys)
@@ -74,10 +80,10 @@ def test_idle_session_offloaded_while_the_engine_serves_others(make_llm, prompts
 
 
 def test_pinned_session_stays_on_the_gpu(make_llm, prompts, reference):
-    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    llm, clock = _engine(make_llm, cpu_kv_memory=CPU_BIG)
     llm.engine.pin_session("s1")
     p2, keys = _first_turn(llm, prompts, reference)
-    time.sleep(IDLE + 0.3)
+    clock.advance(IDLE + 0.3)
     gen(llm, prompts.tail[:21], ONE)
     assert llm.engine.store.load_stats.idle_offloaded_blocks == 0
     assert all(llm.engine.kv.pool.lookup(k) is not None for k in keys)
@@ -89,7 +95,7 @@ def test_pinned_session_stays_on_the_gpu(make_llm, prompts, reference):
 def test_forced_offload_of_all_sessions(make_llm, prompts, reference, tmp_path):
     """``offload_idle_sessions(force=True)`` (the server's offload endpoint) with only a disk
     tier: the blocks go to disk and the next turn loads them from there."""
-    llm = make_llm(kv_cache_memory="24MiB", disk_kv_dir=str(tmp_path / "kv"), idle_offload_seconds=3600)
+    llm = make_llm(kv_cache_memory=KV_SESSIONS, disk_kv_dir=str(tmp_path / "kv"), idle_offload_seconds=3600)
     p2, keys = _first_turn(llm, prompts, reference)
     assert llm.engine.offload_idle_sessions() == 0  # not idle for an hour
     assert llm.engine.offload_idle_sessions(force=True) == len(keys)
@@ -103,19 +109,31 @@ def test_forced_offload_of_all_sessions(make_llm, prompts, reference, tmp_path):
 
 
 def test_idle_offload_to_a_slow_disk_is_not_lost_for_the_next_turn(make_llm, prompts, reference, tmp_path):
-    llm = make_llm(kv_cache_memory="24MiB", disk_kv_dir=str(tmp_path / "kv"), idle_offload_seconds=IDLE)
+    """The next turn arrives while the disk is still writing the session's blocks: the first
+    few are on disk (and gone from memory), the rest still wait in memory for the writer."""
+    llm, clock = _engine(make_llm, disk_kv_dir=str(tmp_path / "kv"))
     disk = llm.engine.store.disk
     real_put = disk.put
+    done: list[bytes] = []
+    stalled, go_on = threading.Event(), threading.Event()
 
-    def slow_put(key, data):  # a disk that takes 60 ms a chunk: still writing at the next turn
-        time.sleep(0.06)
-        return real_put(key, data)
+    def slow_put(key, data):  # a disk that writes 5 chunks, then stalls until the turn is served
+        if len(done) == 5:
+            stalled.set()
+            go_on.wait(60)
+        ok = real_put(key, data)
+        done.append(key)
+        return ok
     disk.put = slow_put
-    p2, keys = _first_turn(llm, prompts, reference)  # its blocks are queued for the disk
-    time.sleep(IDLE + 0.3)
-    assert llm.engine.offload_idle_sessions() == len(keys)  # (the server's idle tick)
-    assert llm.engine.store._writes.unfinished_tasks > 0
-    out2 = gen(llm, p2, session_id="s1")
+    try:
+        p2, keys = _first_turn(llm, prompts, reference)  # its blocks are queued for the disk
+        assert stalled.wait(60)
+        clock.advance(IDLE + 0.3)
+        assert llm.engine.offload_idle_sessions() == len(keys)  # (the server's idle tick)
+        assert llm.engine.store._writes.unfinished_tasks > 0
+        out2 = gen(llm, p2, session_id="s1")
+    finally:
+        go_on.set()
     assert out2.outputs[0].token_ids == reference(p2)
     assert llm.engine.store.load_stats.idle_offloaded_blocks == len(keys)
     assert out2.metrics.num_cached_tokens + out2.metrics.num_loaded_tokens == 16 * len(keys)

@@ -1,23 +1,32 @@
-"""Regressions from the multi-turn benchmark on the H200 (BENCHMARKS.md, issue 5: TTFT p50 4.05 s
-with the tiers on against 0.19 s off). What made it slow, each pinned down here:
+"""What keeps multi-turn conversations with the tiers on as fast as with them off:
 
-- every block leaving the GPU was copied to the tiers again even when they already held its KV
-  (keys are content hashes): 27,410 GPU->CPU copies for 3,928 distinct chunks, ~1 ms each on the
-  engine thread;
-- a session's own next turn first moved its history off the GPU, then loaded it back;
-- idle offload took blocks that a staying session shares (a system prompt) off the GPU too;
-- the prefill speed that the load-or-recompute choice compares with was measured over whole
-  steps, tier copies included (752 tokens/s at the end of the run).
+- a block leaving the GPU is not copied to the tiers again when they already hold its KV (keys
+  are content hashes);
+- a session's own next turn keeps its history on the GPU instead of moving it off and back;
+- idle offload leaves on the GPU the blocks that a staying session shares (a system prompt);
+- the prefill speed that the load-or-recompute choice compares with leaves out the tier copies.
 
 The CPU tier's pinned slots (one copy into a slab instead of a pinned allocation per chunk) are
-exercised here on the CPU with unpinned slots: same code path, same reuse of slots.
+exercised here on the CPU with unpinned slots: same code path, same reuse of slots. Idle time
+passes on a fake clock (``llm.engine.sessions.clock``).
 """
 from __future__ import annotations
 
 import time
 
 import torch
-from tierutil import ONE, evict_from_gpu, favor_loading, gen, prefix_keys
+from tierutil import (
+    CPU_BIG,
+    KV_SESSIONS,
+    KV_SMALL,
+    ONE,
+    FakeClock,
+    blocks,
+    evict_from_gpu,
+    favor_loading,
+    gen,
+    prefix_keys,
+)
 
 from kvserve.kvtier.store import CostModel
 from kvserve.kvtier.tiers import CpuTier
@@ -57,8 +66,8 @@ def _turns(llm, prompts, sid: str, first: list[int], n: int, reference, between=
 def test_kv_leaves_the_gpu_once_per_key(make_llm, prompts, reference):
     """A conversation whose KV is evicted from the GPU after every turn: each turn loads its
     history from the CPU tier, and no key is ever copied out of the GPU twice (the tiers hold
-    it after the first copy). At 3742557 the loaded blocks were copied again on every eviction."""
-    llm = make_llm(kv_cache_memory="17MiB", cpu_kv_memory="64MiB", idle_offload_seconds=3600)
+    it after the first copy), not again on every eviction of a loaded block."""
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG, idle_offload_seconds=3600)
     favor_loading(llm)
     copied = _spy_copies(llm)
     store = llm.engine.store
@@ -78,9 +87,10 @@ def test_kv_leaves_the_gpu_once_per_key(make_llm, prompts, reference):
 def test_idle_offload_keeps_blocks_a_staying_session_shares(make_llm, prompts, reference):
     """Two sessions share a system prompt (the 19-block prefix). One goes idle while the other
     is pinned: only the idle one's own blocks leave the GPU; the shared prefix stays, and the
-    idle session's next turn gets it from the GPU and its own blocks from the CPU tier. At
-    3742557 the shared blocks left too, taking the pinned session's prefix with them."""
-    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    idle session's next turn gets it from the GPU and its own blocks from the CPU tier (the
+    shared blocks do not leave, taking the pinned session's prefix with them)."""
+    llm = make_llm(kv_cache_memory=KV_SESSIONS, cpu_kv_memory=CPU_BIG, idle_offload_seconds=IDLE)
+    clock = llm.engine.sessions.clock = FakeClock()
     favor_loading(llm)
     eng, pool = llm.engine, llm.engine.kv.pool
     eng.pin_session("s2")
@@ -90,7 +100,7 @@ def test_idle_offload_keeps_blocks_a_staying_session_shares(make_llm, prompts, r
     keys_a = prefix_keys(llm, list(prompts.a) + list(out_a.outputs[0].token_ids)[:-1])
     own_a = [k for k in keys_a if k not in shared]
     assert own_a and len(shared) == 19
-    time.sleep(IDLE + 0.3)
+    clock.advance(IDLE + 0.3)
     eng.offload_idle_sessions()  # (or a step already did, during s2's turn)
     assert "s1" not in eng.sessions and eng.store.load_stats.idle_offloaded_blocks == len(own_a)
     assert all(pool.lookup(k) is None for k in own_a)
@@ -108,12 +118,13 @@ def test_idle_offload_keeps_blocks_a_staying_session_shares(make_llm, prompts, r
 def test_a_newcomer_keeps_the_prefix_it_shares_with_an_idle_session(make_llm, prompts, reference):
     """An idle session's prefix is hit by a new request in the step where the session is found
     idle: the idle check runs after scheduling, so the newcomer holds those blocks and they stay
-    on the GPU (before, the check ran first and the newcomer loaded them back)."""
-    llm = make_llm(kv_cache_memory="24MiB", cpu_kv_memory="64MiB", idle_offload_seconds=IDLE)
+    on the GPU (were the check to run first, the newcomer would load them back)."""
+    llm = make_llm(kv_cache_memory=KV_SESSIONS, cpu_kv_memory=CPU_BIG, idle_offload_seconds=IDLE)
+    clock = llm.engine.sessions.clock = FakeClock()
     favor_loading(llm)
     shared = prefix_keys(llm, prompts.prefix)
     gen(llm, prompts.a, session_id="s1")
-    time.sleep(IDLE + 0.3)
+    clock.advance(IDLE + 0.3)
     out = gen(llm, prompts.b, session_id="s2")
     assert out.metrics.num_cached_tokens == 16 * len(shared)
     assert out.metrics.num_loaded_tokens == 0
@@ -126,8 +137,9 @@ def test_a_newcomer_keeps_the_prefix_it_shares_with_an_idle_session(make_llm, pr
 def test_prefill_speed_leaves_out_the_tier_copies(make_llm, prompts, reference):
     """The step time fed to the cost model leaves out the loads and the copies out to the
     tiers. Here each load and each write at the end of a turn takes 0.3 s more: the steps
-    that had them are fed at least that much less than they took (before: the whole step)."""
-    llm = make_llm(kv_cache_memory="17MiB", cpu_kv_memory="64MiB", idle_offload_seconds=3600)
+    that had them are fed at least that much less than they took, not the whole step. (Real
+    sleeps: the engine times its steps with the real clock.)"""
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG, idle_offload_seconds=3600)
     eng, store = llm.engine, llm.engine.store
     seen: list[tuple[float, float, float]] = []  # (step time, seconds fed, delay injected)
     injected = [0.0]
@@ -236,7 +248,8 @@ def test_slots_grown_ahead_on_a_background_thread():
 def test_engine_with_slotted_cpu_tier_matches_recompute(make_llm, prompts, reference):
     """The GPU configuration (chunks in slots of a few slabs, grown ahead) on the CPU, under a
     tier so small that slots are reused: several sessions, evictions, loads, idle offload."""
-    llm = make_llm(kv_cache_memory="17MiB", cpu_kv_memory="24MiB", idle_offload_seconds=IDLE)
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=blocks(34), idle_offload_seconds=IDLE)
+    clock = llm.engine.sessions.clock = FakeClock()
     store = llm.engine.store
 
     class Tier(CpuTier):
@@ -248,7 +261,7 @@ def test_engine_with_slotted_cpu_tier_matches_recompute(make_llm, prompts, refer
         for sid, first in (("s1", prompts.a), ("s2", prompts.c)):
             _turns(llm, prompts, f"{sid}-{r}", first, 2, reference,
                    between=lambda seed=r + 7: evict_from_gpu(llm, prompts.prefix, seed=seed))
-        time.sleep(IDLE + 0.1)
+        clock.advance(IDLE + 0.1)
     assert store.cpu.num_slots == store.cpu.max_slots  # every slot in use, reused since
     assert store.load_stats.tokens_loaded["cpu"] > 0
     llm.engine.check_invariants()

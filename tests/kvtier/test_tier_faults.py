@@ -1,10 +1,10 @@
 """Faults in the tiers under the engine: damaged chunks on disk or in Redis, Redis going away
 and coming back, Redis missing at start-up, a disk quota too small, a directory that cannot be
-written. Each time the output is the recomputed one and the engine keeps serving."""
+written. Each time the output is the recomputed one and the engine keeps serving. Redis's retry
+interval passes on a fake clock (``RedisTier.clock``)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,8 @@ from tierutil import (
     KV_SMALL,
     LOADABLE,
     ONE,
+    FakeClock,
+    blocks,
     evict_from_gpu,
     favor_loading,
     gen,
@@ -141,6 +143,7 @@ def test_redis_stopped_mid_run_then_back(make_llm, prompts, reference, redis_ser
     llm = make_llm(kv_cache_memory=KV_SMALL, redis_url=redis_server)
     favor_loading(llm)
     tier = llm.engine.store.redis
+    clock = tier.clock = FakeClock()
     keys = prefix_keys(llm, prompts.prefix)
     ref_b, ref_c = reference(prompts.b, prompts.c)
     gen(llm, prompts.a, ONE)
@@ -160,7 +163,7 @@ def test_redis_stopped_mid_run_then_back(make_llm, prompts, reference, redis_ser
     assert llm.engine.store.snapshot()["redis"]["available"] is False
 
     redis_server.start()  # same port, empty (no persistence)
-    time.sleep(tier.retry_seconds + 0.2)  # the tier asks again every retry_seconds
+    clock.advance(tier.retry_seconds + 0.2)  # the tier asks again every retry_seconds
     stores = tier.stats.stores
     gen(llm, prompts.a, ONE)
     evict_from_gpu(llm, prompts.prefix, seed=3)
@@ -182,6 +185,7 @@ def test_redis_back_after_an_outage_serves_reads_without_writes(make_llm, prompt
     llm = make_llm(kv_cache_memory=KV_SMALL, redis_url=redis_server)
     favor_loading(llm)
     tier = llm.engine.store.redis
+    clock = tier.clock = FakeClock()
     gen(llm, prompts.a, ONE)
     evict_from_gpu(llm, prompts.prefix)
     r = redis_server.client()
@@ -195,7 +199,7 @@ def test_redis_back_after_an_outage_serves_reads_without_writes(make_llm, prompt
     r = redis_server.client()
     for k, v in saved.items():
         r.set(k, v)
-    time.sleep(tier.retry_seconds + 0.2)
+    clock.advance(tier.retry_seconds + 0.2)
     out = gen(llm, prompts.b)
     assert out.outputs[0].token_ids == reference(prompts.b)
     assert (out.metrics.num_cached_tokens, out.metrics.num_loaded_tokens) == (0, LOADABLE)
@@ -206,19 +210,21 @@ def test_redis_unreachable_at_start_up(make_llm, prompts, reference, redis_serve
     llm = make_llm(kv_cache_memory=KV_SMALL, redis_url=redis_server)
     favor_loading(llm)
     tier = llm.engine.store.redis
+    clock = tier.clock = FakeClock()  # starts at the real clock, which timed the failed first try
     assert tier.stats.available is False and tier.stats.last_error
     out = gen(llm, prompts.b)
     assert out.outputs[0].token_ids == reference(prompts.b) and out.metrics.num_loaded_tokens == 0
 
     redis_server.start()
-    time.sleep(tier.retry_seconds + 0.2)
+    clock.advance(tier.retry_seconds + 0.2)
     evict_from_gpu(llm, prompts.prefix)  # the evicted blocks are written: the tier is back
     assert tier.stats.available is True
     r = redis_server.client()
     assert all(r.exists(_rkey(k)) for k in prefix_keys(llm, prompts.prefix))
 
 
-@pytest.mark.parametrize("size,max_chunks", [("100KiB", 0), ("4MiB", 5)], ids=["smaller-than-a-chunk", "five-chunks"])
+@pytest.mark.parametrize("size,max_chunks", [(blocks(1) // 2, 0), (blocks(5) + blocks(1) // 2, 5)],
+                         ids=["smaller-than-a-chunk", "five-chunks"])
 def test_disk_quota_too_small(make_llm, prompts, reference, tmp_path, size, max_chunks):
     kv_dir = tmp_path / "kv"
     llm = make_llm(kv_cache_memory=KV_SMALL, disk_kv_dir=str(kv_dir), disk_kv_size=size)
@@ -301,3 +307,18 @@ def test_disk_dir_replaced_by_a_file_mid_run(make_llm, prompts, reference, tmp_p
     assert out.outputs[0].token_ids == ref_c and out.metrics.num_loaded_tokens == 0
     assert disk.used == sum(disk.files.values())
     llm.engine.check_invariants()
+
+
+def test_redis_is_asked_again_only_once_its_retry_is_due(redis_server):
+    from kvserve.kvtier.tiers import RedisTier
+    redis_server.stop()
+    clock = FakeClock()
+    tier = RedisTier(redis_server, clock=clock)
+    assert tier.stats.available is False and not tier.may_answer()
+    redis_server.start()
+    key = b"k" * 16
+    assert tier.put(key, b"data") is False and tier.stats.available is False  # not asked yet
+    clock.advance(tier.retry_seconds)
+    assert tier.may_answer()
+    assert tier.put(key, b"data") and tier.stats.available is True
+    assert tier.get(key) == b"data"

@@ -1,14 +1,17 @@
-"""The default model (SmolLM2, float32, CPU): greedy output is the same whether a long shared
-prefix comes from the GPU prefix cache, the CPU tier, the disk tier, Redis, or is recomputed by a
-fresh engine without tiers; the metrics and tier stats say which path it took."""
+"""Greedy output is the same whether a long shared prefix comes from the GPU prefix cache, the CPU
+tier, the disk tier, Redis, or is recomputed by a fresh engine without tiers; the metrics and tier
+stats say which path it took. On the tiny model, and once on the default model's real weights."""
 from __future__ import annotations
 
+import pytest
 from tierutil import (
+    CPU_BIG,
     GREEDY,
     KV_SMALL,
     KV_SMALL_BLOCKS,
     LOADABLE,
     ONE,
+    Reference,
     evict_from_gpu,
     favor_loading,
     forget_cpu_tier,
@@ -16,7 +19,7 @@ from tierutil import (
     prefix_keys,
 )
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 
 
 def _tokens_loaded(llm) -> dict:
@@ -24,7 +27,7 @@ def _tokens_loaded(llm) -> dict:
 
 
 def test_gpu_prefix_cache_and_cpu_tier(make_llm, prompts, reference):
-    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory="64MiB")
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG)
     favor_loading(llm)
     assert llm.engine.num_kv_blocks == KV_SMALL_BLOCKS  # one prompt fits, one flood evicts it
     ref_a, ref_b, ref_c = reference(prompts.a, prompts.b, prompts.c)
@@ -115,11 +118,9 @@ def test_redis_tier(make_llm, prompts, reference, redis_server):
     llm.engine.check_invariants()
 
 
-def test_all_tiers_the_nearest_one_serves(make_llm, prompts, reference, redis_server, tmp_path):
+def _nearest_tier_serves(llm, prompts, reference, redis_server):
     """With CPU, disk and Redis on, the chunks are written to all three and the CPU tier serves;
     with the CPU copies gone, the disk serves; with the disk copies gone too, Redis does."""
-    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory="64MiB", disk_kv_dir=str(tmp_path / "kv"),
-                   redis_url=redis_server)
     favor_loading(llm)
     store = llm.engine.store
     keys = prefix_keys(llm, prompts.prefix)
@@ -155,6 +156,24 @@ def test_all_tiers_the_nearest_one_serves(make_llm, prompts, reference, redis_se
     llm.engine.check_invariants()
 
 
+def test_all_tiers_the_nearest_one_serves(make_llm, prompts, reference, redis_server, tmp_path):
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG, disk_kv_dir=str(tmp_path / "kv"),
+                   redis_url=redis_server)
+    _nearest_tier_serves(llm, prompts, reference, redis_server)
+
+
+@pytest.mark.slow
+def test_all_tiers_on_the_default_model(model_path, prompts, redis_server, tmp_path):
+    """The same on the default model's real weights and shapes (30 layers, 3 KV heads of 64)."""
+    kw = dict(show_progress=False, device="cpu", dtype="float32")
+    reference = Reference(lambda: LLM(model_path, kv_cache_memory="64MiB", enable_prefix_caching=False, **kw))
+    # 24 blocks of 720 KiB, as on the tiny model: one prompt fits, one flood evicts it.
+    llm = LLM(model_path, kv_cache_memory="17MiB", cpu_kv_memory="64MiB", disk_kv_dir=str(tmp_path / "kv"),
+              redis_url=redis_server, **kw)
+    assert llm.engine.num_kv_blocks == KV_SMALL_BLOCKS
+    _nearest_tier_serves(llm, prompts, reference, redis_server)
+
+
 def _split_prefix(llm, prompts):
     """Leave the first 8 blocks of the prefix in the CPU tier (a shorter prompt brought them back
     from disk) and the other 11 only on disk."""
@@ -163,7 +182,7 @@ def _split_prefix(llm, prompts):
     gen(llm, prompts.a, ONE)
     evict_from_gpu(llm, prompts.prefix)
     forget_cpu_tier(llm)
-    short = prompts.prefix[:8 * 16 + 5] + prompts.enc(" and so")
+    short = prompts.prefix[:8 * 16 + 5] + prompts.other
     out = gen(llm, short, ONE)  # loads the first 8 blocks from disk into memory
     assert out.metrics.num_loaded_tokens == 8 * 16
     assert store.load_stats.tokens_loaded == {"cpu": 0, "disk": 8 * 16, "redis": 0}
@@ -175,9 +194,9 @@ def _split_prefix(llm, prompts):
 
 def test_prefix_split_between_cpu_and_disk_loads_whole(make_llm, prompts, reference, tmp_path):
     """The engine loads all of a prefix whose first blocks are in memory and the rest on disk
-    ("the longest prefix it finds"): memory first, then disk. (At fd8d34b the scheduler started
-    no prefetch when the first missing block was in memory: only the CPU part loaded.)"""
-    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory="64MiB", disk_kv_dir=str(tmp_path / "kv"))
+    ("the longest prefix it finds"): memory first, then disk, even though the first block
+    missing from memory comes after blocks that are in memory."""
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG, disk_kv_dir=str(tmp_path / "kv"))
     favor_loading(llm)
     store = llm.engine.store
     keys = _split_prefix(llm, prompts)
@@ -190,7 +209,7 @@ def test_prefix_split_between_cpu_and_disk_loads_whole(make_llm, prompts, refere
 
 
 def test_loads_from_memory_are_credited_to_the_cpu_tier(make_llm, prompts, tmp_path):
-    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory="64MiB", disk_kv_dir=str(tmp_path / "kv"))
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG, disk_kv_dir=str(tmp_path / "kv"))
     favor_loading(llm)
     store = llm.engine.store
     _split_prefix(llm, prompts)
@@ -207,7 +226,7 @@ def test_loads_from_memory_are_credited_to_the_cpu_tier(make_llm, prompts, tmp_p
 def test_cost_model_recomputes_when_that_is_cheaper(make_llm, prompts, reference, tmp_path):
     """A prefill measured as (absurdly) fast makes every tier too slow: the prefix is found in
     the tiers but recomputed, the choice is counted, and the output is the same."""
-    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory="64MiB", disk_kv_dir=str(tmp_path / "kv"))
+    llm = make_llm(kv_cache_memory=KV_SMALL, cpu_kv_memory=CPU_BIG, disk_kv_dir=str(tmp_path / "kv"))
     store = llm.engine.store
     ref_b = reference(prompts.b)
     gen(llm, prompts.a, ONE)

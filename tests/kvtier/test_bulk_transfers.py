@@ -1,25 +1,12 @@
-"""Regressions from the review of the tiered store: KV of other weights never loads, and a
-shutdown flush of a large cache reaches the disk whole."""
+"""Transfers larger than the store's fixed batches: a flush of more blocks than the write queue
+holds reaches the disk whole, and a load of more chunks than one copy batch is exact."""
 from __future__ import annotations
 
 import random
 
+from tierutil import tiny_llm
+
 from kvserve import LLM, SamplingParams
-
-SP = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-
-
-def test_chunks_of_other_weights_never_load(tmp_path):
-    """Same preset, same path, different weights (seed): the keys differ, nothing is loaded."""
-    prompt = {"prompt_token_ids": [random.Random(1).randrange(1, 500) for _ in range(200)]}
-    a = LLM("dummy:tiny", seed=0, kv_cache_memory="1MiB", disk_kv_dir=str(tmp_path), show_progress=False)
-    a.generate(prompt, SP, use_tqdm=False)
-    assert a.engine.flush_kv_to_tiers() > 0
-    same = LLM("dummy:tiny", seed=0, kv_cache_memory="1MiB", disk_kv_dir=str(tmp_path), show_progress=False)
-    assert same.generate(prompt, SP, use_tqdm=False)[0].metrics.num_loaded_tokens > 0
-    other = LLM("dummy:tiny", seed=1, kv_cache_memory="1MiB", disk_kv_dir=str(tmp_path), show_progress=False)
-    out = other.generate(prompt, SP, use_tqdm=False)[0]
-    assert out.metrics.num_loaded_tokens == 0 and out.metrics.num_cached_tokens == 0
 
 
 def test_flush_of_a_large_cache_drops_nothing(tmp_path):
@@ -39,9 +26,8 @@ def test_a_load_longer_than_one_copy_batch_is_exact(tmp_path):
     """Loads go to the device in batches of 256 chunks; a run of ~600 crosses two boundaries."""
     prompt = {"prompt_token_ids": [random.Random(3).randrange(1, 500) for _ in range(601)]}
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    ref = LLM("dummy:tiny", block_size=1, kv_cache_memory="64MiB", show_progress=False).generate(
-        prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
-    llm = LLM("dummy:tiny", block_size=1, kv_cache_memory="64MiB", cpu_kv_memory="64MiB", show_progress=False)
+    ref = tiny_llm(block_size=1, kv_cache_memory="64MiB").generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    llm = tiny_llm(block_size=1, kv_cache_memory="64MiB", cpu_kv_memory="64MiB")
     llm.generate(prompt, sp, use_tqdm=False)
     llm.engine.flush_kv_to_tiers()
     llm.engine.kv.pool.reset_prefix_cache()
