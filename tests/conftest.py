@@ -78,7 +78,7 @@ def tokenizer(model_path):
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
     """Reference continuation: one prompt at a time, no padding."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                             pad_token_id=eos_token_id if eos_token_id is not None else 0)
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0)
     return out[0, len(prompt_ids):].tolist()

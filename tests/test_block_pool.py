@@ -115,7 +115,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         self.pool.reset_prefix_cache()
-        for h, b in self.cached.items():
+        for b in self.cached.values():
             self.hash[b] = None
         self.cached.clear()
 

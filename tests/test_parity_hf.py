@@ -43,7 +43,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def assert_same(got, want, prompts):
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"prompt {i} ({len(prompts[i])} tokens): kvserve {g} != transformers {w}"
 
 

@@ -53,6 +53,6 @@ def test_random_qwen_matches_transformers(tmp_path, kind, backend):
     assert llm.engine.arch.family == kind
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True), use_tqdm=False)
-    for p, o, w in zip(prompts, outs, want):
+    for p, o, w in zip(prompts, outs, want, strict=True):
         assert o.outputs[0].token_ids == w, f"{kind}, prompt of {len(p)} tokens"
     assert llm.engine.kv.pool.num_used_blocks == 0

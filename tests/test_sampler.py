@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from kvserve.engine.sampler import (Sampler, SamplingRow, apply_penalties,
-                                    apply_top_k_top_p_min_p)
+from kvserve.engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p
 
 NEG = torch.finfo(torch.float32).min
 
@@ -183,7 +182,8 @@ def test_penalties_match_reference():
         row(frequency_penalty=0.25, output_tokens=[4, 4, 4, 6, 7, 7]),
         row(presence_penalty=-1.0, frequency_penalty=1.5, output_tokens=[1, 1, 9]),
         row(repetition_penalty=2.0, presence_penalty=0.3, frequency_penalty=0.2,
-            seen_tokens=[rng.randrange(vocab) for _ in range(30)], output_tokens=[rng.randrange(vocab) for _ in range(12)]),
+            seen_tokens=[rng.randrange(vocab) for _ in range(30)],
+            output_tokens=[rng.randrange(vocab) for _ in range(12)]),
         row(repetition_penalty=1.5, seen_tokens=[3, 7, 1000]),  # an id beyond the vocabulary is ignored
         row(repetition_penalty=1.5, seen_tokens=[]),
         row(frequency_penalty=1.0, output_tokens=None),
@@ -315,7 +315,7 @@ def test_unseeded_rows_are_reproducible_for_a_sampler_seed():
 
 def _chi_square(counts: list[int], probs: list[float]) -> float:
     n = sum(counts)
-    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs))
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
