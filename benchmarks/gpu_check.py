@@ -296,7 +296,8 @@ def run_parity(llm, hf):
               f"{mean(e_hf_32[a:b]):.3e}; first row {e_ours_32[a]:.3e}")
     out = {"rows": rows, "kvserve_vs_hf_bf16_mean": mean(e_ours_hf), "kvserve_vs_fp32_mean": mean(e_ours_32),
            "kvserve_vs_fp32_max": max(e_ours_32), "hf_bf16_vs_fp32_mean": mean(e_hf_32),
-           "hf_bf16_vs_fp32_max": max(e_hf_32), "top1_kvserve_vs_fp32": top1 / rows, "top1_hf_bf16_vs_fp32": top1_hf / rows}
+           "hf_bf16_vs_fp32_max": max(e_hf_32), "top1_kvserve_vs_fp32": top1 / rows,
+           "top1_hf_bf16_vs_fp32": top1_hf / rows}
     TABLE.append(f"parity 8B bf16, logits rel err vs transformers fp32 on the same weights: kvserve mean "
                  f"{out['kvserve_vs_fp32_mean']:.2e} (max {out['kvserve_vs_fp32_max']:.2e}), transformers bf16 mean "
                  f"{out['hf_bf16_vs_fp32_mean']:.2e} (max {out['hf_bf16_vs_fp32_max']:.2e}); top-1 vs fp32 kvserve "
@@ -364,7 +365,8 @@ def run_backends(llm):
     print("prefill attention rel err per layer (per sequence):", layer_errs[:4], "... max",
           max(max(e) for e in layer_errs) if layer_errs else None)
     TABLE.append(f"backends 8B bf16: logits rel err triton vs torch per row (prefill step) "
-                 f"{[r[0] for r in rows]}; attention per-call max {max(max(e) for e in layer_errs) if layer_errs else None}")
+                 f"{[r[0] for r in rows]}; attention per-call max "
+                 f"{max(max(e) for e in layer_errs) if layer_errs else None}")
     return {"rows": rows, "layer_errs": layer_errs}
 
 

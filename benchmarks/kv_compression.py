@@ -33,13 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks import gpu_check  # noqa: E402
+from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402  (sections, JSON after each)
 from kvserve import LLM  # noqa: E402
 from kvserve import kv_format as kf  # noqa: E402
 from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
-
-from benchmarks import gpu_check  # noqa: E402
-from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402  (sections, JSON after each)
 
 FORMATS = ["auto", "fp8", "int8", "int4", "int2"]
 GiB = 2**30
@@ -165,7 +164,7 @@ def run_kernel(batch: int = 32, ctx: int = 32768, formats=FORMATS):
     for name in formats:
         f = kf.KVFormat(name, a.num_kv_heads, D, kf.default_block_size(name), torch.bfloat16)
         (kc, vc), tables, rs = _fill(f, batch, ctx, gen)
-        fn = lambda: engine_decode(q, kc, vc, tables, seq_lens, D ** -0.5, rs, counters=counters)  # noqa: E731
+        fn = lambda: engine_decode(q, kc, vc, tables, seq_lens, D ** -0.5, rs, counters=counters)  # noqa: E731, F821 (del'd after use)
         fn()
         t = bench(fn)
         nbytes = batch * ctx * f.block_bytes / f.block_size  # K+V codes and scales read
@@ -215,7 +214,7 @@ def run_decode(batch: int = 32, ctx: int = 32768, layers: int = 16, formats=FORM
         res = list(range(batch)) if f.kivi else None
 
         def step():
-            h, _ = rt._forward(ids, seqs, res)
+            h, _ = rt._forward(ids, seqs, res)  # noqa: F821 (del'd after the loop's use)
             return h
         with torch.inference_mode():
             assert DEV == "cpu" or (rt.graphs is not None and rt.graphs.fits(batch, bps))

@@ -179,7 +179,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "model": args.model or "SmolLM2-135M-Instruct (default)",
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "dtype": str(dtype), "num_prompts": args.num_prompts, "max_num_seqs": args.max_num_seqs, "prompt_tokens": sum(map(len, prompts)),
+        "dtype": str(dtype), "num_prompts": args.num_prompts, "max_num_seqs": args.max_num_seqs,
+        "prompt_tokens": sum(map(len, prompts)),
         "output_tokens": n_out, "kvserve_s": t_kv, "kvserve_out_tok_s": n_out / t_kv,
         "kv_waste_mean": llm.stats.mean_kv_waste,
     }
@@ -198,7 +199,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\nworkload: {args.num_prompts} prompts, kvserve {args.max_num_seqs} in flight, {result['prompt_tokens']} prompt tokens, {n_out} output "
+    print(f"\nworkload: {args.num_prompts} prompts, kvserve {args.max_num_seqs} in flight, "
+          f"{result['prompt_tokens']} prompt tokens, {n_out} output "
           f"tokens ({args.min_output}-{args.max_output} each), {result['device']}, {dtype}")
     print(f"{'engine':<28}{'time (s)':>10}{'output tok/s':>14}")
     print(f"{'kvserve':<34}{t_kv:>10.2f}{n_out / t_kv:>14.1f}")

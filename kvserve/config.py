@@ -184,7 +184,8 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError("attention_backend", f"must be one of auto, torch, triton; got {self.attention_backend!r}")
+            raise ConfigError("attention_backend",
+                              f"must be one of auto, torch, triton; got {self.attention_backend!r}")
         if self.cuda_graph_max_batch is not None and not 1 <= self.cuda_graph_max_batch <= 1024:
             raise ConfigError("cuda_graph_max_batch", f"must be in [1, 1024], got {self.cuda_graph_max_batch}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

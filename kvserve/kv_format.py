@@ -186,7 +186,7 @@ class KVFormat:
 
     # -- views of one layer's bytes ---------------------------------------------------------
     def views(self, layer: torch.Tensor, residual: torch.Tensor | None = None,
-              scales: torch.Tensor | None = None) -> "KVViews":
+              scales: torch.Tensor | None = None) -> KVViews:
         """``layer``: [num_blocks, block_bytes] uint8; ``residual``: this layer's KIVI key buffer
         [slots, block_size, kvh, D]; ``scales``: calibrated [2, kvh] float32 (static formats).
         Returns typed views of the parts."""
@@ -261,7 +261,8 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.view(*packed.shape[:-1], packed.shape[-1] * per)
 
 
-def quantize_sym(x: torch.Tensor, fmt: KVFormat, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_sym(x: torch.Tensor, fmt: KVFormat,
+                 static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., kvh, D] -> (codes [..., D] in fmt.code_dtype, scales [..., G] fp16) for fp8/int8;
     with ``static`` ([kvh] float32 calibrated scales) those are used and returned instead."""
     g = x.float().view(*x.shape[:-1], fmt.num_groups, fmt.group)

@@ -15,9 +15,8 @@ import random
 
 import pytest
 
-from kvserve.engine import lookahead
-
 from kvserve import LLM, SamplingParams
+from kvserve.engine import lookahead
 from kvserve.engine.kv_cache_manager import hash_block
 from kvserve.engine.request import PENDING_TOKEN
 
@@ -169,6 +168,7 @@ def test_step_times_do_not_overlap():
 def test_async_scheduling_defaults_to_the_device():
     """Unset, async scheduling follows the device (on for CUDA, off on the CPU, where a step
     computes before it returns); set, it is what was asked."""
-    assert LLM("dummy:tiny", device="cpu", kv_cache_memory="16MiB", show_progress=False).engine.config.async_scheduling is False
+    llm = LLM("dummy:tiny", device="cpu", kv_cache_memory="16MiB", show_progress=False)
+    assert llm.engine.config.async_scheduling is False
     eng = LLM("dummy:tiny", device="cpu", kv_cache_memory="16MiB", show_progress=False, async_scheduling=True).engine
     assert eng.config.async_scheduling is True

@@ -3,9 +3,10 @@
 A ``Sim`` drives the scheduler exactly as ``LLMEngine.step`` does: ``schedule()``, then the real
 ``Scheduler.update`` with random tokens for each sampling request (``n`` of them for a request that
 forks), which advances the counters, forks and finishes at ``max_tokens``. It plays the model
-runner against a *shadow KV cache*: every slot records which token prefix its KV was computed from. Swap-out, copy-on-write and swap-in are
-applied in the runner's order, every scheduled token is written, and then every position a
-scheduled request attends to must hold exactly that request's prefix. So prefix-cache hits,
+runner against a *shadow KV cache*: every slot records which token prefix its KV was computed from.
+Swap-out, copy-on-write and swap-in are applied in the runner's order, every scheduled token is
+written, and then every position a scheduled request attends to must hold exactly that request's
+prefix. So prefix-cache hits,
 copy on write, swapping and preemption are checked for what they are for: the right KV.
 
 After every operation the bookkeeping invariants are checked too (reference counts, hashes, no

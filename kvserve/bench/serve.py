@@ -52,7 +52,8 @@ class BenchConfig:
                 raise ValueError(f"bench serve: {what}")
         need(self.dataset in ("random", "multiturn"), f"dataset must be random or multiturn, got {self.dataset!r}")
         need(self.endpoint in ("completions", "chat"), f"endpoint must be completions or chat, got {self.endpoint!r}")
-        need(self.prompt_format in ("words", "token-ids"), f"prompt_format: words or token-ids, got {self.prompt_format!r}")
+        need(self.prompt_format in ("words", "token-ids"),
+             f"prompt_format: words or token-ids, got {self.prompt_format!r}")
         need(not (self.prompt_format == "token-ids" and (self.endpoint == "chat" or self.dataset == "multiturn")),
              "token-ids prompts need the completions endpoint and the random dataset")
         need(self.num_requests >= 1, f"num_requests must be >= 1, got {self.num_requests}")

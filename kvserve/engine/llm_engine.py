@@ -201,7 +201,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list):
             return None, list(prompt)
-        raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, "
+                                  f"got {type(prompt).__name__}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
@@ -216,7 +217,8 @@ class LLMEngine:
         mt = params.max_tokens
         if mt is not None and n + mt > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) = {n + mt} exceeds "
-                                      f"max_model_len {self.max_model_len}; allowed max_tokens <= {self.max_model_len - n}")
+                                      f"max_model_len {self.max_model_len}; "
+                                      f"allowed max_tokens <= {self.max_model_len - n}")
         need = self.scheduler.blocks_to_finish(n, mt if mt is not None else self.max_model_len - n, params.n)
         if need > self.num_kv_blocks:
             raise InvalidRequestError("max_tokens", f"the request needs {need} KV blocks at its longest "

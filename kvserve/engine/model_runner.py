@@ -17,8 +17,8 @@ from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
 from kvserve.kv_format import KVFormat
+from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
 

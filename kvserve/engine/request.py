@@ -131,7 +131,7 @@ class Request:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def fork(self, index: int) -> "Request":
+    def fork(self, index: int) -> Request:
         """A sibling sharing everything computed so far; only the parent ever forks."""
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)

@@ -22,8 +22,13 @@ from collections import deque
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.step import (EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, ScheduledRequest,
-                                 SchedulerOutput)
+from kvserve.engine.step import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class Scheduler:

@@ -65,7 +65,8 @@ class EngineStats:
         pre = last.num_preemptions if last else 0
         return (f"{self.num_requests_finished} requests, {self.num_steps} steps, "
                 f"{self.prompt_tokens} prompt + {self.generation_tokens} generated tokens in "
-                f"{self.busy_time:.2f}s ({(self.prompt_tokens + self.generation_tokens) / max(self.busy_time, 1e-9):.1f} tok/s, "
+                f"{self.busy_time:.2f}s "
+                f"({(self.prompt_tokens + self.generation_tokens) / max(self.busy_time, 1e-9):.1f} tok/s, "
                 f"{self.generation_tokens_per_s:.1f} generated tok/s) | prefix-cache hit rate {hit:.1%} | "
                 f"preemptions {pre} | KV waste {self.mean_kv_waste:.2%} (time-averaged) | "
                 f"peak KV blocks {self.peak_kv_blocks_used}")

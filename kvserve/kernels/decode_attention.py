@@ -20,10 +20,27 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.common import (LOG2E, RopeWrite, SplitCounters, dot_precision, merge_group, merge_splits,
-                                    online_softmax_step, pdl_kw, sm_count, wait_inputs)
-from kvserve.kernels.kv_quant import (compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile,
-                                      rope_rotate, tile_scales)
+from kvserve.kernels.common import (
+    LOG2E,
+    RopeWrite,
+    SplitCounters,
+    dot_precision,
+    merge_group,
+    merge_splits,
+    online_softmax_step,
+    pdl_kw,
+    sm_count,
+    wait_inputs,
+)
+from kvserve.kernels.kv_quant import (
+    compressed_tile,
+    fast_path,
+    fit_tile,
+    kernel_args,
+    load_kv_tile,
+    rope_rotate,
+    tile_scales,
+)
 
 # Launch options with the fused RoPE + KV write: no FMA contraction, or the rotation would round
 # once fewer than ``rope_kv_write`` does (``rope_rotate``)

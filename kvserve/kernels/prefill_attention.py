@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.common import LOG2E, dot_precision, online_softmax_step
-from kvserve.kernels.kv_quant import (compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile,
-                                      tile_scales)
+from kvserve.kernels.kv_quant import compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile, tile_scales
 
 
 @triton.jit

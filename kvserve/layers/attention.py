@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from kvserve import kv_format
 from kvserve.config import KernelConfig
 from kvserve.kv_format import KVViews
-from kvserve.layers.forward_context import (AttentionMetadata, ForwardContext, forward_context,  # noqa: F401
-                                            get_forward_context)
+from kvserve.layers.forward_context import AttentionMetadata, ForwardContext, forward_context, get_forward_context  # noqa: F401
 
 
 class TorchPagedAttention:

@@ -49,14 +49,15 @@ class ModelArch:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelArch":
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelArch:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         family = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
         if family is None:
             family = SUPPORTED.get(cfg.get("model_type", ""))
         if family is None:
             raise ModelLoadError(f"{source}: unsupported architecture {archs} (model_type "
-                                 f"{cfg.get('model_type')!r}); supported: {sorted(set(SUPPORTED) - set(SUPPORTED.values()))}")
+                                 f"{cfg.get('model_type')!r}); supported: "
+                                 f"{sorted(set(SUPPORTED) - set(SUPPORTED.values()))}")
         try:
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}

@@ -25,8 +25,7 @@ from kvserve.server import chat, completions
 from kvserve.server.errors import error_response, install_handlers
 from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
-from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest)
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.server.state import ServerConfig, ServerState
 
 _OPEN_PATHS = ("/health", "/metrics")

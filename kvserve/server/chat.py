@@ -15,9 +15,17 @@ from fastapi.responses import Response, StreamingResponse
 from kvserve.errors import InvalidRequestError
 from kvserve.server import streams as st
 from kvserve.server.errors import sse_error
-from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                     DeltaMessage)
+from kvserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    DeltaMessage,
+)
 from kvserve.server.state import ServerState
 
 ENDPOINT = "chat_completions"

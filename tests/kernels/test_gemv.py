@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.kernels.gemv import gemv, gemv_ref
-
 from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
+
+from kvserve.kernels.gemv import gemv, gemv_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
 

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve import kernels, kv_format as kf  # noqa: E402
+from kvserve import kernels  # noqa: E402
+from kvserve import kv_format as kf
 from kvserve.config import EngineConfig, KernelConfig  # noqa: E402
 from kvserve.errors import ConfigError  # noqa: E402
 from kvserve.kernels import common, gemv, kivi_decode  # noqa: E402

@@ -18,12 +18,12 @@ import torch
 from kernelutil import needs_cuda
 from test_kv_quant import _compressed_batch
 
+from kvserve import kv_format as kf
 from kvserve.kernels import kivi_decode
 from kvserve.kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from kvserve import kv_format as kf
 
 
 @needs_cuda

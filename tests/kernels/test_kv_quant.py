@@ -17,15 +17,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernelutil import needs_cuda  # noqa: E402
+
+from kvserve import kv_format as kf
 from kvserve.errors import ConfigError
 from kvserve.kernels import kivi_decode
 from kvserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kvserve import kv_format as kf
 from kvserve.layers.rotary import RotaryEmbedding
-
-from kernelutil import needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
 
@@ -228,7 +228,7 @@ def test_write_kernel_matches_reference(name, rotate_k):
     res_slots = [2, 0, 3]
     seq_lens = [c + n for c, n in batch]
     cu = [0]
-    for c, n in batch:
+    for _, n in batch:
         cu.append(cu[-1] + n)
     res_map = []
     for i, (c, n) in enumerate(batch):

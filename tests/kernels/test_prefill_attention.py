@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernelutil import ATTENTION_DTYPES as DTYPES  # noqa: E402
+from kernelutil import ATTENTION_TOL as TOL  # noqa: E402
+from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
+
 from kvserve.kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-
-from kernelutil import ATTENTION_DTYPES as DTYPES  # noqa: E402
-from kernelutil import ATTENTION_TOL as TOL  # noqa: E402
-from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # interpreter internals
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]  # -inf - -inf, masked

@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.kernels.rmsnorm import rmsnorm, rmsnorm_ref
-from kvserve.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
-
 from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
 from kernelutil import ROUNDING_DTYPES as DTYPES  # noqa: E402
+
+from kvserve.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from kvserve.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
 

@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
-from kvserve.layers.rotary import RotaryEmbedding
-
 from kernelutil import DTYPE_NO, needs_cuda  # noqa: E402
 from kernelutil import ROUNDING_DTYPES as DTYPES  # noqa: E402
+
+from kvserve.kernels.rope_kv_write import rope_kv_write, rope_kv_write_ref
+from kvserve.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
 

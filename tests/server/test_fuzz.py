@@ -42,8 +42,8 @@ VALID = {"/v1/completions": {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 
          "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
 numbers = st.sampled_from(ODD_NUMBERS) | st.integers(-5, 70) | st.floats(-3, 3)
 token_lists = st.lists(st.integers(-3, 600) | st.sampled_from([2**40, -2**63]), max_size=6)
-field_values = numbers | numbers | numbers | numbers | token_lists | st.lists(token_lists, max_size=3) | st.lists(st.text(max_size=5),
-                                                                                           max_size=3) | junk
+field_values = (numbers | numbers | numbers | numbers | token_lists | st.lists(token_lists, max_size=3)
+                | st.lists(st.text(max_size=5), max_size=3) | junk)
 
 
 def _dump(obj) -> bytes:
