@@ -35,19 +35,16 @@ IDLE = 0.5
 
 
 def _spy_copies(llm) -> list[bytes]:
-    """Every key whose KV is copied out of the GPU, by either path (runner eviction, store)."""
+    """Every key whose KV is copied out of the GPU (evictions, session turns and idle sessions
+    all go through ``TieredStore.offload``)."""
     copied: list[bytes] = []
-    runner, store = llm.engine.runner, llm.engine.store
-    real_offload_blocks, real_offload = runner.offload_blocks, store.offload
-
-    def offload_blocks(blocks, *a, **kw):
-        copied.extend(k for _, k in blocks)
-        return real_offload_blocks(blocks, *a, **kw)
+    store = llm.engine.store
+    real_offload = store.offload
 
     def offload(data, blocks, *a, **kw):
         copied.extend(k for _, k in blocks if not store.holds(k))
         return real_offload(data, blocks, *a, **kw)
-    runner.offload_blocks, store.offload = offload_blocks, offload
+    store.offload = offload
     return copied
 
 
