@@ -178,7 +178,7 @@ class AsyncEngine:
             self._take_snapshot()
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
-        for rid in list(eng.groups):
+        for rid in list(eng.scheduler.groups):
             eng.abort_request(rid)
         self._take_snapshot()
 

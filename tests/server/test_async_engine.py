@@ -75,3 +75,26 @@ def test_step_fault_fails_waiters_and_health(engine):
         finally:
             ae.shutdown()
     asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_shutdown_aborts_requests_in_flight(engine):
+    """Shutting down with requests still running aborts them all: no group, no KV block and no
+    output state is left behind, and the engine thread ends cleanly."""
+    async def run():
+        ae = AsyncEngine(engine)
+        ae.start()
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)
+        gens = [ae.generate(f"r{i}", [1 + i, 2, 3], long) for i in range(3)]
+        for g in gens:
+            await anext(g)
+        assert engine.kv.pool.num_used_blocks > 0
+        ae.shutdown()
+        assert not ae._thread.is_alive()
+        for g in gens:
+            with pytest.raises(EngineDeadError):
+                async for _ in g:
+                    pass
+    asyncio.run(run())
+    assert not engine.scheduler.groups and not engine.output_processor.groups
+    assert engine.kv.pool.num_used_blocks == 0
+    engine.check_invariants()
