@@ -194,16 +194,17 @@ def test_capacity_counts_real_bytes(fmt):
     llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory=mem, kv_cache_dtype=fmt)
     a, rt = llm.engine.arch, llm.engine.runner
     f = KVFormat(fmt, a.num_kv_heads, a.head_dim, llm.engine.block_size, rt.dtype)
-    assert rt.kv_bytes_per_block() == a.num_layers * f.block_bytes
+    plan = llm.engine.kv_plan
+    assert plan.block_bytes == a.num_layers * f.block_bytes
     nb = llm.engine.num_kv_blocks
-    assert nb == (mem - rt.kv_fixed_bytes()) // rt.kv_bytes_per_block()
+    assert nb == (mem - plan.fixed_bytes) // plan.block_bytes
     assert rt.kv_cache.nbytes <= mem
     tokens = nb * llm.engine.block_size
     base_tokens = base.engine.num_kv_blocks * base.engine.block_size
     # bytes per token and head, K + V, against the model dtype (float32 on the CPU)
     per_tok = f.block_bytes / f.block_size / a.num_kv_heads
     expect = 2 * a.head_dim * 4 / per_tok
-    fixed = rt.kv_fixed_bytes() / mem
+    fixed = plan.fixed_bytes / mem
     assert tokens / base_tokens == pytest.approx(expect * (1 - fixed), rel=0.02)
     assert tokens / base_tokens > {"fp8": 3.5, "int8": 3.5, "int4": 5.0, "int2": 8.0}[fmt]
 

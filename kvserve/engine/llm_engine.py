@@ -14,7 +14,7 @@ import os
 import time
 
 from kvserve.config import EngineConfig
-from kvserve.engine import lookahead
+from kvserve.engine import kv_plan, lookahead
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.lookahead import InFlight
 from kvserve.engine.model_runner import ModelRunner
@@ -50,51 +50,26 @@ class LLMEngine:
         self.max_model_len = want or limit
         self.runner = ModelRunner(config, src, self.max_model_len)
         self.config = config = self.runner.config  # with the device's defaults resolved
-        kv_bytes = self.runner.determine_kv_memory()
-        if self.runner.kv_format.kivi:
-            max_seqs = self.runner.plan_residual(kv_bytes)
-            if max_seqs < config.scheduler.max_num_seqs:
-                log.warning("%s KV cache: the full-precision key residual (one block per running sequence) "
-                            "fits %d sequences in a quarter of the KV memory; max_num_seqs %d -> %d",
-                            self.runner.kv_format.name, max_seqs, config.scheduler.max_num_seqs, max_seqs)
-                config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
-                                                                                   max_num_seqs=max_seqs))
-                self.config = self.runner.config = config
-        block_bytes = self.runner.kv_bytes_per_block()
-        num_blocks = (kv_bytes - self.runner.kv_fixed_bytes()) // block_bytes
-        if num_blocks < 1:
-            raise InvalidRequestError("kv_cache_memory", f"{kv_bytes} bytes is less than one KV block "
-                                      f"({block_bytes} bytes at block_size {config.cache.block_size}) plus "
-                                      f"{self.runner.kv_fixed_bytes()} bytes of KIVI key residual")
-        swap_blocks = config.cache.swap_space // block_bytes if config.cache.preemption_mode == "swap" else 0
-        self.runner.allocate_kv_cache(num_blocks, swap_blocks)
-        # The prefix-cache key, and the tiers' chunk key: the same tokens give the same KV only
-        # for the same weights, so the weights' fingerprint is part of it (tiers outlive processes).
-        fmt = self.runner.kv_format
-        extra = (f"{src.name}|{src.arch.num_layers}|{self.runner.dtype}|{loader.fingerprint(src, config.seed)}"
-                 f"|kv={fmt.name}/{fmt.group}/{fmt.block_size}/{fmt.layout + '/' if fmt.layout else ''}"
-                 f"{self._scales_id()}").encode()
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, extra)
+        rt = self.runner
+        self.kv_plan = plan = kv_plan.plan(rt.kv_format, rt.kv_scales, src.arch.num_layers, rt.determine_kv_memory(),
+                                           config.cache, config.scheduler.max_num_seqs)
+        if plan.max_num_seqs != config.scheduler.max_num_seqs:
+            config = dataclasses.replace(config, scheduler=dataclasses.replace(
+                config.scheduler, max_num_seqs=plan.max_num_seqs))
+            self.config = rt.config = config
+        rt.allocate_kv_cache(plan)
+        self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                 kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales))
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.tiers = self._connector(self.store) if self.store is not None else None
         self.runner.tiers = self.tiers
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, swap_blocks,
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, plan.swap_blocks,
                                    tiers=self.tiers)
         self.sessions = Sessions(config.cache.idle_offload_seconds)
         self.stats = EngineStats()
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self.eos_token_ids = self._eos_ids()
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB, %s", num_blocks,
-                 config.cache.block_size, num_blocks * config.cache.block_size, num_blocks * block_bytes / 2**30,
-                 fmt.describe())
-
-    def _scales_id(self) -> str:
-        """Calibrated KV scales change every code written: they are part of the cache key."""
-        s = self.runner.kv_scales
-        if s is None:
-            return "dynamic"
-        import hashlib
-        return hashlib.blake2b(s.float().cpu().numpy().tobytes(), digest_size=8).hexdigest()
+        log.info("KV cache: %s", plan.describe())
 
     @staticmethod
     def _connector(store):

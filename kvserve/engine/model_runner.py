@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -13,11 +12,11 @@ import torch
 
 from kvserve import kernels
 from kvserve.config import EngineConfig
+from kvserve.engine import kv_plan
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kvserve.kv_format import KVFormat
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
@@ -88,11 +87,8 @@ class ModelRunner:
         if name == "auto":
             name = "triton" if self.device.type == "cuda" and kernels.has_triton() else "torch"
         self.backend_name = name
-        self.kv_scales = self._load_kv_scales(src)
-        self.kv_format = KVFormat(cache.kv_cache_dtype, src.arch.num_kv_heads, src.arch.head_dim, self.block_size,
-                                  self.dtype, cache.kv_group_size, static=self.kv_scales is not None)
-        self._check_kv_format()
-        self.residual_slots = 0  # KIVI: rows of the full-precision key residual (plan_residual)
+        self.kv_scales = kv_plan.load_scales(config, src, self.device)
+        self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
         t0 = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = LlamaForCausalLM(src.arch, max_positions=max_model_len)
@@ -121,54 +117,7 @@ class ModelRunner:
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
 
-    def _load_kv_scales(self, src) -> torch.Tensor | None:
-        """Calibrated fp8/int8 scales, [layers, 2, kv_heads] float32 on the device, or None."""
-        from kvserve import kv_scales
-        from kvserve.errors import ConfigError
-        from kvserve.kv_format import FP8_MAX, INT8_MAX
-        cache = self.config.cache
-        name, path = cache.kv_cache_dtype, cache.kv_scales
-        if path == "off":
-            return None
-        if path is None:
-            if name not in ("fp8", "int8"):
-                return None
-            path = kv_scales.default_path(self.config.model)
-            if path is None or not os.path.exists(path):
-                return None
-        elif name not in ("fp8", "int8"):
-            raise ConfigError("kv_scales", f"calibrated scales apply to kv_cache_dtype fp8 or int8, not {name!r}")
-        amax = kv_scales.load(path, src, self.config.seed, src.arch.num_layers, src.arch.num_kv_heads)
-        qmax = FP8_MAX if name == "fp8" else INT8_MAX
-        log.info("KV cache: calibrated %s scales from %s", name, path)
-        return (amax / qmax).clamp_min(1e-8).to(self.device)
-
-    def _check_kv_format(self) -> None:
-        from kvserve.errors import ConfigError
-        f = self.kv_format
-        if f.name == "fp8" and self.device.type == "cuda":
-            cap = torch.cuda.get_device_capability(self.device)
-            if cap < (8, 9):
-                raise ConfigError("kv_cache_dtype", f"fp8 needs a GPU with FP8 conversions (compute capability "
-                                  f">= 8.9: Ada, Hopper or newer); this one is {cap[0]}.{cap[1]}; use int8")
-
-    # -- KV cache sizing ---------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one block in every layer, scales included (what a block really costs)."""
-        return self.arch.num_layers * self.kv_format.block_bytes
-
-    def plan_residual(self, kv_bytes: int, share: float = 0.25) -> int:
-        """KIVI: size the key residual - one full-precision block per running sequence, up to
-        ``share`` of the KV memory - and return how many sequences may run at once."""
-        row = self.arch.num_layers * self.kv_format.residual_bytes(1)
-        rows = min(self.config.scheduler.max_num_seqs + 1, max(2, int(kv_bytes * share) // row))
-        self.residual_slots = rows
-        return rows - 1
-
-    def kv_fixed_bytes(self) -> int:
-        """KV memory that is not blocks: the KIVI key residual (one block per running sequence)."""
-        return self.arch.num_layers * self.kv_format.residual_bytes(self.residual_slots)
-
+    # -- KV cache ----------------------------------------------------------------------------
     def determine_kv_memory(self) -> int:
         cache = self.config.cache
         if cache.kv_cache_memory is not None:
@@ -192,7 +141,7 @@ class ModelRunner:
         meta, positions = self._build_metadata(seqs)
         with torch.inference_mode(), forward_context(ForwardContext(meta, tmp.layers, self.backend)):
             hidden = self.model(ids, positions)
-            self.model.compute_logits(hidden[-n_seqs:])
+            self._logits(hidden[-n_seqs:])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         del tmp
@@ -200,14 +149,14 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
         budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
-        if budget <= self.kv_bytes_per_block():
+        if budget <= self.arch.num_layers * self.kv_format.block_bytes:
             raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.2f} GiB, "
                                f"total {total / 2**30:.2f} GiB); lower max_num_batched_tokens or set kv_cache_memory")
         return int(budget)
 
-    def allocate_kv_cache(self, num_blocks: int, swap_blocks: int) -> None:
-        self.kv_cache = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device, swap_blocks,
-                                fmt=self.kv_format, residual_slots=self.residual_slots, scales=self.kv_scales)
+    def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
+        self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
+                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales)
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_sdpa()
             if not self.config.enforce_eager:
@@ -358,7 +307,7 @@ class ModelRunner:
                 picked = hidden  # every row sampled once, in order (a decode step)
             else:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
-            pending = self.sampler.launch(self.model.compute_logits(picked), rows)
+            pending = self.sampler.launch(self._logits(picked), rows)
             # The sampled ids stay on the device: a step scheduled before they reach the host
             # takes its requests' input tokens from here.
             self._sampled = (pending[0], sched, sample_of)
@@ -406,6 +355,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         return hidden, meta.query_start
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head, under the backend's kernel choices (its skinny-GEMM row limit, PDL)."""
+        with forward_context(ForwardContext(None, [], self.backend)):
+            return self.model.compute_logits(hidden)
+
     def _sampling_row(self, r: Request, draw: int) -> SamplingRow:
         p = r.params
         banned = ()
@@ -428,7 +382,7 @@ class ModelRunner:
         end = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)  # position p predicts p + 1
         if end <= start:
             return []
-        logits = self.model.compute_logits(hidden[q_start:q_start + end - start])
+        logits = self._logits(hidden[q_start:q_start + end - start])
         lps = logits.log_softmax(dim=-1)
         targets = torch.tensor(r.all_token_ids[start + 1:end + 1], device=lps.device)
         chosen = lps.gather(1, targets[:, None]).squeeze(1)

@@ -35,7 +35,7 @@ def serve(args, make_engine) -> int:
         engine = make_engine(args)
         name = (args.served_model_name or [engine.model_name])[0]
         blocks, bs = engine.num_kv_blocks, engine.block_size
-        gib = blocks * engine.runner.kv_bytes_per_block() / 2**30
+        gib = blocks * engine.kv_plan.block_bytes / 2**30
         print(f"kvserve: model {name!r} loaded | KV cache: {blocks} blocks x {bs} tokens = {blocks * bs} tokens, "
               f"{gib:.3f} GiB | max_model_len {engine.max_model_len}", flush=True)
         return engine
