@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kvtier.chunk import ChunkError, decode_chunk, encode_chunk
-from kvserve.kvtier.tiers import CpuTier, DiskTier, RedisTier
+from kvserve.kvtier.lower import DiskTier, RedisTier
+from kvserve.kvtier.tiers import CpuTier
 
 log = logging.getLogger(__name__)
 

@@ -310,7 +310,7 @@ def test_disk_dir_replaced_by_a_file_mid_run(make_llm, prompts, reference, tmp_p
 
 
 def test_redis_is_asked_again_only_once_its_retry_is_due(redis_server):
-    from kvserve.kvtier.tiers import RedisTier
+    from kvserve.kvtier.lower import RedisTier
     redis_server.stop()
     clock = FakeClock()
     tier = RedisTier(redis_server, clock=clock)

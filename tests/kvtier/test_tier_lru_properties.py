@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvserve.kvtier.tiers import CpuTier, DiskTier
+from kvserve.kvtier.lower import DiskTier
+from kvserve.kvtier.tiers import CpuTier
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
