@@ -8,12 +8,15 @@ Tiers (``pytest -m``, registered in pyproject.toml): every test is one of
     e2e      builds a whole engine or starts a server: everything else
 
 unless it carries one of these marks itself. ``gpu`` is added to tests that need CUDA (test_cuda.py,
-and any test whose skip reason names CUDA); ``slow`` is written on the slowest tests themselves.
-The inner loop is ``bash scripts/test.sh -m "not slow"``; CI runs every tier.
+and any test whose skip reason names CUDA). ``slow`` marks the slowest tests (the default model's
+real weights in fp32, engines in Triton's interpreter, servers on the real model): written on
+the test, or listed in ``SLOW_TESTS`` for files that do not mark their own. The inner loop is
+``bash scripts/test.sh -m "not slow"``; CI runs everything.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,44 @@ TIERS = ("unit", "kernels", "e2e")
 UNIT_FILES = {"test_block_pool.py", "test_sampler.py", "test_scheduler_properties.py", "test_stop_strings.py",
               "kvtier/test_chunk.py", "kvtier/test_tier_lru_properties.py"}
 GPU_FILES = {"test_cuda.py"}
+# "file::test" (relative to tests/): every parameter set of that test; "file::test[id]": that one;
+# "file::": the whole file.
+SLOW_TESTS = (
+    # the default model's real weights in fp32
+    "test_engine.py::test_n_greedy_shares_prompt_and_copies_on_write",
+    "test_engine.py::test_seeded_sampling_independent_of_batch",
+    "test_engine.py::test_parallel_samples_reproducible",
+    "test_engine.py::test_logprobs_match_transformers",
+    "test_engine.py::test_stop_token_ids_min_tokens_ignore_eos",
+    "test_engine.py::test_streamed_text_never_shows_part_of_a_stop_string",
+    "test_kv_cache_dtype.py::test_perplexity_per_kv_dtype",
+    "test_kv_cache_dtype.py::test_8bit_greedy_agreement",
+    "test_kv_cache_dtype.py::test_calibrated_scales",
+    "test_kv_cache_dtype.py::test_disk_tier_is_keyed_by_kv_format",
+    "test_kv_cache_dtype.py::test_bad_calibration_files",
+    "server/test_server_openai.py::",
+    "server/test_model_names_and_cached_tokens.py::test_default_name_is_the_model_file_name",
+    "server/test_model_names_and_cached_tokens.py::test_cached_tokens_on_a_repeated_long_prompt",
+    # whole engines in Triton's interpreter
+    "test_kv_cache_dtype.py::test_triton_backend_matches_reference_path",
+    "test_kv_cache_dtype.py::test_kivi_16_token_blocks_in_float16_triton",
+    # many steps, processes or requests
+    "test_async_scheduling.py::test_async_scheduling_changes_no_output[1-64MiB]",
+    "test_async_scheduling.py::test_async_scheduling_changes_no_output[2-64KiB]",
+    "server/test_server_tiny.py::test_queue_overflow_is_429_then_serves",
+    "server/test_server_tiny.py::test_sigterm_with_requests_in_flight_exits_0",
+    "server/test_loading.py::test_server_process_answers_while_loading",
+    "server/test_loading.py::test_load_failure_exits_2",
+    "server/test_bench.py::",
+    "server/test_fuzz.py::",
+    # the largest kernel cases in the interpreter
+    "kernels/test_decode_attention.py::test_decode_fused_rope_kv_write",
+    "kernels/test_decode_attention.py::test_decode_fused_rope_rounding_not_contracted",
+    "kernels/test_decode_attention.py::test_split_merge_in_rounds",
+    "kernels/test_decode_attention.py::test_split_merge_counters_reset",
+    "kernels/test_prefill_attention.py::test_prefill_page_against_tile",
+    "kernels/test_kivi_decode.py::test_kivi4_decode_compiles_for_sm90_without_shared_memory",
+)
 
 
 def _tier(rel: str) -> str:
@@ -42,16 +83,45 @@ def _needs_cuda(item: pytest.Item, rel: str) -> bool:
     return rel in GPU_FILES or any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
 
 
+def _slow_entry(test_id: str) -> str | None:
+    """The ``SLOW_TESTS`` entry that names ``test_id`` ("file::test[params]"), if any."""
+    name = test_id.partition("[")[0]
+    for entry in SLOW_TESTS:
+        if entry.endswith("::"):
+            hit = test_id.startswith(entry)  # the whole file
+        elif "[" in entry:
+            hit = test_id == entry  # one parameter set
+        else:
+            hit = name == entry  # every parameter set
+        if hit:
+            return entry
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
 def pytest_collection_modifyitems(config, items):
+    used: set[str] = set()
+    collected: set[str] = set()
     for item in items:
         path = Path(item.path).resolve()
         if not path.is_relative_to(TESTS):
             continue
         rel = path.relative_to(TESTS).as_posix()
+        collected.add(rel)
         if not any(item.get_closest_marker(t) for t in TIERS):
             item.add_marker(_tier(rel))
         if _needs_cuda(item, rel):
             item.add_marker("gpu")
+        entry = _slow_entry(rel + "::" + item.nodeid.partition("::")[2])
+        if entry is not None:
+            item.add_marker("slow")
+            used.add(entry)
+    # A listed test that was renamed would quietly join the fast loop: say so whenever its whole
+    # file was collected.
+    if not any("::" in a for a in config.args):
+        stale = [e for e in SLOW_TESTS if e.split("::")[0] in collected and e not in used]
+        if stale:
+            warnings.warn(pytest.PytestWarning(f"tests/conftest.py SLOW_TESTS names no test: {stale}"), stacklevel=1)
 
 
 @pytest.fixture(scope="session")

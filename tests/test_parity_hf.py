@@ -13,6 +13,7 @@ from tests.prompts import parity_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
 EOS = 2
+pytestmark = pytest.mark.slow  # the default model's real weights in fp32, and transformers beside them
 
 
 @pytest.fixture(scope="module")
