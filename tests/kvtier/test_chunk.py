@@ -174,7 +174,7 @@ def test_unreadable_header_is_detected_even_with_a_valid_checksum():
                                     json.dumps({"key": KEY.hex(), "shape": 48, "dtype": "float32"}).encode()],
                          ids=["null", "list", "number", "string", "shape-not-a-list"])
 def test_header_of_the_wrong_json_type_is_a_chunk_error(header):
-    """(At fd8d34b these raised AttributeError / TypeError, which the store does not catch.)"""
+    """Not AttributeError or TypeError, which the store does not catch."""
     data = _forge(header, _bits(_kv(torch.float32)))
     with pytest.raises(ChunkError):
         decode_chunk(data, KEY, SHAPE, torch.float32)

@@ -269,7 +269,7 @@ def test_disk_tier_restart_with_a_smaller_capacity_respects_it(tmp_path):
     t = DiskTier(str(tmp_path), 10_000)
     for i in range(8):
         assert t.put(_key(i), bytes([i]) * 1000)
-    t2 = DiskTier(str(tmp_path), 4_000)  # restarted with a smaller quota (at fd8d34b: used 8000)
+    t2 = DiskTier(str(tmp_path), 4_000)  # restarted with a smaller quota: used must follow it
     assert t2.used <= t2.capacity
     assert list(t2.files) == [_key(i) for i in range(4, 8)]  # the oldest went, from disk too
     on_disk = {bytes.fromhex(n[:-4]) for d in os.listdir(tmp_path) for n in os.listdir(tmp_path / d)}
