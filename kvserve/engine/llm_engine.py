@@ -104,17 +104,15 @@ class LLMEngine:
         moved. A pinned session stays."""
         if self.store is None:
             return 0
-        moves = {}
-        for key in self.sessions.take_idle(force, only):
-            bid = self.kv.pool.lookup(key)
-            if bid is not None and self.kv.pool.blocks[bid].ref_cnt == 0:
-                moves[key] = bid
+        pool = self.kv.pool
+        moves = [(bid, key) for key in self.sessions.take_idle(force, only)
+                 if (bid := pool.lookup(key)) is not None and pool.blocks[bid].ref_cnt == 0]
         if moves:
             # Most are in the tiers already (written at the end of their turn): only the rest
             # is copied, straight into the CPU tier's pinned slots.
-            self.tiers.offload(self.runner.kv_cache.data, [(b, k) for k, b in moves.items()])
-            for bid in moves.values():
-                self.kv.pool.uncache(bid)
+            self.tiers.offload(self.runner.kv_cache.data, moves)
+            for bid, _ in moves:
+                pool.uncache(bid)
             self.store.load_stats.idle_offloaded_blocks += len(moves)
         return len(moves)
 
@@ -142,7 +140,7 @@ class LLMEngine:
         if self.store is None:
             return 0
         moves = [(bid, h) for h, bid in list(self.kv.pool.cached.items())]
-        self.tiers.offload(self.runner.kv_cache.data, [(b, k) for b, k in moves], wait=True)
+        self.tiers.offload(self.runner.kv_cache.data, moves, wait=True)
         self.store.flush()
         return len(moves)
 

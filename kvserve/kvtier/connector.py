@@ -69,7 +69,7 @@ class TierConnector:
     def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], wait: bool = False) -> int:
         """Copy these blocks' KV into the tiers (skipping what they hold); ``wait``: block on a
         full write-behind queue instead of dropping the write (shutdown). Returns blocks copied."""
-        return self.store.offload(data, blocks, wait=wait) if blocks else 0
+        return self.store.offload(data, blocks, wait=wait)
 
     def load(self, data: torch.Tensor, loads: list[tuple[list[int], list]], batch: int = 256) -> None:
         """Copy each run of chunks into its blocks. Each (pinned) chunk goes to the device whole,
