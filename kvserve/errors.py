@@ -2,11 +2,12 @@
 
 
 class InvalidRequestError(ValueError):
-    """A request or parameter is out of range. ``field`` names the offending parameter."""
+    """A request or parameter is out of range. ``field`` names the offending parameter; ``code``
+    is OpenAI's error code where it defines one (``context_length_exceeded``)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, code: str | None = None):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message, self.code = field, message, code
 
 
 class ModelLoadError(ValueError):

@@ -1,11 +1,35 @@
-"""SamplingParams: how one prompt is continued. Names follow vLLM's, which users know."""
+"""SamplingParams: how one prompt is continued. Names follow vLLM's, which users know.
+
+Every field is range-checked here, whoever builds it (the server or an offline caller), so that
+nothing reaching the sampler can overflow a tensor or a generator: integers are bounded by what
+an int32 token count or an int64 seed holds, floats by OpenAI's ranges (which also exclude NaN
+and the infinities). Checks that need the model (token ids within the vocabulary, lengths within
+the context) are the engine's (``LLMEngine.validate``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
+MAX_N = 128  # OpenAI's limit for n
+MAX_COUNT = 2**31 - 1  # token counts (max_tokens, min_tokens, top_k): an int32 holds them
+SEED_RANGE = (-2**63, 2**63 - 1)  # an int64, as OpenAI defines seed; torch.Generator.manual_seed takes it
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_STOP_CHARS = 256  # per stop string: the stream holds back this many characters at most
+MAX_STOP_TOKEN_IDS = 256
+# Temperatures below this decode greedily, as vLLM does: dividing logits by 1e-40 overflows to
+# inf, and softmax over infinities is NaN, so "almost greedy" would sample garbage.
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -13,9 +37,9 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
-    temperature: float = 1.0
+    temperature: float = 1.0  # below MIN_TEMPERATURE: greedy
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
+    top_k: int = -1  # -1 or 0: off; values >= the vocabulary size are off too
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -32,46 +56,51 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, allowed):
-            raise InvalidRequestError(name, f"must be {allowed}, got {getattr(self, name)!r}")
+            raise InvalidRequestError(name, f"must be {allowed}, got {getattr(self, name)!r}"[:500])
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "an integer >= 0")
+        def int_in(name, lo, hi, optional=False):
+            v = getattr(self, name)
+            if not (optional and v is None) and not (_is_int(v) and lo <= v <= hi):
+                bad(name, f"{'None or ' if optional else ''}an integer in [{lo}, {hi}]")
+
+        def number_in(name, lo, hi, lo_open=False):
+            v = getattr(self, name)
+            if not _is_number(v) or not (lo < v if lo_open else lo <= v) or not v <= hi:  # NaN fails both
+                bad(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        int_in("n", 1, MAX_N)
+        int_in("max_tokens", 1, MAX_COUNT, optional=True)
+        int_in("min_tokens", 0, MAX_COUNT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                bad(name, "a number")
-        if not self.temperature >= 0:  # also rejects NaN
-            bad("temperature", ">= 0")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "-1 (off), 0 (off) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "in [0, 1]")
-        if not 0 < self.repetition_penalty <= 100:
-            bad("repetition_penalty", "in (0, 100]")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", "in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", "in [-2, 2]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "an integer or None")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
-                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            bad("stop", "a list of non-empty strings")
-        self._stop_list = stops
-        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "a list of non-negative integers")
+        number_in("temperature", 0, 2)
+        number_in("top_p", 0, 1, lo_open=True)
+        if not (_is_int(self.top_k) and -1 <= self.top_k <= MAX_COUNT):
+            bad("top_k", f"-1 (off), 0 (off) or a positive integer <= {MAX_COUNT} (values >= the vocabulary "
+                "size are off)")
+        number_in("min_p", 0, 1)
+        number_in("repetition_penalty", 0, 100, lo_open=True)
+        number_in("presence_penalty", -2, 2)
+        number_in("frequency_penalty", -2, 2)
+        int_in("seed", *SEED_RANGE, optional=True)
+        int_in("logprobs", 0, MAX_LOGPROBS, optional=True)
+        int_in("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is None:
+            stops = []
+        if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOP or any(
+                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            bad("stop", f"a string or a list of at most {MAX_STOP} strings, each of 1 to {MAX_STOP_CHARS} "
+                "characters (non-empty)")
+        self._stop_list = list(stops)
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or len(ids) > MAX_STOP_TOKEN_IDS
+                                or any(not _is_int(t) or not 0 <= t <= MAX_COUNT for t in ids)):
+            bad("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers (token ids "
+                "within the vocabulary)")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true or false")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -79,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -184,17 +184,25 @@ class LLMEngine:
         vocab = self.arch.vocab_size
         if any(type(t) is not int or not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"has {n} tokens; max_model_len is {self.max_model_len}, "
-                                      f"so at most {self.max_model_len - 1} prompt tokens fit")
+                                      f"so at most {self.max_model_len - 1} prompt tokens fit",
+                                      code="context_length_exceeded")
         mt = params.max_tokens
         if mt is not None and n + mt > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) = {n + mt} exceeds "
                                       f"max_model_len {self.max_model_len}; "
-                                      f"allowed max_tokens <= {self.max_model_len - n}")
-        need = self.scheduler.blocks_to_finish(n, mt if mt is not None else self.max_model_len - n, params.n)
+                                      f"allowed max_tokens <= {self.max_model_len - n}",
+                                      code="context_length_exceeded")
+        longest = mt if mt is not None else self.max_model_len - n
+        need = self.scheduler.blocks_to_finish(n, longest, params.n)
         if need > self.num_kv_blocks:
-            raise InvalidRequestError("max_tokens", f"the request needs {need} KV blocks at its longest "
+            # Name n when one sequence would fit: lowering max_tokens is then not the only way.
+            field = "n" if params.n > 1 and self.scheduler.blocks_to_finish(n, longest, 1) <= self.num_kv_blocks \
+                else "max_tokens"
+            raise InvalidRequestError(field, f"the request needs {need} KV blocks at its longest "
                                       f"(prompt {n} + max_tokens {mt} tokens, n={params.n}) but the KV pool "
                                       f"holds {self.num_kv_blocks}; lower max_tokens or n, or raise kv_cache_memory")
 

@@ -1,8 +1,8 @@
 """Sampler: logits of the rows being sampled -> token ids (+ log-probs), on the logits' device.
 
-Order: penalties -> min_tokens mask -> greedy rows take the argmax; the others are divided by
-their temperature, masked by top-k, top-p and min-p, and drawn by the exponential race
-(``argmax(p / q)``, q ~ Exp(1)), which equals drawing from ``p``. A seeded row draws its noise
+Order: penalties -> min_tokens mask -> greedy rows (temperature below ``MIN_TEMPERATURE``) take
+the argmax; the others are divided by their temperature, masked by top-k, top-p and min-p, and
+drawn by the exponential race (``argmax(p / q)``, q ~ Exp(1)), which equals drawing from ``p``. A seeded row draws its noise
 from its own generator, so its tokens do not depend on the rest of the batch.
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvserve.sampling_params import MIN_TEMPERATURE
 
 
 @dataclass
@@ -108,16 +110,16 @@ class Sampler:
             if r.banned_tokens:
                 ids = [t for t in r.banned_tokens if t < vocab]
                 logits[i, ids] = float("-inf")
-        greedy = [r.temperature == 0.0 for r in rows]
+        greedy = [r.temperature < MIN_TEMPERATURE for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             dev = logits.device
-            temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows]).to(dev, non_blocking=True)
-            ks = [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows]
+            temps = torch.tensor([1.0 if g else r.temperature for r, g in zip(rows, greedy)]).to(dev, non_blocking=True)
+            ks = [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows]  # a larger top-k is off
             scaled = apply_top_k_top_p_min_p(
                 logits / temps.unsqueeze(1),
-                torch.tensor([r.top_k for r in rows]).to(dev, non_blocking=True),
+                torch.tensor(ks).to(dev, non_blocking=True),
                 torch.tensor([r.top_p for r in rows]).to(dev, non_blocking=True),
                 torch.tensor([r.min_p for r in rows]).to(dev, non_blocking=True),
                 max_k=max(ks) if min(ks) < vocab else 0,

@@ -45,7 +45,7 @@ def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e), e.field)
+        return APIError(400, str(e), e.field, e.code)
     if isinstance(e, EngineDeadError):
         log.error("request failed: %s", e, exc_info=e.__cause__ or e)
         return APIError(500, str(e), code="engine_error")
@@ -78,7 +78,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, e: InvalidRequestError):
-        return error_response(400, str(e), e.field)
+        return error_response(400, str(e), e.field, e.code)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):
