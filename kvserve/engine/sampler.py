@@ -2,8 +2,9 @@
 
 Order: penalties -> min_tokens mask -> greedy rows (temperature below ``MIN_TEMPERATURE``) take
 the argmax; the others are divided by their temperature, masked by top-k, top-p and min-p, and
-drawn by the exponential race (``argmax(p / q)``, q ~ Exp(1)), which equals drawing from ``p``. A seeded row draws its noise
-from its own generator, so its tokens do not depend on the rest of the batch.
+drawn by the exponential race (``argmax(p / q)``, q ~ Exp(1)), which equals drawing from ``p``.
+A seeded row draws its noise from its own generator, so its tokens do not depend on the rest of
+the batch.
 """
 from __future__ import annotations
 

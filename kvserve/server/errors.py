@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,9 +59,22 @@ def sse_error(e: BaseException) -> str:
     return f"data: {json.dumps(error_body(a.status, a.message, a.param, a.code))}\n\n"
 
 
+# Union members show up in an error's loc as "str", "list[int]", "constrained-str", ...: not
+# field names (ours are snake_case identifiers), so they are left out of the message.
+_UNION_TAG = re.compile(r"[\w-]*[\[-].*|str|int|float|bool|none|list|dict")
+
+
+def _short_repr(v, limit: int = 200) -> str:
+    try:
+        r = repr(v)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<{type(v).__name__} too large to print>"
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
 def _validation_message(err: dict) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    # Union members show up as loc parts like "str" / "list[int]"; the field name is the first part.
+    loc = loc[:1] + [x for x in loc[1:] if not _UNION_TAG.fullmatch(x)]
     param = loc[0] if loc else None
     if err.get("type") == "extra_forbidden":
         name = loc[-1] if loc else "?"
@@ -68,7 +82,7 @@ def _validation_message(err: dict) -> tuple[str, str | None]:
     if err.get("type") == "json_invalid":
         return f"The body is not valid JSON: {err.get('msg')}", None
     where = ".".join(loc) or "body"
-    return f"{where}: {err.get('msg')} (got {err.get('input')!r})"[:1000], param
+    return f"{where}: {err.get('msg')} (got {_short_repr(err.get('input'))})"[:1000], param
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -89,7 +103,9 @@ def install_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, e: RequestValidationError):
         errs = e.errors()
         extra = [x for x in errs if x.get("type") == "extra_forbidden"]
-        msg, param = _validation_message((extra or errs or [{}])[0])
+        # Within a union, a length or range error says more than "not a string".
+        specific = [x for x in errs if not str(x.get("type", "")).endswith("_type")]
+        msg, param = _validation_message((extra or specific or errs or [{}])[0])
         return error_response(400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -2,54 +2,130 @@
 
 Requests forbid unknown fields: a parameter the engine does not implement is refused with a 400
 naming it, never silently ignored. Fields OpenAI defines that we cannot honour are simply absent.
+An explicit null for an optional field means its default, as in OpenAI's API. Numbers are typed
+with ``int_in`` / ``number_in``: strict (no strings, no booleans, no NaN or infinities), bounded
+(OpenAI's ranges, else what the engine's tensors hold), and an error that states the range.
 """
 from __future__ import annotations
 
+import re
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    SEED_RANGE,
+    SamplingParams,
+)
+
+
+def _bounded(kind: type, lo, hi, lo_open: bool = False) -> Any:
+    allowed = f"{'an integer' if kind is int else 'a number'} in {'(' if lo_open else '['}{lo}, {hi}]"
+
+    def one_message(v, handler):
+        try:
+            return handler(v)
+        except ValidationError:  # wrong type, NaN, out of range: one message with the whole range
+            raise PydanticCustomError("out_of_range", "must be {allowed}", {"allowed": allowed}) from None
+
+    bounds = {"gt": lo} if lo_open else {"ge": lo}
+    finite = {} if kind is int else {"allow_inf_nan": False}
+    return Annotated[kind, Field(strict=True, le=hi, **bounds, **finite), WrapValidator(one_message)]
+
+
+def int_in(lo: int, hi: int) -> Any:
+    """An integer field in [lo, hi]; JSON 1.0, "1" and true are refused."""
+    return _bounded(int, lo, hi)
+
+
+def number_in(lo: float, hi: float, lo_open: bool = False) -> Any:
+    """A finite number in [lo, hi] (or (lo, hi]); integers are accepted."""
+    return _bounded(float, lo, hi, lo_open)
+
+
+def _nullable_optionals(schema: dict, _cls) -> None:
+    """The schema says what the validator accepts: null for every optional field."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        alts = prop.get("anyOf", [prop])
+        if name in required or any(a.get("type") == "null" for a in alts):
+            continue
+        outer = {k: prop[k] for k in ("title", "default", "description") if k in prop}
+        inner = {k: v for k, v in prop.items() if k not in outer}
+        schema["properties"][name] = {**outer, "anyOf": [inner, {"type": "null"}]}
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_optionals)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenCount = int_in(1, MAX_COUNT)
+NumLogprobs = int_in(0, MAX_LOGPROBS)
+
+
 class _SamplingFields(_Request):
     """Parameters shared by completions and chat; OpenAI's names plus vLLM-style extras."""
     model: str
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int_in(1, MAX_N) = 1
+    temperature: number_in(0, 2) = 1.0
+    top_p: number_in(0, 1, lo_open=True) = 1.0
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    seed: int_in(*SEED_RANGE) | None = None
+    presence_penalty: number_in(-2, 2) = 0.0
+    frequency_penalty: number_in(-2, 2) = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras
     session_id: str | None = Field(None, max_length=256)  # kvserve: the conversation (KV tiers, idle offload)
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int_in(-1, MAX_COUNT) = -1  # -1 or 0: off; values >= the vocabulary size are off too
+    min_p: number_in(0, 1) = 0.0
+    repetition_penalty: number_in(0, 100, lo_open=True) = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int_in(0, MAX_COUNT) = 0
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidRequestError naming the field for out-of-range values."""
-        return SamplingParams(
-            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+        """Raises InvalidRequestError naming the field as the client sent it."""
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+                top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+                stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+        except InvalidRequestError as e:
+            raise self.as_sent(e) from None
+
+    def _sent_names(self) -> dict[str, str]:
+        """SamplingParams' name -> the name this request gave the same value, where they differ."""
+        return {}
+
+    def as_sent(self, e: InvalidRequestError) -> InvalidRequestError:
+        """``e`` (raised by SamplingParams or the engine) with the field named as the client sent it."""
+        name = self._sent_names().get(e.field)
+        if name is None:
+            return e
+        return InvalidRequestError(name, re.sub(rf"\b{e.field}\b", name, e.message), e.code)
 
     @property
     def include_usage(self) -> bool:
@@ -58,8 +134,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: TokenCount | None = 16  # OpenAI's default for completions
+    logprobs: NumLogprobs | None = None
     echo: Literal[False] = False  # accepted only as "off": echo is not implemented
 
     def prompts(self) -> list[str | list[int]]:
@@ -87,16 +163,22 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: up to the context length
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None  # None: up to the context length
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
 
     @model_validator(mode="after")
     def _check(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         return self
+
+    def _sent_names(self) -> dict[str, str]:
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     @property
     def token_limit(self) -> int | None:
