@@ -118,6 +118,11 @@ class LLM:
                             bar.update(1)
                             s = self.engine.stats
                             bar.set_postfix_str(f"{s.generation_tokens_per_s:.0f} tok/s")
+                failed = self.engine.pop_failed()
+                if failed:  # the call fails as a whole, as for a bad prompt: nothing is left running
+                    for rid in request_ids:
+                        self.engine.abort_request(rid)
+                    raise next(iter(failed.values()))
         finally:
             if bar is not None:
                 bar.close()

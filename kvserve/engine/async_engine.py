@@ -10,8 +10,10 @@ Invariants:
   thread replaces whole (never mutates) after every drain and every step.
 - Commands are drained before each step, so an abort frees the request's KV blocks before the
   next step runs: within one step of the client going away.
-- Every stream ends with a finished output or an exception; after a fault in step() every open
-  stream gets EngineDeadError and new requests are refused, so no waiter hangs.
+- Every stream ends with a finished output or an exception. A fault of one request (``faults``)
+  ends its stream with RequestFailedError and the engine serves on; any other fault in step()
+  gives every open stream EngineDeadError, refuses new requests and calls ``on_dead`` (the
+  server then exits for a supervisor to restart it), so no waiter hangs.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvserve.engine.llm_engine import LLMEngine, PromptType
@@ -98,6 +100,8 @@ class AsyncEngine:
         self._pending_adds = 0  # enqueued, not yet drained; += on the loop, -= via call_soon_threadsafe
         self.error: BaseException | None = None
         self.snapshot = EngineSnapshot()
+        # Called on the event loop once the engine has failed for good (set by the server).
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -178,6 +182,8 @@ class AsyncEngine:
             self._take_snapshot()
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
+            for rid, err in eng.pop_failed().items():
+                self._loop.call_soon_threadsafe(self._deliver_error, rid, err)
         for rid in list(eng.scheduler.groups):
             eng.abort_request(rid)
         self._take_snapshot()
@@ -248,3 +254,5 @@ class AsyncEngine:
         err.__cause__ = cause
         for s in list(self._streams.values()):
             s.put(err)
+        if self.on_dead is not None:
+            self.on_dead(cause)

@@ -15,6 +15,7 @@ import time
 
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan, lookahead
+from kvserve.engine.faults import RequestFailedError
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.lookahead import InFlight
 from kvserve.engine.model_runner import ModelRunner
@@ -68,6 +69,7 @@ class LLMEngine:
         self.sessions = Sessions(config.cache.idle_offload_seconds)
         self.stats = EngineStats()
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
+        self._failed: dict[str, RequestFailedError] = {}  # see pop_failed
         self.eos_token_ids = self._eos_ids()
         log.info("KV cache: %s", plan.describe())
 
@@ -228,6 +230,18 @@ class LLMEngine:
             self.runner.drop_request(req.request_id)
         self.output_processor.abort(request_id)
 
+    def _fail_request(self, group_id: str, cause: BaseException) -> None:
+        """A fault of this request alone (``faults``): abort it, keep the error for its caller."""
+        log.warning("request %r failed and was aborted: %r", group_id, cause, exc_info=cause)
+        self.abort_request(group_id)
+        self._failed.setdefault(group_id, RequestFailedError(group_id, cause))
+
+    def pop_failed(self) -> dict[str, RequestFailedError]:
+        """Requests (by the id they were added with) aborted for a fault of their own since the
+        last call; each caller is to hear of its request's error."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     # -- the step --------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """One scheduling step. Returns an output for every request that moved (for streaming),
@@ -315,12 +329,17 @@ class LLMEngine:
                 lookahead.rollback(cur)
             raise
         out = cur.out
+        if result is not None:
+            for i, e in result.failed.items():  # before update: it skips aborted requests
+                self._fail_request(out.scheduled[i].request.group_id, e)
         core = (self.scheduler.update(out, result, cur.advanced) if result is not None
                 else EngineCoreOutputs())
         for parent, child in core.forks:
             self.runner.fork_request(parent.request_id, child.request_id)
-        outputs, stops = self.output_processor.process(core, only_finished)
-        finished = core.finished
+        outputs, stops, failed = self.output_processor.process(core, only_finished)
+        for group_id, e in failed.items():
+            self._fail_request(group_id, e)
+        finished = [r for r in core.finished if r.group_id not in failed]
         for group_id, index in stops:
             req = next(r for r in self.scheduler.groups[group_id] if r.index == index)
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)

@@ -13,6 +13,7 @@ import torch
 from kvserve import kernels
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan
+from kvserve.engine.faults import is_device_fault
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler, SamplingRow
@@ -24,6 +25,9 @@ from kvserve.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Sampled in place of a failed request's row: the batch keeps its shape (a step launched ahead
+# reads each request's token by row), and the token is thrown away with the request.
+_PLACEHOLDER_ROW = SamplingRow(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, generator=None, num_logprobs=None)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -293,13 +297,23 @@ class ModelRunner:
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
         sample_rows, rows, sample_of = [], [], []
+        failed: dict[int, BaseException] = {}  # scheduled index -> its own fault (see faults.py)
+        seeded: list[tuple[torch.Generator, torch.Tensor]] = []  # states before this step's draws
         for i, s in enumerate(sched):
             if s.samples:
                 r = s.request
                 n_draws = r.pending_forks + 1
-                for j in range(n_draws):
+                try:
+                    mine = [self._sampling_row(r, j) for j in range(n_draws)]
+                    seeded.extend((w.generator, w.generator.get_state()) for w in mine if w.generator is not None)
+                except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
+                    if is_device_fault(e):
+                        raise
+                    failed[i] = e
+                    mine = [_PLACEHOLDER_ROW] * n_draws
+                for row in mine:
                     sample_rows.append(query_start[i + 1] - 1)
-                    rows.append(self._sampling_row(r, j))
+                    rows.append(row)
                     sample_of.append(i)
         pending = None
         if sample_rows:
@@ -307,7 +321,14 @@ class ModelRunner:
                 picked = hidden  # every row sampled once, in order (a decode step)
             else:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
-            pending = self.sampler.launch(self._logits(picked), rows)
+            try:
+                pending = self.sampler.launch(self._logits(picked), rows)
+            except Exception as e:  # noqa: BLE001 - narrowed down below
+                if is_device_fault(e):
+                    raise
+                for g, state in seeded:  # a seeded request draws the same noise as if alone
+                    g.set_state(state)
+                pending = self._sample_one_by_one(picked, rows, sample_of, failed)
             # The sampled ids stay on the device: a step scheduled before they reach the host
             # takes its requests' input tokens from here.
             self._sampled = (pending[0], sched, sample_of)
@@ -319,19 +340,47 @@ class ModelRunner:
         @torch.inference_mode()
         def finish() -> ModelRunnerOutput:
             res = ModelRunnerOutput.empty(len(sched))
+            res.failed = failed
             if pending is not None:
                 so = self.sampler.finish(pending)
                 for k, i in enumerate(sample_of):
-                    res.sampled_token_ids[i].append(so.token_ids[k])
-                    res.logprobs[i].append(so.logprobs[k])
+                    if i not in failed:
+                        res.sampled_token_ids[i].append(so.token_ids[k])
+                        res.logprobs[i].append(so.logprobs[k])
             for i, s in enumerate(sched):
                 r = s.request
-                if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
-                    res.prompt_logprobs[i] = self._prompt_logprobs(r, s, hidden, query_start[i])
+                if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens and i not in failed:
+                    try:
+                        res.prompt_logprobs[i] = self._prompt_logprobs(r, s, hidden, query_start[i])
+                    except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
+                        if is_device_fault(e):
+                            raise
+                        failed[i] = e
+                        res.sampled_token_ids[i], res.logprobs[i] = [], []
             if self.gpu_timer is not None:
                 self.gpu_timer.collect()
             return res
         return finish
+
+    def _sample_one_by_one(self, picked: torch.Tensor, rows: list[SamplingRow], sample_of: list[int],
+                           failed: dict[int, BaseException]):
+        """The batch's sampling raised: sample each row alone, so that the fault stays with the
+        request whose row raises (in ``failed``; its row becomes a placeholder) and the others
+        get their tokens. Returns what ``Sampler.launch`` would have."""
+        # Afresh: the failed batch may have applied penalties to its logits in place.
+        logits = self._logits(picked).float()
+        tokens = []
+        for k, row in enumerate(rows):
+            try:
+                tokens.append(self.sampler.launch(logits[k:k + 1].clone(), [row])[0])
+            except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
+                if is_device_fault(e):
+                    raise
+                failed.setdefault(sample_of[k], e)
+                rows[k] = _PLACEHOLDER_ROW
+                tokens.append(logits[k:k + 1].argmax(dim=-1))
+        want_lp = any(r.num_logprobs is not None for r in rows)
+        return torch.cat(tokens), logits.log_softmax(dim=-1) if want_lp else None, rows, None
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:

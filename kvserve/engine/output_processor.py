@@ -81,19 +81,27 @@ class OutputProcessor:
         self.prompts.pop(group_id, None)
 
     def process(self, core: EngineCoreOutputs, only_finished: bool = False
-                ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+                ) -> tuple[list[RequestOutput], list[tuple[str, int]], dict[str, BaseException]]:
         """Returns the outputs of every group that moved (with ``only_finished``, of those that
-        finished) and the (group id, index) of each sequence a stop string ended."""
+        finished), the (group id, index) of each sequence a stop string ended, and the groups
+        whose own processing (detokenizing, log-probs) raised: the caller aborts those."""
         touched: dict[str, None] = {}
         stops: list[tuple[str, int]] = []
+        failed: dict[str, BaseException] = {}
         for co in core.outputs:
             group = self.groups.get(co.group_id)
-            if group is None:
+            if group is None or co.group_id in failed:
                 continue
-            state = self._state(group, co)
-            if self._apply(state, co):
-                stops.append((co.group_id, co.index))
+            try:
+                state = self._state(group, co)
+                if self._apply(state, co):
+                    stops.append((co.group_id, co.index))
+            except Exception as e:  # noqa: BLE001 - one request's fault; the caller aborts it
+                failed[co.group_id] = e
+                touched.pop(co.group_id, None)
+                continue
             touched[co.group_id] = None
+        stops = [st for st in stops if st[0] not in failed]
         outputs = []
         for gid in touched:
             group = self.groups[gid]
@@ -104,7 +112,7 @@ class OutputProcessor:
             if finished:
                 del self.groups[gid]
                 del self.prompts[gid]
-        return outputs, stops
+        return outputs, stops, failed
 
     @staticmethod
     def _state(group: list[RequestState], co: EngineCoreOutput) -> RequestState:

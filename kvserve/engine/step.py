@@ -61,6 +61,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[RawLogprob | None]]  # per token in sampled_token_ids
     prompt_logprobs: list[list[RawPromptLogprob]]  # per prompt position computed this step
+    # Requests (by index) whose own sampling or prompt log-probs failed: they got no tokens and
+    # are to be aborted (``faults``).
+    failed: dict[int, BaseException] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, n: int) -> ModelRunnerOutput:

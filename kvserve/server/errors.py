@@ -2,7 +2,9 @@
 
 Every failure the app can produce goes through `error_response`, so clients (the openai package
 maps status codes to exception classes) see one format: 400 for bad values (never FastAPI's 422),
-401 key, 404 model, 413 body size, 429 queue full, 500 engine fault, 503 not ready.
+401 key, 404 model, 413 body size, 429 queue full, 500 engine fault (``request_failed``: this
+request alone failed inside the engine, which serves on; ``engine_error``: the engine stopped),
+503 not ready.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.faults import RequestFailedError
 from kvserve.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ def to_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), e.field, e.code)
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")  # the engine logged it with its cause
     if isinstance(e, EngineDeadError):
         log.error("request failed: %s", e, exc_info=e.__cause__ or e)
         return APIError(500, str(e), code="engine_error")

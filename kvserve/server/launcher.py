@@ -3,6 +3,8 @@
     t=0      listening: /health 503 {"status": "loading"}, API paths 503
     loaded   prints the KV cache size; /health 200
     failed   prints the cause, stops uvicorn, exits 2 (as a load error before serving did)
+    engine   a fault that stops the engine (engine/faults.py): /health 503, open requests get a
+    dead     500, uvicorn stops, exits 3, so a supervisor restarts the server
 
 SIGTERM/SIGINT go to uvicorn: it stops accepting, lets in-flight requests finish for up to
 --shutdown-timeout seconds, cancels the rest (their streams close, their requests abort), then
@@ -29,6 +31,7 @@ def serve(args, make_engine) -> int:
     raw = str(args.max_request_bytes)
     max_bytes = int(raw) if raw.isdigit() else parse_size(raw, "max_request_bytes")  # bare number: bytes
     failed: list[BaseException] = []
+    dead: list[BaseException] = []
     server: uvicorn.Server | None = None
 
     def load():
@@ -44,8 +47,12 @@ def serve(args, make_engine) -> int:
         failed.append(e)
         server.should_exit = True
 
+    def on_engine_dead(e: BaseException) -> None:
+        dead.append(e)
+        server.should_exit = True
+
     app = build_app(load, args.served_model_name, api_key=api_key or None, max_request_bytes=max_bytes,
-                    max_waiting=args.max_waiting, on_load_error=on_load_error)
+                    max_waiting=args.max_waiting, on_load_error=on_load_error, on_engine_dead=on_engine_dead)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
     print(f"kvserve: listening at http://{args.host}:{args.port}/v1; loading {args.model or 'the default model'} "
@@ -58,4 +65,7 @@ def serve(args, make_engine) -> int:
     if failed:
         print(f"kvserve: error: the model failed to load: {failed[0]}", file=sys.stderr)
         return 2
+    if dead:
+        print(f"kvserve: error: the engine stopped: {dead[0]!r}; exiting for a restart", file=sys.stderr)
+        return 3
     return 0

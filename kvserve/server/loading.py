@@ -23,12 +23,15 @@ log = logging.getLogger(__name__)
 
 
 def start_loading(state: ServerState, make_engine: Callable[[], LLMEngine],
-                  on_error: Callable[[BaseException], None] | None = None) -> threading.Thread:
-    """Build the engine on a daemon thread; call from inside the running event loop."""
+                  on_error: Callable[[BaseException], None] | None = None,
+                  on_dead: Callable[[BaseException], None] | None = None) -> threading.Thread:
+    """Build the engine on a daemon thread; call from inside the running event loop. ``on_dead``
+    becomes the engine's ``AsyncEngine.on_dead``."""
     loop = asyncio.get_running_loop()
 
     def install(engine: LLMEngine) -> None:
         ae = AsyncEngine(engine)
+        ae.on_dead = on_dead
         ae.start()
         state.set_engine(ae)
 
