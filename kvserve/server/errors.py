@@ -100,7 +100,8 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(400, str(e), e.field, e.code)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, e: EngineDeadError):
+    @app.exception_handler(RequestFailedError)
+    async def _engine(_: Request, e: EngineDeadError | RequestFailedError):
         a = to_api_error(e)
         return error_response(a.status, a.message, a.param, a.code)
 

@@ -1,7 +1,11 @@
-"""Property-based fuzz of the request schema: arbitrary JSON bodies (OpenAI's keys with wrong
-types and ranges, unknown keys, nested junk, huge numbers, NaN/Infinity literals, non-objects)
-POSTed to an in-process app on dummy:tiny. Never a 500, every 4xx in OpenAI's error shape, no
-request slower than its timeout, and the engine still healthy afterwards."""
+"""Fuzzing the server on dummy:tiny. Never a 500, every 4xx in OpenAI's error shape, no request
+slower than its timeout, and the engine healthy after every case.
+
+- Hand-made bodies (OpenAI's keys with wrong types and ranges, unknown keys, nested junk, huge
+  numbers, NaN/Infinity literals, non-objects) POSTed to an in-process app.
+- schemathesis: every endpoint of the server's own OpenAPI schema, values inside and outside it,
+  over real HTTP, against a server without and one with --api-key (called with and without the
+  key); afterwards no KV block is left in use."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +14,10 @@ import threading
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_proc import ServerProcess
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.llm import LLM
@@ -85,6 +91,7 @@ def post():
                                 TIMEOUT_S)
         return asyncio.run_coroutine_threadsafe(coro, loop).result(TIMEOUT_S + 5)
 
+    post.healthy = lambda: ae.healthy
     yield post
     assert ae.healthy, f"the engine died during the fuzz: {ae.error!r}"
     ae.shutdown()
@@ -98,7 +105,75 @@ def test_no_500_and_openai_shaped_errors(post, req):
     r = post(path, body)
     assert r.status_code < 500, (r.status_code, body, r.text)
     if r.status_code >= 400:
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str), r.text
-    elif b'"stream": true' not in body:
+        _assert_openai_error(r)
+    elif r.headers["content-type"].startswith("text/event-stream"):  # "stream" given as 1, "yes", ...
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text, r.text
+    else:
         assert "choices" in r.json()
+    assert post.healthy(), body
+
+
+def _assert_openai_error(r) -> None:
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str), r.text
+
+
+# -- schemathesis over the OpenAPI schema ------------------------------------------------------
+
+KEY = "fuzz-key"
+OPEN_PATHS = ("/health", "/metrics")
+# The schema as the server serves it at /openapi.json; building the app loads nothing.
+schema = schemathesis.openapi.from_dict(build_app(lambda: None, MODEL).openapi())
+schema.config.generation.update(modes=list(schemathesis.GenerationMode), max_examples=40)
+schema.config.phases.update(phases=["examples", "fuzzing"])
+VOCAB = 512  # dummy:tiny's
+
+
+@schema.hook
+def map_body(ctx, body):
+    """Steer the bodies past the checks that stop most of them before the engine (a random model
+    name, text prompts on a model without a tokenizer, token ids outside the vocabulary), keeping
+    every other field as drawn."""
+    if isinstance(body, dict):
+        if "model" in body:
+            body["model"] = MODEL
+        p = body.get("prompt")
+        if isinstance(p, str):
+            body["prompt"] = [ord(c) % VOCAB for c in p[:40]] or [1]
+        elif isinstance(p, list) and all(type(t) is int for t in p):
+            body["prompt"] = [t % VOCAB for t in p[:40]]
+    return body
+
+
+@pytest.fixture(scope="module", params=["open", "api_key"])
+def served(request):
+    """A `kvserve serve` process with a short context (so accepted requests finish fast); the
+    keyed one also has a CPU KV tier, so the session endpoints do their work."""
+    args = ["--model", "dummy:tiny", "--served-model-name", MODEL, "--kv-cache-memory", "16MiB",
+            "--max-model-len", "64", "--max-num-seqs", "8"]
+    if request.param == "api_key":
+        args += ["--api-key", KEY, "--cpu-kv-memory", "8MiB"]
+    s = ServerProcess(*args)
+    s.key = KEY if request.param == "api_key" else None
+    yield s
+    try:
+        m = s.wait_idle()  # every request done: no KV block is referenced any more
+        assert m["kvserve_kv_blocks_used"] == 0
+        assert httpx.get(f"{s.url}/health", timeout=5).status_code == 200
+    finally:
+        s.stop()
+
+
+@schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_schema_fuzz_no_500_engine_stays_healthy(case, served):
+    auth = {"Authorization": f"Bearer {served.key}"} if served.key else None
+    if served.key and case.path not in OPEN_PATHS:
+        r = case.call(base_url=served.url, timeout=TIMEOUT_S)  # without the key
+        assert r.status_code == 401, (case.path, r.status_code, r.text)
+        _assert_openai_error(r)
+    r = case.call(base_url=served.url, headers=auth, timeout=TIMEOUT_S)
+    assert r.status_code < 500, (case.method, case.path, case.body, r.status_code, r.text)
+    if r.status_code >= 400:
+        _assert_openai_error(r)
+    assert httpx.get(f"{served.url}/health", timeout=5).status_code == 200, (case.path, case.body)

@@ -1,0 +1,270 @@
+"""Request validation through the official openai client, on dummy:tiny in-process: each bad
+value is a 400 in OpenAI's shape naming the field as sent and the allowed range, huge integers
+included; null means the default; a tiny temperature decodes greedily; and a request that fails
+inside the engine fails alone while the engine serves on."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from kvserve.engine import sampler as sampler_mod
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.llm import LLM
+from kvserve.server.app import build_app
+
+MODEL = "tiny"
+MAX_LEN = 64
+VOCAB = 512
+
+
+class _TemplateOnly:
+    """A chat template over dummy:tiny's ids (the model has no tokenizer), so that chat requests
+    reach the engine's checks."""
+    chat_template = "plain"
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(m["content"] for m in messages)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % VOCAB for c in text] or [1]
+
+
+class Served:
+    def __init__(self):
+        self.engine = LLM("dummy:tiny", kv_cache_memory="16MiB", max_model_len=MAX_LEN, max_num_seqs=8,
+                          show_progress=False).engine
+        self.engine.tokenizer = _TemplateOnly()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.ae = AsyncEngine(self.engine)
+        self.dead: list[BaseException] = []
+        app = build_app(self.ae, MODEL, on_engine_dead=self.dead.append)
+
+        async def setup():
+            self.ae.start()
+            self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+            return openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=self.http, max_retries=0)
+        self.client = self.run(setup())
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def post(self, path: str, body: str | dict) -> httpx.Response:
+        raw = body if isinstance(body, str) else json.dumps(body)
+        return self.run(self.http.post(path, content=raw, headers={"content-type": "application/json"}))
+
+    def healthy(self) -> bool:
+        return self.run(self.http.get("/health")).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Served()
+    yield s
+    assert s.ae.healthy and not s.dead
+    s.ae.shutdown()
+    s.loop.call_soon_threadsafe(s.loop.stop)
+
+
+def complete(srv, **kw):
+    kw = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, **kw}
+    return srv.run(srv.client.completions.create(**kw))
+
+
+def chat(srv, **kw):
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+    return srv.run(srv.client.chat.completions.create(**kw))
+
+
+def bad_request(call, srv, **kw) -> dict:
+    with pytest.raises(openai.BadRequestError) as ei:
+        call(srv, **kw)
+    err = ei.value.body
+    assert ei.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def tokens(choice) -> list[str]:
+    return choice.logprobs.tokens  # "token_id:N": the model has no tokenizer
+
+
+# -- numbers the sampler cannot hold ------------------------------------------------------------
+
+def test_huge_top_k_is_400_and_the_engine_serves_on(srv):
+    err = bad_request(complete, srv, extra_body={"top_k": 99999999999999999999})
+    assert err["param"] == "top_k" and "2147483647" in err["message"]
+    assert srv.healthy()
+    assert complete(srv).choices[0].finish_reason in ("length", "stop")
+
+
+def test_top_k_beyond_the_vocabulary_is_off(srv):
+    kw = dict(max_tokens=12, seed=4, logprobs=0, extra_body={"ignore_eos": True})
+    off = complete(srv, **kw)
+    big = complete(srv, **{**kw, "extra_body": {"ignore_eos": True, "top_k": 10**6}})
+    assert tokens(big.choices[0]) == tokens(off.choices[0])
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -2**63 - 1, 10**30])
+def test_seed_outside_int64_is_400(srv, seed):
+    err = bad_request(complete, srv, seed=seed)
+    assert err["param"] == "seed" and str(2**63 - 1) in err["message"]
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -2**63, 0])
+def test_seed_at_the_int64_edges_runs(srv, seed):
+    a = complete(srv, seed=seed, max_tokens=6, logprobs=0, extra_body={"ignore_eos": True})
+    b = complete(srv, seed=seed, max_tokens=6, logprobs=0, extra_body={"ignore_eos": True})
+    assert len(tokens(a.choices[0])) == 6 and tokens(a.choices[0]) == tokens(b.choices[0])
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-7, 5e-324])
+def test_tiny_temperature_decodes_greedily(srv, temperature):
+    kw = dict(max_tokens=16, logprobs=0, extra_body={"ignore_eos": True})
+    greedy = complete(srv, temperature=0, **kw)
+    tiny = complete(srv, temperature=temperature, **kw)
+    assert tokens(tiny.choices[0]) == tokens(greedy.choices[0])
+
+
+@pytest.mark.parametrize("value", [2.5, 2.0000001, -0.1, 1e308])
+def test_temperature_beyond_openai_range_is_400(srv, value):
+    err = bad_request(complete, srv, temperature=value)
+    assert err["param"] == "temperature" and "[0, 2]" in err["message"]
+
+
+@pytest.mark.parametrize("literal", ["Infinity", "-Infinity", "NaN", "1e999", "true", '"1"'])
+def test_temperature_not_a_finite_number_is_400(srv, literal):
+    r = srv.post("/v1/completions", f'{{"model": "{MODEL}", "prompt": [1], "temperature": {literal}}}')
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "temperature" and "[0, 2]" in r.json()["error"]["message"]
+
+
+INT_FIELDS = ["n", "max_tokens", "seed", "top_k", "min_tokens", "logprobs"]
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+@pytest.mark.parametrize("value", [2**63, 2**64 + 1, -2**63 - 1, 10**400])
+def test_huge_integers_anywhere_are_400_naming_the_field(srv, field, value):
+    body = json.dumps({"model": MODEL, "prompt": [1, 2], field: value})
+    r = srv.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
+                                   "repetition_penalty"])
+def test_huge_numbers_in_float_fields_are_400(srv, field):
+    r = srv.post("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 2], field: 10**400}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("tokens_", [[1, 2**63], [1, -1], [VOCAB], [2**64]])
+def test_prompt_token_ids_outside_the_vocabulary_are_400(srv, tokens_):
+    err = bad_request(complete, srv, prompt=tokens_)
+    assert err["param"] == "prompt" and f"[0, {VOCAB})" in err["message"]
+
+
+def test_stop_count_and_length(srv):
+    assert bad_request(complete, srv, stop=["a", "b", "c", "d", "e"])["param"] == "stop"
+    assert bad_request(complete, srv, stop="x" * 257)["param"] == "stop"
+    assert bad_request(complete, srv, stop=[""])["param"] == "stop"
+    assert complete(srv, stop=["a", "b", "c", "d"]).choices
+
+
+# -- field names and codes ------------------------------------------------------------------------
+
+def test_errors_name_the_field_as_sent(srv):
+    err = bad_request(chat, srv, logprobs=True, top_logprobs=21)
+    assert err["param"] == "top_logprobs" and "[0, 20]" in err["message"]
+    err = bad_request(chat, srv, top_logprobs=3)
+    assert err["param"] == "top_logprobs" and "logprobs" in err["message"]
+    err = bad_request(chat, srv, n=129)
+    assert err["param"] == "n" and "[1, 128]" in err["message"]
+    err = bad_request(chat, srv, max_tokens=None, max_completion_tokens=MAX_LEN)
+    assert err["param"] == "max_completion_tokens" and "max_completion_tokens" in err["message"]
+    assert "max_tokens" not in err["message"].replace("max_completion_tokens", "")
+    assert err["code"] == "context_length_exceeded"
+    err = bad_request(chat, srv, max_tokens=MAX_LEN)
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    err = bad_request(complete, srv, logprobs=21)
+    assert err["param"] == "logprobs"
+
+
+def test_context_length_exceeded_code(srv):
+    err = bad_request(complete, srv, prompt=[1] * MAX_LEN)
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded" and str(MAX_LEN) in err["message"]
+    err = bad_request(complete, srv, prompt=[1] * 10, max_tokens=MAX_LEN - 9)
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    assert f"<= {MAX_LEN - 10}" in err["message"]
+
+
+# -- null means the default -----------------------------------------------------------------------
+
+NULLABLE = ["n", "temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "stream",
+            "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+            "session_id"]
+
+
+def test_null_means_the_default(srv):
+    base = {"model": MODEL, "prompt": [1, 2, 3], "seed": 11, "logprobs": 0}
+    r0 = srv.post("/v1/completions", base)
+    r1 = srv.post("/v1/completions", {**base, **dict.fromkeys(NULLABLE + ["max_tokens", "echo"])})
+    assert r0.status_code == r1.status_code == 200, r1.text
+    c0, c1 = r0.json()["choices"], r1.json()["choices"]
+    assert len(c1) == 1 and c1[0]["logprobs"]["tokens"] == c0[0]["logprobs"]["tokens"]
+    assert len(c1[0]["logprobs"]["tokens"]) <= 16  # max_tokens: null is OpenAI's default, 16
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": None}], "seed": 5,
+            "max_tokens": 8}
+    nulls = dict.fromkeys(NULLABLE + ["max_completion_tokens", "logprobs", "top_logprobs"])
+    r0, r1 = srv.post("/v1/chat/completions", base), srv.post("/v1/chat/completions", {**base, **nulls})
+    assert r0.status_code == r1.status_code == 200, r1.text
+    assert r1.json()["usage"] == r0.json()["usage"]
+    # Through the openai client too: None is sent as null.
+    assert len(chat(srv, temperature=None, n=None, stop=None, top_p=None).choices) == 1
+    # A required field stays required.
+    r = srv.post("/v1/completions", {"model": None, "prompt": [1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_schema_says_optional_fields_are_nullable(srv):
+    spec = srv.run(srv.http.get("/openapi.json")).json()
+    props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    for name in ["n", "temperature", "max_completion_tokens", "top_logprobs", "seed"]:
+        assert {"type": "null"} in props[name]["anyOf"], name
+    temp = next(a for a in props["temperature"]["anyOf"] if a.get("type") == "number")
+    assert (temp["minimum"], temp["maximum"]) == (0, 2)
+
+
+# -- one request failing inside the engine ----------------------------------------------------------
+
+def test_request_failing_in_the_engine_fails_alone(srv, monkeypatch):
+    real = sampler_mod.apply_penalties
+
+    def penalties(logits, rows):
+        if any(r.presence_penalty == 1.5 for r in rows):
+            raise ValueError("injected sampling fault")
+        real(logits, rows)
+    good_kw = dict(max_tokens=40, seed=2, logprobs=0, extra_body={"ignore_eos": True})
+    alone = complete(srv, **good_kw)
+    pool = srv.engine.kv.pool
+    free0 = pool.num_free_blocks
+    monkeypatch.setattr(sampler_mod, "apply_penalties", penalties)
+
+    async def both():
+        good = srv.client.completions.create(model=MODEL, prompt=[1, 2, 3], **good_kw)
+        bad = srv.client.completions.create(model=MODEL, prompt=[4, 5], max_tokens=30, presence_penalty=1.5)
+        return await asyncio.gather(good, bad, return_exceptions=True)
+    good, bad = srv.run(both())
+    assert isinstance(bad, openai.InternalServerError), bad
+    assert bad.body["code"] == "request_failed" and "injected sampling fault" in bad.body["message"]
+    assert tokens(good.choices[0]) == tokens(alone.choices[0])
+    assert srv.healthy() and not srv.dead
+    assert pool.num_free_blocks == free0
+    monkeypatch.setattr(sampler_mod, "apply_penalties", real)
+    assert len(tokens(complete(srv, presence_penalty=1.5, logprobs=0).choices[0])) >= 1
