@@ -10,11 +10,21 @@ import os
 import shutil
 
 from kvserve import envs
-from kvserve.errors import ModelLoadError
+from kvserve.errors import InvalidRequestError, ModelLoadError
 
 
 def cache_dir() -> str:
     return envs.get(envs.KVSERVE_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
+
+
+def check_text(text: str, field: str) -> str:
+    """``text`` if it is valid Unicode. JSON can carry a lone surrogate ("\\ud800"), which no
+    tokenizer can encode: the request is refused rather than failing inside one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(field, f"is not valid Unicode: {e.reason} at character {e.start}") from None
+    return text
 
 
 def load_tokenizer(kind: str, path: str, tokenizer: str | None = None):

@@ -285,6 +285,18 @@ def test_text_prompt_without_tokenizer(llm):
     assert e.field == "prompt" and "prompt_token_ids" in str(e)
 
 
+def test_lone_surrogate_in_a_text_prompt(tokenizer):
+    """JSON can carry "\\ud800"; the tokenizer fails on it (a TypeError deep inside), so the text
+    is refused first, naming the field."""
+    from kvserve.tokenizer import check_text
+    with pytest.raises(TypeError):
+        tokenizer.encode("a\ud800b")
+    with pytest.raises(InvalidRequestError) as ei:
+        check_text("a\ud800b", "prompt")
+    assert ei.value.field == "prompt" and "Unicode" in str(ei.value) and "character 1" in str(ei.value)
+    assert check_text("é😀\x00", "prompt") == "é😀\x00"
+
+
 def test_bad_prompt_type_in_engine(llm):
     with pytest.raises(InvalidRequestError) as ei:
         llm.engine.add_request("typed", 3.5)

@@ -29,7 +29,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.models import loader
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import load_tokenizer
+from kvserve.tokenizer import check_text, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model has no tokenizer; pass prompt_token_ids")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"), add_special_tokens=True)
         if isinstance(prompt, list):
             return None, list(prompt)
         raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, "

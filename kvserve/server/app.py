@@ -27,6 +27,7 @@ from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.server.state import ServerConfig, ServerState
+from kvserve.tokenizer import check_text
 
 _OPEN_PATHS = ("/health", "/metrics")
 # Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
@@ -209,7 +210,7 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         if req.messages is not None:
             ids = chat.template_ids(tokenizer(), req.messages)
         else:
-            ids = tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = tokenizer().encode(check_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
 
     @app.post("/detokenize")

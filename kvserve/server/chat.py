@@ -27,6 +27,7 @@ from kvserve.server.protocol import (
     DeltaMessage,
 )
 from kvserve.server.state import ServerState
+from kvserve.tokenizer import check_text
 
 ENDPOINT = "chat_completions"
 
@@ -35,8 +36,10 @@ def template_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     """Prompt token ids, exactly as LLM.apply_chat_template builds them (so outputs match offline)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template([m.as_template_dict() for m in messages],
-                                         add_generation_prompt=True, tokenize=False)
+    turns = [m.as_template_dict() for m in messages]
+    for t in turns:
+        check_text(t["content"], "messages")
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

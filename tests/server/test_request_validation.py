@@ -268,3 +268,12 @@ def test_request_failing_in_the_engine_fails_alone(srv, monkeypatch):
     assert pool.num_free_blocks == free0
     monkeypatch.setattr(sampler_mod, "apply_penalties", real)
     assert len(tokens(complete(srv, presence_penalty=1.5, logprobs=0).choices[0])) >= 1
+
+
+def test_lone_surrogate_in_a_message_is_400(srv):
+    # "\ud800" is valid JSON but no Unicode string: no tokenizer can encode it.
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
+    r = srv.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "Unicode" in r.json()["error"]["message"]
+    assert srv.healthy()
