@@ -86,6 +86,9 @@ def _validation_message(err: dict) -> tuple[str, str | None]:
         return f"Unsupported parameter: {'.'.join(loc)!r} is not supported by this server", name
     if err.get("type") == "json_invalid":
         return f"The body is not valid JSON: {err.get('msg')}", None
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequestError):  # from a model validator: it names the field
+        return str(cause), cause.field
     where = ".".join(loc) or "body"
     return f"{where}: {err.get('msg')} (got {_short_repr(err.get('input'))})"[:1000], param
 

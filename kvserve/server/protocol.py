@@ -4,7 +4,8 @@ Requests forbid unknown fields: a parameter the engine does not implement is ref
 naming it, never silently ignored. Fields OpenAI defines that we cannot honour are simply absent.
 An explicit null for an optional field means its default, as in OpenAI's API. Numbers are typed
 with ``int_in`` / ``number_in``: strict (no strings, no booleans, no NaN or infinities), bounded
-(OpenAI's ranges, else what the engine's tensors hold), and an error that states the range.
+(OpenAI's ranges, else what the engine's tensors hold), and an error that states the range. A
+model validator raises InvalidRequestError, so that the 400 names its field.
 """
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
+            raise InvalidRequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         return self
 
     def _sent_names(self) -> dict[str, str]:
@@ -200,7 +201,7 @@ class TokenizeRequest(_Request):
     @model_validator(mode="after")
     def _one(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
         return self
 
 

@@ -277,3 +277,10 @@ def test_lone_surrogate_in_a_message_is_400(srv):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages" and "Unicode" in r.json()["error"]["message"]
     assert srv.healthy()
+
+
+def test_both_token_limits_name_the_second(srv):
+    err = bad_request(chat, srv, max_tokens=3, max_completion_tokens=4)
+    assert err["param"] == "max_completion_tokens" and "not both" in err["message"]
+    r = srv.post("/tokenize", {"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
