@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -60,7 +60,8 @@ class LLM:
                  use_tqdm: bool = True, session_id: str | None = None) -> list[RequestOutput]:
         """Run prompts to completion together (continuous batching); outputs in prompt order.
         ``session_id`` (one prompt): the conversation this turn belongs to; when it stays idle
-        its KV leaves the GPU for the tiers, and its next turn loads it back."""
+        its KV leaves the GPU for the tiers, and its next turn loads it back. A dict prompt may
+        carry ``"cache_salt"`` (vLLM's key): only prompts with the same salt share cached KV."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -80,11 +81,15 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for (_, ids), sp in zip(tokenized, params):
             self.engine.validate(ids, sp)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        for salt in salts:
+            check_cache_salt(salt)
         ids_by_order = []
-        for (text, ids), sp in zip(tokenized, params):
+        for (text, ids), sp, salt in zip(tokenized, params, salts):
             rid = f"llm-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp, session_id=session_id)
+            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp, session_id=session_id,
+                                    cache_salt=salt)
             ids_by_order.append(rid)
         return self._run(ids_by_order, use_tqdm and self.config.show_progress)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -129,19 +129,22 @@ class AsyncEngine:
 
     # -- requests (event-loop thread) --------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    session_id: str | None = None) -> RequestStream:
+                    session_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
         """Validate now (InvalidRequestError raises here, in the caller's thread), then enqueue."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        check_cache_salt(cache_salt)
         text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate(ids, params)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._pending_adds += 1
-        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params, time.time(),
-                        session_id))
+        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt},
+                        params, time.time(), session_id))
         return stream
 
     def call(self, fn) -> None:
