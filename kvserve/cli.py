@@ -53,6 +53,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--redis-url", default=None, help="redis://host:port/db shared by several kvserve processes")
     t.add_argument("--idle-offload-seconds", type=float, default=30.0,
                    help="a session idle this long has its KV moved out of the GPU")
+    t.add_argument("--max-sessions", type=int, default=4096,
+                   help="sessions tracked at once; past it the least recently used is forgotten")
+    t.add_argument("--session-ttl-seconds", type=float, default=3600.0,
+                   help="a session unused this long is forgotten (its KV stays cached like any other)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -92,7 +96,8 @@ def _make_llm(args):
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                async_scheduling=args.async_scheduling,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
-               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds)
+               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
+               max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds)
 
 
 def _params(args, n: int = 1):

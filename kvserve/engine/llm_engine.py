@@ -70,7 +70,8 @@ class LLMEngine:
         self.runner.tiers = self.tiers
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, plan.swap_blocks,
                                    tiers=self.tiers)
-        self.sessions = Sessions(config.cache.idle_offload_seconds)
+        self.sessions = Sessions(config.cache.idle_offload_seconds, max_sessions=config.cache.max_sessions,
+                                 ttl_seconds=config.cache.session_ttl_seconds)
         self.stats = EngineStats()
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self.eos_token_ids = self._eos_ids()
