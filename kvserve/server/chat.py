@@ -46,15 +46,14 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     params = req.sampling_params(req.token_limit, req.engine_logprobs)
     ids = template_ids(state.engine.engine.tokenizer, req.messages)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = st.start(state.engine, rid, [ids], params, session_id=req.session_id)
+    streams = st.start(state.engine, rid, [ids], params, *state.request_scope(req, raw))
     k = req.top_logprobs or 0
     if req.stream:
         return StreamingResponse(_stream(state, req, rid, streams, k), media_type="text/event-stream")
     try:
         (out,) = await st.collect(streams, raw)
     except st.ClientGone:
-        state.metrics.count(ENDPOINT, "client_disconnected")
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return Response(status_code=499)  # nginx's "client closed request"; counted by the app, read by nobody
     state.metrics.observe_finished(out)
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                           logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k))

@@ -35,14 +35,13 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_capacity()
     params = req.sampling_params(req.max_tokens, req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = st.start(state.engine, rid, req.prompts(), params, session_id=req.session_id)
+    streams = st.start(state.engine, rid, req.prompts(), params, *state.request_scope(req, raw))
     if req.stream:
         return StreamingResponse(_stream(state, req, rid, streams), media_type="text/event-stream")
     try:
         outs = await st.collect(streams, raw)
     except st.ClientGone:
-        state.metrics.count(ENDPOINT, "client_disconnected")
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return Response(status_code=499)  # nginx's "client closed request"; counted by the app, read by nobody
     choices = []
     for i, o in enumerate(outs):
         state.metrics.observe_finished(o)

@@ -5,6 +5,7 @@ naming it, never silently ignored. Fields OpenAI defines that we cannot honour a
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Literal
 
@@ -12,6 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
+
+# Session ids, the same in bodies and URLs: short, and safe in a path segment and a log line.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,256}$"
+
+
+def check_session_id(session_id: str) -> str:
+    """A session id from a URL, held to the body's rule."""
+    if not re.fullmatch(SESSION_ID_PATTERN, session_id):
+        raise InvalidRequestError("session_id", f"must be 1 to 256 characters of A-Z a-z 0-9 . _ : @ -, got "
+                                  f"{len(session_id)} characters")
+    return session_id
 
 
 class _Request(BaseModel):
@@ -36,7 +48,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras
-    session_id: str | None = Field(None, max_length=256)  # kvserve: the conversation (KV tiers, idle offload)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)  # kvserve: the conversation (KV tiers)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: shares KV only with the same salt
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
