@@ -36,7 +36,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     check_session_id,
 )
-from kvserve.server.state import AUTHORIZED, TENANT, ServerConfig, ServerState, tenant_of
+from kvserve.server.state import AUTHORIZED, OUTCOME, TENANT, ServerConfig, ServerState, tenant_of
 
 DISCONNECTED = 499  # nginx's "client closed request": the client left before the response ended
 # Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
@@ -95,7 +95,7 @@ class _Gate:
             await self.app(scope, receive, send_counting)
         finally:
             # A response that never ended lost its client (a dropped stream, an upload cut short).
-            self.state.metrics.count(endpoint, status[0] if ended[0] else DISCONNECTED)
+            self.state.metrics.count(endpoint, scope.get(OUTCOME) or (status[0] if ended[0] else DISCONNECTED))
 
 
 def _authorize(cfg: ServerConfig, headers: dict) -> tuple[str | None, str | None]:

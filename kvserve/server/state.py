@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 TENANT = "kvserve.tenant"  # ASGI scope keys set by app._Gate
 AUTHORIZED = "kvserve.authorized"
+OUTCOME = "kvserve.outcome"  # set by an endpoint whose outcome its status code does not tell
 ISOLATION_MODES = ("none", "key", "request")
 
 
