@@ -133,7 +133,7 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
     on a thread at startup. `served_model_name`: one name or several (the first is the one responses
     carry); None: the engine's (state.default_names). `api_key`: one key or several (each its own
     tenant); None: open. `on_load_error` is called on the event loop if that function raises (the
-    launcher shuts the server down). `prefix_cache_isolation`: see ServerConfig."""
+    launcher shuts the server down). `prefix_cache_isolation`: none, key or request (state.py)."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     cfg = ServerConfig(tuple(dict.fromkeys(names)), tuple(dict.fromkeys(keys)), max_request_bytes, max_waiting,
