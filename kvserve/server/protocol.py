@@ -21,8 +21,8 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,256}$"
 def check_session_id(session_id: str) -> str:
     """A session id from a URL, held to the body's rule."""
     if not re.fullmatch(SESSION_ID_PATTERN, session_id):
-        raise InvalidRequestError("session_id", f"must be 1 to 256 characters of A-Z a-z 0-9 . _ : @ -, got "
-                                  f"{len(session_id)} characters")
+        raise InvalidRequestError("session_id", f"must be 1 to 256 characters, each one of A-Z a-z 0-9 . _ : @ - "
+                                  f"(got {len(session_id)} characters)")
     return session_id
 
 

@@ -1,6 +1,6 @@
 """A real `kvserve serve` on dummy:tiny: what clients and the log see when the server stops with
-requests still open past --shutdown-timeout, when the port is taken, and how dropped clients
-are counted."""
+requests still open past --shutdown-timeout, when the port is taken; how dropped clients are
+counted; keys from the command line as tenants."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from server_proc import REPO, ServerProcess
 
@@ -71,7 +72,7 @@ def test_busy_port_is_one_error_line_and_a_nonzero_exit():
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess(*TINY, "--api-key", "k", "--max-num-seqs", "4")
+    s = ServerProcess(*TINY, "--api-key", "k", "k2", "--prefix-cache-isolation", "key", "--max-num-seqs", "4")
     yield s
     s.stop()
 
@@ -101,3 +102,14 @@ def test_dropped_clients_are_counted_once_as_499(server):
         httpx.post(f"{server.url}/v1/completions", json=LONG, headers=auth, timeout=0.5)
     server.wait_idle(timeout=15)
     assert _wait_counted(server, before, 2) == {"kvserve_requests_total{endpoint=completions,status=499}": 2}
+
+
+def test_each_key_given_on_the_command_line_is_a_tenant(server):
+    prompt = list(range(10, 60))  # 3 full blocks of 16
+
+    def cached(key):
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert (cached("k"), cached("k2"), cached("k")) == (0, 0, 48)
