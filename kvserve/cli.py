@@ -53,6 +53,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--redis-url", default=None, help="redis://host:port/db shared by several kvserve processes")
     t.add_argument("--idle-offload-seconds", type=float, default=30.0,
                    help="a session idle this long has its KV moved out of the GPU")
+    t.add_argument("--max-sessions", type=int, default=4096,
+                   help="sessions tracked at once; past it the least recently used is forgotten")
+    t.add_argument("--session-ttl-seconds", type=float, default=3600.0,
+                   help="a session unused this long is forgotten (its KV stays cached like any other)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -92,7 +96,8 @@ def _make_llm(args):
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                async_scheduling=args.async_scheduling,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
-               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds)
+               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
+               max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds)
 
 
 def _params(args, n: int = 1):
@@ -249,8 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
                    help="the model names clients may send; the first is the one /v1/models lists first and "
                    "responses carry (default: the model's file or directory name, and --model as given)")
-    s.add_argument("--api-key", default=None, help="require this bearer key (default: env KVSERVE_API_KEY; "
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require one of these bearer keys, each its own tenant (default: env KVSERVE_API_KEY; "
                    "none: open)")
+    s.add_argument("--prefix-cache-isolation", default="none", choices=["none", "key", "request"],
+                   help="none: one shared prefix cache (a request's cache_salt still sets it apart); key: each "
+                   "API key's requests share KV only among themselves; request: only requests naming the same "
+                   "cache_salt or session_id share KV")
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key even when "
+                   "--api-key is set")
     s.add_argument("--max-request-bytes", default="1MiB", help="larger bodies get 413 (bytes or 1MiB, 64KiB)")
     s.add_argument("--max-waiting", type=int, default=1024, help="new requests get 429 while this many wait")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -56,6 +56,8 @@ class CacheConfig:
     disk_kv_size: int = 16 * 2**30
     redis_url: str | None = None  # redis://host:port/db, shared by several kvserve processes
     idle_offload_seconds: float = 30.0  # a session idle this long leaves the GPU
+    max_sessions: int = 4096  # sessions tracked at once; past it the least recently used is forgotten
+    session_ttl_seconds: float = 3600.0  # a session unused this long is forgotten
 
     @property
     def tiers_enabled(self) -> bool:
@@ -82,6 +84,10 @@ class CacheConfig:
                               f"got {self.redis_url!r}")
         if not self.idle_offload_seconds > 0:
             raise ConfigError("idle_offload_seconds", f"must be > 0, got {self.idle_offload_seconds}")
+        if self.max_sessions < 1:
+            raise ConfigError("max_sessions", f"must be >= 1, got {self.max_sessions}")
+        if not self.session_ttl_seconds > 0:
+            raise ConfigError("session_ttl_seconds", f"must be > 0, got {self.session_ttl_seconds}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError("block_size", f"must be a power of two in [1, 256], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

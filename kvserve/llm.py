@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -22,6 +22,7 @@ class LLM:
                  cuda_graph_max_batch: int | None = None, cpu_kv_memory: int | str = 0,
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
+                 max_sessions: int = 4096, session_ttl_seconds: float = 3600.0,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None):
         cache = CacheConfig(
@@ -32,7 +33,8 @@ class LLM:
             cpu_kv_memory=(0 if str(cpu_kv_memory).strip().lower() in ("0", "", "0b", "none", "off")
                            else parse_size(cpu_kv_memory, "cpu_kv_memory")),
             disk_kv_dir=disk_kv_dir, disk_kv_size=parse_size(disk_kv_size, "disk_kv_size"),
-            redis_url=redis_url, idle_offload_seconds=idle_offload_seconds)
+            redis_url=redis_url, idle_offload_seconds=idle_offload_seconds, max_sessions=max_sessions,
+            session_ttl_seconds=session_ttl_seconds)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -60,7 +62,8 @@ class LLM:
                  use_tqdm: bool = True, session_id: str | None = None) -> list[RequestOutput]:
         """Run prompts to completion together (continuous batching); outputs in prompt order.
         ``session_id`` (one prompt): the conversation this turn belongs to; when it stays idle
-        its KV leaves the GPU for the tiers, and its next turn loads it back."""
+        its KV leaves the GPU for the tiers, and its next turn loads it back. A dict prompt may
+        carry ``"cache_salt"`` (vLLM's key): only prompts with the same salt share cached KV."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -80,11 +83,15 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for (_, ids), sp in zip(tokenized, params):
             self.engine.validate(ids, sp)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        for salt in salts:
+            check_cache_salt(salt)
         ids_by_order = []
-        for (text, ids), sp in zip(tokenized, params):
+        for (text, ids), sp, salt in zip(tokenized, params, salts):
             rid = f"llm-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp, session_id=session_id)
+            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp, session_id=session_id,
+                                    cache_salt=salt)
             ids_by_order.append(rid)
         return self._run(ids_by_order, use_tqdm and self.config.show_progress)
 

@@ -51,6 +51,7 @@ SLOW_TESTS = (
     "server/test_server_openai.py::",
     "server/test_model_names_and_cached_tokens.py::test_default_name_is_the_model_file_name",
     "server/test_model_names_and_cached_tokens.py::test_cached_tokens_on_a_repeated_long_prompt",
+    "server/test_model_names_and_cached_tokens.py::test_chat_cache_salt_shares_only_with_the_same_salt",
     # whole engines in Triton's interpreter
     "test_kv_cache_dtype.py::test_triton_backend_matches_reference_path",
     "test_kv_cache_dtype.py::test_kivi_16_token_blocks_in_float16_triton",

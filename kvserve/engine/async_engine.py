@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class EngineSnapshot:
     kv_waste: float = 0.0
     prompt_tokens: int = 0  # cumulative, computed (prefix-cache hits excluded)
     generation_tokens: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found there
 
 
 class RequestStream:
@@ -133,24 +136,38 @@ class AsyncEngine:
 
     # -- requests (event-loop thread) --------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    session_id: str | None = None) -> RequestStream:
+                    session_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
         """Validate now (InvalidRequestError raises here, in the caller's thread), then enqueue."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        check_cache_salt(cache_salt)
         text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate(ids, params)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._pending_adds += 1
-        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params, time.time(),
-                        session_id))
+        self._cmds.put(("add", request_id, {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt},
+                        params, time.time(), session_id))
         return stream
 
-    def call(self, fn) -> None:
-        """Run ``fn(engine)`` on the engine thread (session pin / offload commands)."""
-        self._cmds.put(("call", fn))
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread (session pin / offload commands); the
+        future holds what it returned or raised."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    def end_streams(self, make_error) -> None:
+        """End every open stream with ``make_error()`` and abort its request (event-loop thread)."""
+        for rid, s in list(self._streams.items()):
+            s.put(make_error())
+            self.abort(rid)
 
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -210,10 +227,12 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
         elif cmd[0] == "call":
+            _, fn, fut = cmd
             try:
-                cmd[1](self.engine)
-            except Exception:  # noqa: BLE001
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller hears of it
                 log.exception("engine command failed")
+                fut.set_exception(e)
         elif cmd[0] == "add":
             _, rid, prompt, params, arrival, session_id = cmd
             try:
@@ -231,8 +250,11 @@ class AsyncEngine:
             kv_blocks_used=pool.num_used_blocks, kv_blocks_free=pool.num_free_blocks,
             kv_blocks_cached=pool.num_cached_blocks,
             prefix_hit_rate=last.prefix_hit_rate if last else 0.0,
-            num_preemptions=last.num_preemptions if last else 0, kv_waste=last.kv_waste if last else 0.0,
-            prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens)
+            num_preemptions=last.num_preemptions if last else 0,
+            # The last step's waste while requests hold blocks; an idle engine wastes none.
+            kv_waste=last.kv_waste if last and eng.has_unfinished_requests() else 0.0,
+            prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
+            prefix_cache_queries=eng.kv.prefix_queries, prefix_cache_hits=eng.kv.prefix_hits)
 
     # -- callbacks run on the event loop -----------------------------------------------------
     def _added(self, n: int) -> None:

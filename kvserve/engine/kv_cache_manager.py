@@ -3,7 +3,10 @@
 A full block's key chains the parent block's key with the block's token ids and the cache's
 ``hash_extra`` (model and KV dtype), so equal keys mean equal KV on any replica:
 
-    key_i = blake2b(key_{i-1} | extra | tokens[i*bs:(i+1)*bs])
+    key_i = blake2b(key_{i-1} | extra | tokens[i*bs:(i+1)*bs]),   key_{-1} = salt_root(cache_salt)
+
+A request's ``cache_salt`` enters the first key only, and every later key chains from it: two
+requests with different salts share no block, in the GPU cache or in the KV tiers (keyed the same).
 
 Only full blocks are shared through the cache. A partial block is shared only by a fork
 (``n > 1``); the first sibling to append to it gets a private copy (copy on write), recorded in
@@ -24,6 +27,14 @@ def hash_block(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
     h.update(extra)
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return h.digest()
+
+
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: empty without a salt (the shared cache)."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"kvserve-salt").digest()
 
 
 class KVCacheManager:
@@ -52,7 +63,7 @@ class KVCacheManager:
             tokens = req.all_token_ids[i * bs:(i + 1) * bs]
             if tokens[-1] == PENDING_TOKEN:  # a token still being sampled (async scheduling): later
                 break
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else salt_root(req.cache_salt)
             hashes.append(hash_block(parent, self.hash_extra, tokens))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
@@ -192,6 +203,6 @@ class KVCacheManager:
                 want = req.block_hashes[i]
                 if blk.block_hash is not None:
                     assert blk.block_hash == want, (rid, i)
-                parent = req.block_hashes[i - 1] if i else b""
+                parent = req.block_hashes[i - 1] if i else salt_root(req.cache_salt)
                 toks = req.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
                 assert want == hash_block(parent, self.hash_extra, toks), (rid, i)

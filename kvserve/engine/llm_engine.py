@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
+def check_cache_salt(cache_salt) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string, got {cache_salt!r}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -66,7 +71,8 @@ class LLMEngine:
         self.runner.tiers = self.tiers
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, plan.swap_blocks,
                                    tiers=self.tiers)
-        self.sessions = Sessions(config.cache.idle_offload_seconds)
+        self.sessions = Sessions(config.cache.idle_offload_seconds, max_sessions=config.cache.max_sessions,
+                                 ttl_seconds=config.cache.session_ttl_seconds)
         self.stats = EngineStats()
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self._failed: dict[str, RequestFailedError] = {}  # see pop_failed
@@ -209,15 +215,22 @@ class LLMEngine:
                                       f"holds {self.num_kv_blocks}; lower max_tokens or n, or raise kv_cache_memory")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, session_id: str | None = None) -> None:
+                    arrival_time: float | None = None, session_id: str | None = None,
+                    cache_salt: str | None = None) -> None:
+        """``cache_salt`` (or a prompt dict's "cache_salt", as in vLLM): only requests with the
+        same salt share prefix-cache blocks; None shares with every unsalted request."""
         params = params or SamplingParams()
         if request_id in self.scheduler.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        check_cache_salt(cache_salt)
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id
+        req.cache_salt = cache_salt
         if session_id is not None:
             # Even if it was idle long enough to leave the GPU: moving it out now would only
             # load it straight back.

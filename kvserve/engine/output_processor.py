@@ -88,12 +88,14 @@ class OutputProcessor:
         touched: dict[str, None] = {}
         stops: list[tuple[str, int]] = []
         failed: dict[str, BaseException] = {}
+        groups = self.groups
         for co in core.outputs:
-            group = self.groups.get(co.group_id)
+            group = groups.get(co.group_id)
             if group is None or co.group_id in failed:
                 continue
+            i = co.index
             try:
-                state = self._state(group, co)
+                state = group[i] if i < len(group) and group[i].index == i else self._state(group, co)
                 if self._apply(state, co):
                     stops.append((co.group_id, co.index))
             except Exception as e:  # noqa: BLE001 - one request's fault; the caller aborts it
@@ -130,24 +132,27 @@ class OutputProcessor:
             self._add_prompt_logprobs(state, co.prompt_logprobs_start, co.prompt_logprobs)
         p = state.params
         stop = None
-        check_stops = bool(p.stop_strings) and not (co.finished and co.status.finish_reason == "stop")
+        status = co.status
+        finished = status.is_finished
+        check_stops = bool(p.stop_strings) and not (finished and status.finish_reason == "stop")
         detok = self.detokenizer
+        all_ids, out_ids = state.all_token_ids, state.output_token_ids
         for tok, lp in zip(co.new_token_ids, co.new_logprobs):
-            state.all_token_ids.append(tok)
-            state.output_token_ids.append(tok)
+            all_ids.append(tok)
+            out_ids.append(tok)
             if lp is not None:
                 state.cumulative_logprob += lp[0]
                 state.logprobs.append(self._logprob_dict(tok, lp[0], lp[1], lp[2]))
             n_new = detok.update(state) if detok is not None else 0
-            if check_stops and len(state.output_token_ids) >= p.min_tokens:
+            if check_stops and len(out_ids) >= p.min_tokens:
                 stop = find_stop(state, n_new)
                 if stop is not None:
                     break
         if stop is not None:
             state.finish_reason, state.stop_reason = "stop", stop
-            return not co.finished
-        if co.finished:
-            state.finish_reason, state.stop_reason = co.status.finish_reason, co.stop_reason
+            return not finished
+        if finished:
+            state.finish_reason, state.stop_reason = status.finish_reason, co.stop_reason
         return False
 
     def _add_prompt_logprobs(self, state: RequestState, start: int, raw: list[RawPromptLogprob]) -> None:

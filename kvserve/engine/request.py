@@ -80,6 +80,7 @@ class Request:
         self.prefetch_state: str | None = None  # tiered store: None, "pending", "done"
         self.prefetch_token = 0
         self.session_id: str | None = None
+        self.cache_salt: str | None = None  # scopes its prefix-cache keys (kv_cache_manager.salt_root)
         self.stop_reason: int | None = None  # the stop token that ended it
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)

@@ -199,6 +199,27 @@ class Scheduler:
                                                      num_output_tokens=req.num_output_tokens))
                 continue
             core.num_generated_tokens += len(toks)
+            if len(toks) == 1 and not req.pending_forks:
+                # One token, no forks: the common decode step, without the general loop's lists.
+                tok = toks[0]
+                if advanced:
+                    req.resolve_pending(tok)
+                else:
+                    req.all_token_ids.append(tok)
+                    req.output_token_ids.append(tok)
+                status = self._stop_status(req, tok)
+                if status is not None:
+                    self.finish(req, status)
+                    core.finished.append(req)
+                m = req.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.num_generation_tokens += 1
+                core.outputs.append(EngineCoreOutput(
+                    req.request_id, req.group_id, req.index, toks, lps, plps, start,
+                    status if status is not None else RequestStatus.RUNNING, req.stop_reason, m,
+                    len(req.output_token_ids)))
+                continue
             if req.pending_forks:
                 runs = [(r, [t], [lp]) for r, t, lp in zip(self._fork_all(req, core), toks, lps)]
             else:
@@ -247,13 +268,14 @@ class Scheduler:
         """End-of-text and stop tokens (once ``min_tokens`` are out), then the length. Stop
         strings need the text: the output processor finds those."""
         p = r.params
-        if r.num_output_tokens >= p.min_tokens:
+        n_out = len(r.output_token_ids)
+        if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in r.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if p.stop_token_ids and tok in p.stop_token_ids:
                 r.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        if r.length_reached:
+        if n_out >= r.max_tokens:  # Request.length_reached, without the property calls
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -3,12 +3,16 @@
     request ─► _Gate (ASGI: status counting, 401 key, 413 size) ─► route ─► ServerState checks
             (404 model, 429 queue) ─► chat / completions ─► AsyncEngine
 
-/health and /metrics bypass the key so probes and scrapers need no secret. Given a function that
-builds the engine instead of an engine, the app loads it on a thread at startup (loading.py) and
-answers 503 meanwhile: /health {"status": "loading"}, API paths an OpenAI-shaped error.
+With API keys set, /metrics needs one too unless `metrics_public`; /health answers everyone, but
+says why the engine is unwell (exception text) only to a caller with a key. A request's key
+decides its tenant (state.tenant_of): the owner of its sessions and, with prefix-cache
+isolation, part of its cache salt. Given a function that builds the engine instead of an engine,
+the app loads it on a thread at startup (loading.py) and answers 503 meanwhile: /health
+{"status": "loading"}, API paths an OpenAI-shaped error.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -22,14 +26,20 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.server import chat, completions
-from kvserve.server.errors import error_response, install_handlers
+from kvserve.server.errors import APIError, error_response, install_handlers
 from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvserve.server.state import ServerConfig, ServerState
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_session_id,
+)
+from kvserve.server.state import AUTHORIZED, OUTCOME, TENANT, ServerConfig, ServerState, tenant_of
 from kvserve.tokenizer import check_text
 
-_OPEN_PATHS = ("/health", "/metrics")
+DISCONNECTED = 499  # nginx's "client closed request": the client left before the response ended
 # Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
               "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize"}
@@ -42,24 +52,27 @@ class _Gate:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        cfg, endpoint = self.state.config, _ENDPOINTS.get(scope["path"], "other")
-        status = [0]
+        cfg, path = self.state.config, scope["path"]
+        headers = dict(scope["headers"])
+        scope[TENANT], refusal = _authorize(cfg, headers)
+        scope[AUTHORIZED] = refusal is None
+        if path == "/health" or (path == "/metrics" and (cfg.metrics_public or refusal is None)):
+            return await self.app(scope, receive, send)  # probes and scrapes are not API requests
+        endpoint = _ENDPOINTS.get(path, "other")
+        status, ended = [0], [False]
 
         async def send_counting(msg):
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                ended[0] = True
             await send(msg)
 
-        headers = dict(scope["headers"])
         try:
-            if cfg.api_key is not None:
-                auth = headers.get(b"authorization", b"").decode("latin-1")
-                given = auth[7:] if auth.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
-                    msg = "Incorrect API key provided." if given else "Missing API key (Authorization: Bearer ...)."
-                    return await error_response(401, msg, code="invalid_api_key")(scope, receive, send_counting)
+            if refusal is not None:
+                return await error_response(401, refusal, code="invalid_api_key")(scope, receive, send_counting)
             size = headers.get(b"content-length")
             if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
                 return await error_response(413, f"The request body has {int(size)} bytes; the limit is "
@@ -82,7 +95,23 @@ class _Gate:
                                             headers={"Retry-After": "1"})(scope, receive, send_counting)
             await self.app(scope, receive, send_counting)
         finally:
-            self.state.metrics.count(endpoint, status[0] or "no_response")
+            # A response that never ended lost its client (a dropped stream, an upload cut short).
+            self.state.metrics.count(endpoint, scope.get(OUTCOME) or (status[0] if ended[0] else DISCONNECTED))
+
+
+def _authorize(cfg: ServerConfig, headers: dict) -> tuple[str | None, str | None]:
+    """(the caller's tenant, None) for a good key or when no key is needed, else (None, why not)."""
+    if not cfg.api_keys:
+        return None, None
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    given = auth[7:].encode("latin-1") if auth.lower().startswith("bearer ") else b""
+    match = None
+    for key in cfg.api_keys:  # every key compared, in constant time: no timing says which was close
+        if hmac.compare_digest(given, key.encode()):
+            match = key
+    if match is None:
+        return None, "Incorrect API key provided." if given else "Missing API key (Authorization: Bearer ...)."
+    return tenant_of(match), None
 
 
 def _replay(body: bytes, receive):
@@ -98,16 +127,20 @@ def _replay(body: bytes, receive):
 
 
 def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | Sequence[str] | None = None,
-              api_key: str | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
-              on_load_error: Callable[[BaseException], None] | None = None,
-              on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
+              api_key: str | Sequence[str] | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
+              on_load_error: Callable[[BaseException], None] | None = None, prefix_cache_isolation: str = "none",
+              metrics_public: bool = False, on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
     on a thread at startup. `served_model_name`: one name or several (the first is the one responses
-    carry); None: the engine's (state.default_names). `on_load_error` is called on the event loop if
-    that function raises, `on_engine_dead` if the engine later fails for good (a device fault: see
-    engine/faults.py); the launcher then shuts the server down and exits non-zero."""
+    carry); None: the engine's (state.default_names). `api_key`: one key or several (each its own
+    tenant); None: open. `on_load_error` is called on the event loop if that function raises,
+    `on_engine_dead` if the engine later fails for good (a device fault: see engine/faults.py); the
+    launcher then shuts the server down and exits non-zero. `prefix_cache_isolation`: none, key or
+    request (state.py)."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
-    cfg = ServerConfig(tuple(dict.fromkeys(names)), api_key, max_request_bytes, max_waiting)
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    cfg = ServerConfig(tuple(dict.fromkeys(names)), tuple(dict.fromkeys(keys)), max_request_bytes, max_waiting,
+                       prefix_cache_isolation, metrics_public)
     ready = engine if isinstance(engine, AsyncEngine) else None
     state = ServerState(None, cfg, Metrics(lambda: state.engine))
     if ready is not None:
@@ -152,15 +185,17 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
                                            for name in state.config.served_model_names]}
 
     @app.get("/health")
-    async def health():
+    async def health(raw: Request):
+        told = raw.scope.get(AUTHORIZED, False)  # the cause is for operators, not for anyone probing
         if state.load_error is not None:
-            return error_response(503, f"the model failed to load: {state.load_error!r}", code="load_failed")
+            why = f": {state.load_error!r}" if told else ""
+            return error_response(503, f"the model failed to load{why}", code="load_failed")
         if state.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         ae = state.engine
         if ae.healthy:
             return {"status": "ok"}
-        why = f"engine failed: {ae.error!r}" if ae.error else "engine not running"
+        why = ("engine failed: " + repr(ae.error) if ae.error else "engine not running") if told else "engine failed"
         return error_response(503, why, code="unhealthy")
 
     def _store():
@@ -175,23 +210,31 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         """Per-tier usage, hit rate, bytes moved, load/store time; load-or-recompute decisions."""
         return _store().snapshot()
 
-    @app.post("/v1/sessions/{session_id}/pin")
-    async def pin_session(session_id: str):
+    async def _known_session(raw: Request, session_id: str, then) -> None:
+        """Run ``then(engine, id)`` on the engine thread if the caller owns a session of that
+        id; else 404 (another key's session is as unknown as one that never was)."""
         _store()
-        state.engine.call(lambda eng: eng.pin_session(session_id, True))
+        sid = state.session_key(raw.scope.get(TENANT), check_session_id(session_id))
+        found = await asyncio.wrap_future(state.engine.call(
+            lambda eng: sid in eng.sessions and (then(eng, sid) or True)))
+        if not found:
+            raise APIError(404, f"No session {session_id!r}: it has not finished a turn on this server, has "
+                           "expired, or its KV has already left the GPU.", "session_id", "session_not_found")
+
+    @app.post("/v1/sessions/{session_id}/pin")
+    async def pin_session(session_id: str, raw: Request):
+        await _known_session(raw, session_id, lambda eng, sid: eng.pin_session(sid, True))
         return {"session_id": session_id, "pinned": True}
 
     @app.delete("/v1/sessions/{session_id}/pin")
-    async def unpin_session(session_id: str):
-        _store()
-        state.engine.call(lambda eng: eng.pin_session(session_id, False))
+    async def unpin_session(session_id: str, raw: Request):
+        await _known_session(raw, session_id, lambda eng, sid: eng.pin_session(sid, False))
         return {"session_id": session_id, "pinned": False}
 
     @app.post("/v1/sessions/{session_id}/offload")
-    async def offload_session(session_id: str):
+    async def offload_session(session_id: str, raw: Request):
         """Move an idle session's KV out of the GPU now (its next turn loads it back)."""
-        _store()
-        state.engine.call(lambda eng: eng.offload_idle_sessions(force=True, only=session_id))
+        await _known_session(raw, session_id, lambda eng, sid: eng.offload_idle_sessions(force=True, only=sid))
         return {"session_id": session_id, "offload": "queued"}
 
     @app.get("/metrics")

@@ -26,10 +26,8 @@ from kvserve.server.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from kvserve.server.state import ServerState
+from kvserve.server.state import OUTCOME, ServerState
 from kvserve.tokenizer import check_text
-
-ENDPOINT = "chat_completions"
 
 
 def template_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
@@ -50,17 +48,16 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     ids = template_ids(state.engine.engine.tokenizer, req.messages)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        streams = st.start(state.engine, rid, [ids], params, session_id=req.session_id)
+        streams = st.start(state.engine, rid, [ids], params, *state.request_scope(req, raw))
     except InvalidRequestError as e:  # the engine's checks use SamplingParams' names
         raise req.as_sent(e) from None
     k = req.top_logprobs or 0
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, streams, k), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, rid, streams, k, raw), media_type="text/event-stream")
     try:
         (out,) = await st.collect(streams, raw)
     except st.ClientGone:
-        state.metrics.count(ENDPOINT, "client_disconnected")
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return Response(status_code=499)  # nginx's "client closed request"; counted by the app, read by nobody
     state.metrics.observe_finished(out)
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                           logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k))
@@ -69,7 +66,8 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     return ChatCompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage([out]))
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, streams, k: int) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, streams, k: int,
+                  raw: Request) -> AsyncIterator[str]:
     created, model = int(time.time()), state.config.model_name
 
     def chunk(choices, usage=None) -> str:
@@ -104,6 +102,6 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
             yield chunk([], st.usage([final]))
         yield st.DONE
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, then close
-        state.metrics.count(ENDPOINT, "stream_error")
+        raw.scope[OUTCOME] = "stream_error"  # the status line said 200; the count says this
         yield sse_error(e)
         yield st.DONE

@@ -12,9 +12,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import streams as st
 from kvserve.server.errors import sse_error
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from kvserve.server.state import ServerState
-
-ENDPOINT = "completions"
+from kvserve.server.state import OUTCOME, ServerState
 
 
 def _logprobs(c: CompletionOutput, start: int, end: int, k: int | None, offset: int) -> CompletionLogprobs | None:
@@ -35,14 +33,13 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_capacity()
     params = req.sampling_params(req.max_tokens, req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = st.start(state.engine, rid, req.prompts(), params, session_id=req.session_id)
+    streams = st.start(state.engine, rid, req.prompts(), params, *state.request_scope(req, raw))
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, streams), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, rid, streams, raw), media_type="text/event-stream")
     try:
         outs = await st.collect(streams, raw)
     except st.ClientGone:
-        state.metrics.count(ENDPOINT, "client_disconnected")
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return Response(status_code=499)  # nginx's "client closed request"; counted by the app, read by nobody
     choices = []
     for i, o in enumerate(outs):
         state.metrics.observe_finished(o)
@@ -53,7 +50,8 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
     return CompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage(outs))
 
 
-async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams,
+                  raw: Request) -> AsyncIterator[str]:
     n = req.n
     created, model = int(time.time()), state.config.model_name
     sent_chars: dict[int, int] = {}
@@ -89,6 +87,6 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams)
                                             usage=st.usage(outs)))
         yield st.DONE
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band, then close
-        state.metrics.count(ENDPOINT, "stream_error")
+        raw.scope[OUTCOME] = "stream_error"  # the status line said 200; the count says this
         yield sse_error(e)
         yield st.DONE

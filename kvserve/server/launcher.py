@@ -1,33 +1,54 @@
-"""`kvserve serve`: start uvicorn at once, load the engine on a thread meanwhile, run until a signal.
+"""`kvserve serve`: bind the port, start uvicorn, load the engine on a thread meanwhile, run until
+a signal.
 
-    t=0      listening: /health 503 {"status": "loading"}, API paths 503
+    bind     a port in use: one error line, exit 2, nothing loaded
+    t=0      listening (printed once uvicorn serves the bound socket): /health 503 {"status":
+             "loading"}, API paths 503
     loaded   prints the KV cache size; /health 200
     failed   prints the cause, stops uvicorn, exits 2 (as a load error before serving did)
     engine   a fault that stops the engine (engine/faults.py): /health 503, open requests get a
     dead     500, uvicorn stops, exits 3, so a supervisor restarts the server
 
-SIGTERM/SIGINT go to uvicorn: it stops accepting, lets in-flight requests finish for up to
---shutdown-timeout seconds, cancels the rest (their streams close, their requests abort), then
-the app's lifespan stops the engine thread; the process exits 0.
+SIGTERM/SIGINT go to uvicorn: it stops accepting and lets in-flight requests finish for up to
+--shutdown-timeout seconds. Then the app ends what is still open in OpenAI's shape (a stream gets
+an error event and [DONE], a plain request a 503) and aborts it in the engine, so every response
+completes and nothing is cancelled mid-write; the lifespan stops the engine thread; exit 0.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import socket
 import sys
+
+import uvicorn
 
 from kvserve import envs
 from kvserve.config import parse_size
 
 log = logging.getLogger(__name__)
 
+# uvicorn's own deadline, past ours: by then every response has ended (it cancels what has not).
+_UVICORN_GRACE_S = 5.0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
 
 def serve(args, make_engine) -> int:
-    import uvicorn
-
     from kvserve.server.app import build_app
 
-    api_key = args.api_key if args.api_key is not None else envs.get(envs.KVSERVE_API_KEY)
+    keys = args.api_key if args.api_key is not None else [envs.get(envs.KVSERVE_API_KEY)]
+    api_key = [k for k in keys if k]
     raw = str(args.max_request_bytes)
     max_bytes = int(raw) if raw.isdigit() else parse_size(raw, "max_request_bytes")  # bare number: bytes
     failed: list[BaseException] = []
@@ -52,16 +73,26 @@ def serve(args, make_engine) -> int:
         server.should_exit = True
 
     app = build_app(load, args.served_model_name, api_key=api_key or None, max_request_bytes=max_bytes,
-                    max_waiting=args.max_waiting, on_load_error=on_load_error, on_engine_dead=on_engine_dead)
+                    max_waiting=args.max_waiting, on_load_error=on_load_error,
+                    prefix_cache_isolation=args.prefix_cache_isolation, metrics_public=args.metrics_public,
+                    on_engine_dead=on_engine_dead)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
-    print(f"kvserve: listening at http://{args.host}:{args.port}/v1; loading {args.model or 'the default model'} "
-          f"(/health is 503 until it is ready){' | API key required' if api_key else ''}", flush=True)
+                            timeout_graceful_shutdown=args.shutdown_timeout + _UVICORN_GRACE_S, lifespan="on")
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"kvserve: error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 2
+
+    def started() -> None:
+        print(f"kvserve: listening at http://{args.host}:{args.port}/v1; loading {args.model or 'the default model'} "
+              f"(/health is 503 until it is ready){' | API key required' if api_key else ''}", flush=True)
+
     # uvicorn re-raises the signal it caught once it has shut down; a SIGTERM handled this way is a
     # clean exit, so leave it a no-op handler to re-raise into and return 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server = uvicorn.Server(config)
-    server.run()
+    server = _Server(config, started, app.state.kvserve.end_open_requests, args.shutdown_timeout)
+    server.run(sockets=[sock])
     if failed:
         print(f"kvserve: error: the model failed to load: {failed[0]}", file=sys.stderr)
         return 2
@@ -69,3 +100,23 @@ def serve(args, make_engine) -> int:
         print(f"kvserve: error: the engine stopped: {dead[0]!r}; exiting for a restart", file=sys.stderr)
         return 3
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling when it serves and ending open requests at the deadline."""
+
+    def __init__(self, config: uvicorn.Config, on_started, on_deadline, deadline_s: float):
+        super().__init__(config)
+        self.on_started, self.on_deadline, self.deadline_s = on_started, on_deadline, deadline_s
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            self.on_started()
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.deadline_s, self.on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()

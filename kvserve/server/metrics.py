@@ -49,6 +49,8 @@ class _EngineCollector:
             ("kvserve_prompt_tokens", "prompt tokens computed (prefix-cache hits excluded)", s.prompt_tokens),
             ("kvserve_generation_tokens", "tokens generated", s.generation_tokens),
             ("kvserve_engine_errors", "faults in the engine loop", 0 if e.error is None else 1),
+            ("kvserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("kvserve_prefix_cache_hits", "prompt tokens found in the prefix cache", s.prefix_cache_hits),
         ]
         for name, doc, v in counters:
             c = CounterMetricFamily(name, doc)

@@ -63,6 +63,17 @@ def _nullable_optionals(schema: dict, _cls) -> None:
         inner = {k: v for k, v in prop.items() if k not in outer}
         schema["properties"][name] = {**outer, "anyOf": [inner, {"type": "null"}]}
 
+# Session ids, the same in bodies and URLs: short, and safe in a path segment and a log line.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,256}$"
+
+
+def check_session_id(session_id: str) -> str:
+    """A session id from a URL, held to the body's rule."""
+    if not re.fullmatch(SESSION_ID_PATTERN, session_id):
+        raise InvalidRequestError("session_id", f"must be 1 to 256 characters, each one of A-Z a-z 0-9 . _ : @ - "
+                                  f"(got {len(session_id)} characters)")
+    return session_id
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_optionals)
@@ -99,7 +110,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras
-    session_id: str | None = Field(None, max_length=256)  # kvserve: the conversation (KV tiers, idle offload)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)  # kvserve: the conversation (KV tiers)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: shares KV only with the same salt
     top_k: int_in(-1, MAX_COUNT) = -1  # -1 or 0: off; values >= the vocabulary size are off too
     min_p: number_in(0, 1) = 0.0
     repetition_penalty: number_in(0, 100, lo_open=True) = 1.0

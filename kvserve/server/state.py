@@ -2,9 +2,25 @@
 
 `engine` is None while the model loads (the HTTP server starts first; see loading.py); _Gate
 answers 503 for every API path until it is set, so endpoints may assume it is there.
+
+Tenants and prefix-cache isolation. A request's tenant is a keyed hash of the API key it came
+with (never the key itself); None without keys. Its engine cache salt, by
+`prefix_cache_isolation`:
+
+    none     its cache_salt, if it sent one; else None (the shared prefix cache, as in vLLM)
+    key      (tenant, cache_salt): tenants never share KV; within one, as in "none"
+    request  (tenant, cache_salt), or without one (tenant, session), or else a fresh random
+             salt: only requests that name the same cache_salt (or session) share KV
+
+Sessions are the tenant's too: the engine knows a session as "<tenant>/<id>", so another key's
+id of the same name is a different, unknown session.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import secrets
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -16,15 +32,28 @@ from kvserve.server.metrics import Metrics
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
 
+TENANT = "kvserve.tenant"  # ASGI scope keys set by app._Gate
+AUTHORIZED = "kvserve.authorized"
+OUTCOME = "kvserve.outcome"  # set by an endpoint whose outcome its status code does not tell
+ISOLATION_MODES = ("none", "key", "request")
+
+
+def tenant_of(api_key: str) -> str:
+    """The tenant an API key names: an HMAC keyed by the key, so neither logs nor cache keys
+    nor the KV tiers ever hold the key, and the same key names the same tenant on every replica."""
+    return hmac.new(api_key.encode(), b"kvserve tenant", hashlib.sha256).hexdigest()[:32]
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     # The names clients may send as `model`; the first is the one /v1/models lists first and
     # responses carry. Empty: the engine's (default_names), filled in once it has loaded.
     served_model_names: tuple[str, ...] = ()
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # empty: open; else each key is its own tenant
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
+    prefix_cache_isolation: str = "none"  # none | key | request (see the module docstring)
+    metrics_public: bool = False  # /metrics without a key even when keys are set
 
     def __post_init__(self):
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
@@ -33,6 +62,14 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ConfigError("api_key", "keys must be non-empty strings")
+        if self.prefix_cache_isolation not in ISOLATION_MODES:
+            raise ConfigError("prefix_cache_isolation", f"must be one of {', '.join(ISOLATION_MODES)}, "
+                              f"got {self.prefix_cache_isolation!r}")
+        if self.prefix_cache_isolation == "key" and not self.api_keys:
+            raise ConfigError("prefix_cache_isolation", "'key' needs API keys (--api-key): it salts each "
+                              "key's prefix cache apart")
 
     @property
     def model_name(self) -> str:
@@ -68,6 +105,40 @@ class ServerState:
             also = f" (also accepted: {', '.join(f'`{n}`' for n in names[1:])})" if len(names) > 1 else ""
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{names[0]}`{also}.",
                            "model", "model_not_found")
+
+    def session_key(self, tenant: str | None, session_id: str | None) -> str | None:
+        """The engine's name for a tenant's session."""
+        if session_id is None or tenant is None:
+            return session_id
+        return f"{tenant}/{session_id}"
+
+    def cache_salt(self, tenant: str | None, cache_salt: str | None, session_id: str | None) -> str | None:
+        """The engine cache salt of a request (the isolation table in the module docstring).
+        Every salt is a tagged JSON list, so no cache_salt sent in one mode can equal a salt
+        made in another (replicas with different modes may share the Redis tier)."""
+        mode = self.config.prefix_cache_isolation
+        if mode == "none":
+            return None if cache_salt is None else json.dumps(["salt", cache_salt])
+        if mode == "key":
+            return json.dumps(["key", tenant, cache_salt])
+        if cache_salt is not None:
+            return json.dumps(["request", tenant, cache_salt])
+        if session_id is not None:
+            return json.dumps(["session", tenant, session_id])
+        return json.dumps(["once", secrets.token_hex(16)])
+
+    def request_scope(self, req, raw) -> tuple[str | None, str | None]:
+        """(engine session id, engine cache salt) of a completion request from its caller."""
+        tenant = raw.scope.get(TENANT)
+        return (self.session_key(tenant, req.session_id),
+                self.cache_salt(tenant, req.cache_salt, req.session_id))
+
+    def end_open_requests(self) -> None:
+        """Shutdown past its grace time: every open request ends now with a 503 (a stream with
+        an error event and [DONE]), its engine request aborted."""
+        if self.engine is not None:
+            self.engine.end_streams(lambda: APIError(503, "The server is shutting down; retry on another "
+                                                     "replica or after it restarts.", code="server_shutting_down"))
 
     def check_capacity(self) -> None:
         """Refuse new work while the waiting queue is full (429), so load sheds instead of queueing."""

@@ -28,13 +28,14 @@ class ClientGone(Exception):
 
 
 def start(engine: AsyncEngine, base_id: str, prompts: Sequence, params: SamplingParams,
-          session_id: str | None = None) -> list[RequestStream]:
+          session_id: str | None = None, cache_salt: str | None = None) -> list[RequestStream]:
     """Add one engine request per prompt; all or none (a bad prompt leaves nothing running)."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
             streams.append(engine.add_request(base_id if len(prompts) == 1 else f"{base_id}-{i}", p, params,
-                                              session_id=session_id if len(prompts) == 1 else None))
+                                              session_id=session_id if len(prompts) == 1 else None,
+                                              cache_salt=cache_salt))
     except BaseException:
         for s in streams:
             s.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from tierutil import CPU_BIG, KV_SESSIONS, ONE, FakeClock, favor_loading, gen, prefix_keys
+from tierutil import CPU_BIG, GREEDY, KV_SESSIONS, ONE, FakeClock, favor_loading, gen, prefix_keys
 
 IDLE = 0.5
 
@@ -137,3 +137,27 @@ def test_idle_offload_to_a_slow_disk_is_not_lost_for_the_next_turn(make_llm, pro
     assert out2.outputs[0].token_ids == reference(p2)
     assert llm.engine.store.load_stats.idle_offloaded_blocks == len(keys)
     assert out2.metrics.num_cached_tokens + out2.metrics.num_loaded_tokens == 16 * len(keys)
+
+
+def test_a_salted_session_leaves_and_comes_back_for_its_salt_only(make_llm, prompts, reference):
+    """Idle offload with a cache_salt: the session's blocks go to the CPU tier under salted keys;
+    the same tokens under another salt load nothing, the session's next turn loads them all."""
+    llm, clock = _engine(make_llm, cpu_kv_memory=CPU_BIG)
+    favor_loading(llm)
+
+    def run(tokens, salt, sid=None):
+        return llm.generate({"prompt_token_ids": list(tokens), "cache_salt": salt}, GREEDY, use_tqdm=False,
+                            session_id=sid)[0]
+
+    out1 = run(prompts.a, "tenant-1", "s1")
+    assert out1.outputs[0].token_ids == reference(prompts.a)
+    p2 = _turn2(prompts, prompts.a, out1.outputs[0].token_ids)
+    clock.advance(IDLE + 0.3)
+    moved = llm.engine.offload_idle_sessions()
+    assert moved == (len(prompts.a) + len(out1.outputs[0].token_ids) - 1) // 16
+    other = run(p2, "tenant-2")
+    assert (other.metrics.num_cached_tokens, other.metrics.num_loaded_tokens) == (0, 0)
+    out2 = run(p2, "tenant-1", "s1")
+    assert (out2.metrics.num_cached_tokens, out2.metrics.num_loaded_tokens) == (0, 16 * moved)
+    assert out2.outputs[0].token_ids == other.outputs[0].token_ids == reference(p2)
+    llm.engine.check_invariants()

@@ -24,6 +24,7 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 120.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.key = args[args.index("--api-key") + 1] if "--api-key" in args else None  # /metrics needs it
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -42,7 +43,8 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples by name (labelled ones as name{k=v,...})."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=5).text
         out = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:

@@ -151,3 +151,21 @@ def test_cached_tokens_on_a_repeated_long_prompt(smol, file_name):
             assert first.prompt_tokens == second.prompt_tokens > 200
             half = first.prompt_tokens // 2
             assert _cached(first) < half <= _cached(second), (call.__name__, stream, first, second)
+
+
+def test_chat_cache_salt_shares_only_with_the_same_salt(smol, file_name):
+    """cache_salt on chat (the real model's template): a system prompt cached under one salt is a
+    hit for that salt only."""
+    c = _client(smol)
+    system = f"{uuid.uuid4().hex} {TEXT}"
+
+    def cached(salt, question):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        extra = {} if salt is None else {"cache_salt": salt}
+        return _cached(c.chat.completions.create(model=file_name, messages=msgs, max_tokens=2, temperature=0,
+                                                 extra_body=extra).usage)
+
+    assert cached("alice", "What is a block?") < 32
+    assert cached("bob", "What is a page?") < 32  # alice's system prompt is not bob's to hit
+    assert cached(None, "What is a cache?") < 32
+    assert cached("alice", "What is a table?") > 200

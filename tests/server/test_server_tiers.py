@@ -72,5 +72,6 @@ def test_offload_endpoint_moves_a_session_and_its_next_turn_loads(tiered):
 
 
 def test_pin_endpoints(tiered):
+    assert _complete(tiered.url, [1, 2, 3], session_id="p").status_code == 200
     assert httpx.post(f"{tiered.url}/v1/sessions/p/pin", timeout=10).json() == {"session_id": "p", "pinned": True}
     assert httpx.delete(f"{tiered.url}/v1/sessions/p/pin", timeout=10).json() == {"session_id": "p", "pinned": False}

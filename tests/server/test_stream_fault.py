@@ -1,5 +1,5 @@
 """An engine fault in the middle of a stream reaches the client as an SSE error event in OpenAI's
-shape, then `data: [DONE]`; the stream is not just cut."""
+shape, then `data: [DONE]`; the stream is not just cut, and it is counted once, as a stream error."""
 from __future__ import annotations
 
 import asyncio
@@ -45,3 +45,7 @@ def test_fault_mid_stream_sends_error_event_then_done():
     err = json.loads(lines[-2][5:])["error"]
     assert set(err) == {"message", "type", "param", "code"} and "injected device fault" in err["message"]
     assert not ae.healthy
+    # counted once, by its outcome: the 200 of its status line is not what happened
+    reg = app.state.kvserve.metrics.registry
+    assert reg.get_sample_value("kvserve_requests_total", {"endpoint": "completions", "status": "stream_error"}) == 1
+    assert reg.get_sample_value("kvserve_requests_total", {"endpoint": "completions", "status": "200"}) is None
