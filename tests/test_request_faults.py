@@ -141,3 +141,29 @@ def test_n_named_when_one_sequence_fits():
     with pytest.raises(InvalidRequestError) as ei:
         small.generate({"prompt_token_ids": [1] * 8}, SamplingParams(n=1, max_tokens=blocks * bs), use_tqdm=False)
     assert ei.value.field == "max_tokens"
+
+
+def test_fault_under_async_scheduling():
+    """With the next step launched before this one's tokens are known, the failed request is in
+    both; it is aborted once and the other request's tokens are those of its solo run."""
+    llm = LLM("dummy:tiny", kv_cache_memory="16MiB", show_progress=False, async_scheduling=True)
+    e = llm.engine
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, seed=3, temperature=0.8)
+    alone = llm.generate({"prompt_token_ids": [1, 2, 3]}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    free0 = e.kv.pool.num_free_blocks
+    e.add_request("good", {"prompt_token_ids": [1, 2, 3]}, sp)
+    e.add_request("bad", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=20, ignore_eos=True, seed=5))
+    done, failures = {}, {}
+    for step in range(100):
+        if not e.has_unfinished_requests():
+            break
+        if step == 4:
+            e.scheduler.groups["bad"][0].generators = [object()]
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        failures |= e.pop_failed()
+        e.check_invariants()
+    assert step >= 4 and set(failures) == {"bad"}  # the fault came mid-run
+    assert done == {"good": alone}
+    assert e.kv.pool.num_free_blocks == free0 and not e.pop_failed()

@@ -344,7 +344,9 @@ class LLMEngine:
         out = cur.out
         if result is not None:
             for i, e in result.failed.items():  # before update: it skips aborted requests
-                self._fail_request(out.scheduled[i].request.group_id, e)
+                req = out.scheduled[i].request
+                if not req.is_finished:  # a step launched ahead fails it again: once is enough
+                    self._fail_request(req.group_id, e)
         core = (self.scheduler.update(out, result, cur.advanced) if result is not None
                 else EngineCoreOutputs())
         for parent, child in core.forks:
