@@ -53,6 +53,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--redis-url", default=None, help="redis://host:port/db shared by several kvserve processes")
     t.add_argument("--idle-offload-seconds", type=float, default=30.0,
                    help="a session idle this long has its KV moved out of the GPU")
+    t.add_argument("--kv-tier-secret", default=None,
+                   help="secret authenticating disk/Redis chunks; processes share chunks only with the same one "
+                        "(default: $KVSERVE_KV_TIER_SECRET, else one generated in ~/.local/state/kvserve)")
+    t.add_argument("--kv-tier-encrypt", action="store_true", help="encrypt disk/Redis chunks (AES-256-GCM)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -92,7 +96,8 @@ def _make_llm(args):
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                async_scheduling=args.async_scheduling,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
-               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds)
+               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
+               kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt)
 
 
 def _params(args, n: int = 1):

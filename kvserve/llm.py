@@ -22,6 +22,7 @@ class LLM:
                  cuda_graph_max_batch: int | None = None, cpu_kv_memory: int | str = 0,
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
+                 kv_tier_secret: str | None = None, kv_tier_encrypt: bool = False,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None):
         cache = CacheConfig(
@@ -32,7 +33,8 @@ class LLM:
             cpu_kv_memory=(0 if str(cpu_kv_memory).strip().lower() in ("0", "", "0b", "none", "off")
                            else parse_size(cpu_kv_memory, "cpu_kv_memory")),
             disk_kv_dir=disk_kv_dir, disk_kv_size=parse_size(disk_kv_size, "disk_kv_size"),
-            redis_url=redis_url, idle_offload_seconds=idle_offload_seconds)
+            redis_url=redis_url, idle_offload_seconds=idle_offload_seconds,
+            kv_tier_secret=kv_tier_secret, kv_tier_encrypt=kv_tier_encrypt)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,

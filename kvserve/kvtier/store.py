@@ -2,7 +2,7 @@
 
     spill (GPU eviction, idle session, shutdown) --put--> CPU tier (LRU, pinned)
                                                   \\--writer thread--> disk, Redis (encoded chunks)
-    new request --prefetch thread--> disk / Redis --decode + checks--> staging (CPU) --> GPU
+    new request --prefetch thread--> disk / Redis --authenticate + checks--> staging (CPU) --> GPU
 
 The scheduler never waits for disk or Redis: a request whose prefix may live there is handed to
 the prefetch thread and stays in the queue (others go ahead) until its chunks are in memory or
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kvtier.chunk import ChunkError, decode_chunk, encode_chunk
+from kvserve.kvtier.chunk import ChunkCodec, ChunkError
 from kvserve.kvtier.lower import DiskTier, RedisTier
 from kvserve.kvtier.tiers import CpuTier
 
@@ -77,7 +77,10 @@ class LoadStats:
 class TieredStore:
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  cpu_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
-                 redis_url: str | None = None, block_size: int = 16):
+                 redis_url: str | None = None, block_size: int = 16, secret: bytes | None = None,
+                 encrypt: bool = False):
+        """``secret``: authenticates (``encrypt``: and encrypts) the disk and Redis chunks
+        (``kvtier.secret.tier_secret``); needed when either is on."""
         self.block_shape, self.dtype, self.device = tuple(block_shape), dtype, device
         self.block_size = block_size
         self.chunk_bytes = dtype.itemsize
@@ -91,6 +94,9 @@ class TieredStore:
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
         self.redis = RedisTier(redis_url) if redis_url else None
         self.lower = [t for t in (self.disk, self.redis) if t is not None]
+        if self.lower and secret is None:
+            raise ValueError("disk and Redis tiers need a secret (kvserve.kvtier.secret.tier_secret)")
+        self.codec = ChunkCodec(secret, encrypt) if self.lower else None
         self.cost = CostModel(prefill_tokens_per_s=20000.0 if device.type == "cuda" else 2000.0,
                               bandwidth={"cpu": 2e10 if pin else 4e9, "disk": 5e8, "redis": 2e8})
         self.load_stats = LoadStats()
@@ -132,7 +138,7 @@ class TieredStore:
                 for t in self.lower:
                     if isinstance(t, DiskTier) and key in t:
                         continue
-                    data = data or encode_chunk(key, kv)
+                    data = data or self.codec.encode(key, kv)
                     t.put(key, data)
                 if self.cpu is None:  # written through: the write-behind copy in memory can go
                     self.staging.discard(key)
@@ -238,7 +244,7 @@ class TieredStore:
             if data is None:
                 continue
             try:
-                kv = decode_chunk(data, key, self.block_shape, self.dtype)
+                kv = self.codec.decode(data, key, self.block_shape, self.dtype)
             except ChunkError as e:
                 t.stats.corrupt += 1
                 log.warning("%s KV tier: dropping chunk %s: %s", t.name, key.hex()[:12], e)
