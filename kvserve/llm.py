@@ -1,6 +1,10 @@
 """LLM: the offline API. ``LLM(model).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
+import weakref
 from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
@@ -45,10 +49,29 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
         self._counter = 0
+        self._shut_down = False
+        # A script that simply ends still leaves its prefixes in the tiers: the write-through
+        # queue is drained at exit (daemon threads still run while atexit hooks do). Held by a
+        # weak reference, so the hook does not keep the engine alive.
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        if self.engine.store is not None:
+            atexit.register(self._at_exit)
 
     def shutdown(self) -> None:
-        """Write the GPU prefix cache to the KV tiers (a restart or another replica finds it)."""
+        """Write what the KV tiers lack of the GPU prefix cache and wait for the writes (a restart
+        or another replica finds it). Idempotent; also runs at interpreter exit and on leaving a
+        ``with LLM(...) as llm:`` block."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        atexit.unregister(self._at_exit)
         self.engine.flush_kv_to_tiers()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -124,3 +147,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in request_ids if r in done]
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    llm = ref()
+    if llm is None:
+        return
+    try:
+        llm.shutdown()
+    except Exception:  # noqa: BLE001 - the process is ending either way; say why the flush failed
+        logging.getLogger(__name__).exception("writing the KV cache to the tiers at exit failed")
