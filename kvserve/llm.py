@@ -51,9 +51,10 @@ class LLM:
         self._counter = 0
         self._shut_down = False
         # A script that simply ends still leaves its prefixes in the tiers: the write-through
-        # queue is drained at exit (daemon threads still run while atexit hooks do). Held by a
-        # weak reference, so the hook does not keep the engine alive.
-        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        # queue is drained at exit (daemon threads still run while atexit hooks do). The LLM is
+        # held weakly, so the hook does not keep the engine alive; once it is gone, its store's
+        # queued writes are still waited for (the store lives on with its threads anyway).
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.store)
         if self.engine.store is not None:
             atexit.register(self._at_exit)
 
@@ -149,11 +150,12 @@ class LLM:
         return [done[r] for r in request_ids if r in done]
 
 
-def _shutdown_at_exit(ref: weakref.ref) -> None:
+def _shutdown_at_exit(ref: weakref.ref, store) -> None:
     llm = ref()
-    if llm is None:
-        return
     try:
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
+        else:
+            store.flush()
     except Exception:  # noqa: BLE001 - the process is ending either way; say why the flush failed
         logging.getLogger(__name__).exception("writing the KV cache to the tiers at exit failed")

@@ -30,19 +30,24 @@ def slow_put(self, key, data):  # a slow disk: the writer is still behind when t
     time.sleep(0.05)
     return put(self, key, data)
 DiskTier.put = slow_put
-llm = tiny_llm(kv_cache_memory=KV_SMALL, disk_kv_dir={kv_dir!r})
-gen(llm, Prompts().a, ONE)
-if {crash!r}:
-    llm.engine.store.flush()  # the writes landed; then the process dies without any exit hook
-    os._exit(0)
+def main():
+    llm = tiny_llm(kv_cache_memory=KV_SMALL, disk_kv_dir={kv_dir!r})
+    gen(llm, Prompts().a, ONE)
+    if {how!r} == "dies-after-writes":
+        llm.engine.store.flush()  # the writes landed; then the process dies without any exit hook
+        os._exit(0)
+    return llm
+llm = main()
+if {how!r} == "llm-dropped":
+    del llm  # gone before the exit hooks run: its queued writes are still waited for
 # the script just ends: no shutdown()
 """
 
 
-@pytest.mark.parametrize("crash", [False, True], ids=["script-ends", "dies-after-writes"])
-def test_a_process_that_just_ends_leaves_its_prefixes(make_llm, prompts, reference, tmp_path, crash):
+@pytest.mark.parametrize("how", ["script-ends", "llm-dropped", "dies-after-writes"])
+def test_a_process_that_just_ends_leaves_its_prefixes(make_llm, prompts, reference, tmp_path, how):
     kv_dir = str(tmp_path / "kv")
-    code = FIRST.format(here=HERE, kv_dir=kv_dir, crash=crash)
+    code = FIRST.format(here=HERE, kv_dir=kv_dir, how=how)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
 
