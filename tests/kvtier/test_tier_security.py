@@ -103,6 +103,18 @@ def test_another_secret_cannot_read_the_chunks(make_llm, prompts, reference, tmp
     assert other.engine.store.disk.stats.corrupt == len(keys)
 
 
+def test_encrypted_chunks_load_after_a_restart(make_llm, prompts, reference, tmp_path):
+    kv_dir = str(tmp_path / "kv")
+    first, keys = _write_prefix(make_llm, prompts, kv_dir, kv_tier_encrypt=True)
+    del first
+    llm = make_llm(kv_cache_memory=KV_SMALL, disk_kv_dir=kv_dir, kv_tier_encrypt=True)
+    favor_loading(llm)
+    out = gen(llm, prompts.b)
+    assert out.outputs[0].token_ids == reference(prompts.b)
+    assert out.metrics.num_loaded_tokens == len(keys) * BLOCK
+    assert llm.engine.store.disk.stats.corrupt == 0
+
+
 def _layer0_values(llm) -> torch.Tensor:
     """Every vocabulary token's layer-0 V row ([vocab, kv heads * head dim]), from the weights
     with plain torch: what an attacker holding the open weights would match stored KV against."""
