@@ -57,6 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="sessions tracked at once; past it the least recently used is forgotten")
     t.add_argument("--session-ttl-seconds", type=float, default=3600.0,
                    help="a session unused this long is forgotten (its KV stays cached like any other)")
+    t.add_argument("--kv-tier-secret", default=None,
+                   help="secret authenticating disk/Redis chunks; processes share chunks only with the same one "
+                        "(default: $KVSERVE_KV_TIER_SECRET, else one generated in ~/.local/state/kvserve)")
+    t.add_argument("--kv-tier-encrypt", action="store_true", help="encrypt disk/Redis chunks (AES-256-GCM)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -97,7 +101,8 @@ def _make_llm(args):
                async_scheduling=args.async_scheduling,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
-               max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds)
+               max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
+               kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt)
 
 
 def _params(args, n: int = 1):

@@ -58,6 +58,10 @@ class CacheConfig:
     idle_offload_seconds: float = 30.0  # a session idle this long leaves the GPU
     max_sessions: int = 4096  # sessions tracked at once; past it the least recently used is forgotten
     session_ttl_seconds: float = 3600.0  # a session unused this long is forgotten
+    # Authenticates the disk/Redis chunks (kvserve/kvtier/secret.py); None: KVSERVE_KV_TIER_SECRET,
+    # else one generated once in kvserve's state directory. Kept out of the repr.
+    kv_tier_secret: str | None = field(default=None, repr=False)
+    kv_tier_encrypt: bool = False  # AES-256-GCM on the disk/Redis chunks
 
     @property
     def tiers_enabled(self) -> bool:
@@ -82,6 +86,11 @@ class CacheConfig:
         if self.redis_url is not None and not re.match(r"^(rediss?|unix)://\S+$", self.redis_url):
             raise ConfigError("redis_url", f"must look like redis://host:port[/db], rediss://… or unix://path; "
                               f"got {self.redis_url!r}")
+        if self.kv_tier_secret is not None and (not isinstance(self.kv_tier_secret, str)
+                                                or len(self.kv_tier_secret) < 16):
+            raise ConfigError("kv_tier_secret", "must be a string of at least 16 characters")
+        if not isinstance(self.kv_tier_encrypt, bool):
+            raise ConfigError("kv_tier_encrypt", f"must be True or False, got {self.kv_tier_encrypt!r}")
         if not self.idle_offload_seconds > 0:
             raise ConfigError("idle_offload_seconds", f"must be > 0, got {self.idle_offload_seconds}")
         if self.max_sessions < 1:

@@ -7,6 +7,12 @@ KVSERVE_DEVICE = "KVSERVE_DEVICE"
 KVSERVE_DEFAULT_MODEL = "KVSERVE_DEFAULT_MODEL"
 # Where kvserve keeps derived files (converted tokenizers); default ~/.cache/kvserve.
 KVSERVE_CACHE_DIR = "KVSERVE_CACHE_DIR"
+# The KV tiers' secret (authenticates, and with --kv-tier-encrypt encrypts, disk/Redis chunks)
+# when --kv-tier-secret is not given; unset: a generated one kept in the state directory.
+KVSERVE_KV_TIER_SECRET = "KVSERVE_KV_TIER_SECRET"
+# Where kvserve keeps state that must outlive a process (the generated KV tier secret);
+# default $XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve.
+KVSERVE_STATE_DIR = "KVSERVE_STATE_DIR"
 # API key the server requires (Authorization: Bearer ...) when --api-key is not given.
 KVSERVE_API_KEY = "KVSERVE_API_KEY"
 

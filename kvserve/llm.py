@@ -1,6 +1,10 @@
 """LLM: the offline API. ``LLM(model).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
+import weakref
 from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
@@ -23,6 +27,7 @@ class LLM:
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
                  max_sessions: int = 4096, session_ttl_seconds: float = 3600.0,
+                 kv_tier_secret: str | None = None, kv_tier_encrypt: bool = False,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None):
         cache = CacheConfig(
@@ -34,7 +39,8 @@ class LLM:
                            else parse_size(cpu_kv_memory, "cpu_kv_memory")),
             disk_kv_dir=disk_kv_dir, disk_kv_size=parse_size(disk_kv_size, "disk_kv_size"),
             redis_url=redis_url, idle_offload_seconds=idle_offload_seconds, max_sessions=max_sessions,
-            session_ttl_seconds=session_ttl_seconds)
+            session_ttl_seconds=session_ttl_seconds,
+            kv_tier_secret=kv_tier_secret, kv_tier_encrypt=kv_tier_encrypt)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -45,10 +51,30 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
         self._counter = 0
+        self._shut_down = False
+        # A script that simply ends still leaves its prefixes in the tiers: the write-through
+        # queue is drained at exit (daemon threads still run while atexit hooks do). The LLM is
+        # held weakly, so the hook does not keep the engine alive; once it is gone, its store's
+        # queued writes are still waited for (the store lives on with its threads anyway).
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.store)
+        if self.engine.store is not None:
+            atexit.register(self._at_exit)
 
     def shutdown(self) -> None:
-        """Write the GPU prefix cache to the KV tiers (a restart or another replica finds it)."""
+        """Write what the KV tiers lack of the GPU prefix cache and wait for the writes (a restart
+        or another replica finds it). Idempotent; also runs at interpreter exit and on leaving a
+        ``with LLM(...) as llm:`` block."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        atexit.unregister(self._at_exit)
         self.engine.flush_kv_to_tiers()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -134,3 +160,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in request_ids if r in done]
+
+
+def _shutdown_at_exit(ref: weakref.ref, store) -> None:
+    llm = ref()
+    try:
+        if llm is not None:
+            llm.shutdown()
+        else:
+            store.flush()
+    except Exception:  # noqa: BLE001 - the process is ending either way; say why the flush failed
+        logging.getLogger(__name__).exception("writing the KV cache to the tiers at exit failed")

@@ -125,6 +125,19 @@ def pytest_collection_modifyitems(config, items):
             warnings.warn(pytest.PytestWarning(f"tests/conftest.py SLOW_TESTS names no test: {stale}"), stacklevel=1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_state_dir(tmp_path_factory):
+    """The generated KV tier secret goes to a directory of this run, never the user's own (servers
+    and processes the tests start inherit it)."""
+    old = os.environ.get("KVSERVE_STATE_DIR")
+    os.environ["KVSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("kvserve-state"))
+    yield
+    if old is None:
+        os.environ.pop("KVSERVE_STATE_DIR", None)
+    else:
+        os.environ["KVSERVE_STATE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from kvserve.models.loader import default_model_path

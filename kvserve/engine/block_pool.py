@@ -43,6 +43,10 @@ class BlockPool:
         # their KV can leave for the tiers before the block is overwritten.
         self.record_evictions = False
         self.evicted: list[tuple[int, bytes]] = []
+        # With disk/Redis tiers: (block, hash) of blocks registered since the last take, so their
+        # KV is written through once it is computed.
+        self.record_sealed = False
+        self.sealed: list[tuple[int, bytes]] = []
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -107,6 +111,8 @@ class BlockPool:
             return  # already cached, or the same content already lives in another block
         blk.block_hash = block_hash
         self.cached[block_hash] = block_id
+        if self.record_sealed:
+            self.sealed.append((block_id, block_hash))
 
     def uncache(self, block_id: int) -> None:
         """Forget a free block's hash (its KV moved to a tier); it stays free."""
@@ -117,6 +123,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         self.evicted.clear()
+        self.sealed.clear()
         for bid in self.cached.values():
             self.blocks[bid].block_hash = None
         self.cached.clear()

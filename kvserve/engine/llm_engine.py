@@ -102,8 +102,13 @@ class LLMEngine:
                 import redis  # noqa: F401
             except ImportError:
                 raise ConfigError("redis_url", "needs the 'redis' package (pip install redis)") from None
+        secret = None
+        if cache.disk_kv_dir is not None or cache.redis_url is not None:
+            from kvserve.kvtier.secret import tier_secret
+            secret = tier_secret(cache.kv_tier_secret, cache.disk_kv_dir)
         return TieredStore(shape, dtype, rt.device, cpu_bytes=cache.cpu_kv_memory, disk_dir=cache.disk_kv_dir,
-                           disk_bytes=cache.disk_kv_size, redis_url=cache.redis_url, block_size=cache.block_size)
+                           disk_bytes=cache.disk_kv_size, redis_url=cache.redis_url, block_size=cache.block_size,
+                           secret=secret, encrypt=cache.kv_tier_encrypt)
 
     # -- sessions and the tiers ----------------------------------------------------------------
     def offload_idle_sessions(self, force: bool = False, only: str | None = None) -> int:

@@ -360,7 +360,22 @@ class ModelRunner:
             if self.gpu_timer is not None:
                 self.gpu_timer.collect()
             return res
-        return finish
+        if self.tiers is None or not out.writes:
+            return finish
+        # Write-through: the blocks this step filled, copied out behind its work on the stream
+        # (no wait here); the writer gets them once the step is done.
+        self.tiers.offload(kv.data, out.writes, defer=True)
+        self.tiers.stats.written_through += len(out.writes)
+
+        def finish_and_write() -> ModelRunnerOutput:
+            try:
+                res = finish()
+            except BaseException:
+                self.tiers.commit(ok=False)
+                raise
+            self.tiers.commit()
+            return res
+        return finish_and_write
 
     def _sample_one_by_one(self, picked: torch.Tensor, rows: list[SamplingRow], sample_of: list[int],
                            failed: dict[int, BaseException]):

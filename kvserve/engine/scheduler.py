@@ -49,6 +49,7 @@ class Scheduler:
         self.tiers = tiers  # kvserve.kvtier.TierConnector, or None
         if tiers is not None:
             kv.pool.record_evictions = True
+            kv.pool.record_sealed = tiers.writes_through
 
     # -- admission -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -159,6 +160,8 @@ class Scheduler:
         if self.tiers is not None:
             evicted, self.kv.pool.evicted = self.kv.pool.evicted, []
             out.offloads = self.tiers.to_offload(evicted)
+            sealed, self.kv.pool.sealed = self.kv.pool.sealed, []
+            out.writes = self.tiers.to_write(sealed)
         return out
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -46,6 +46,8 @@ class SchedulerOutput:
     # from the prefix cache), and chunks to copy into freshly allocated blocks.
     offloads: list[tuple[int, bytes]] = field(default_factory=list)  # (block, key)
     loads: list[tuple[list[int], list]] = field(default_factory=list)  # (blocks, store run) per request
+    # Blocks this step fills (their hash registered): written through to disk/Redis after it.
+    writes: list[tuple[int, bytes]] = field(default_factory=list)  # (block, key)
 
     @property
     def is_empty(self) -> bool:

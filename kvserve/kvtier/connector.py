@@ -4,8 +4,8 @@ Scheduler side (host bookkeeping, no device work): whether a request waits for i
 come up from disk/Redis (``awaiting_prefetch``), which run of chunks a new request loads
 (``take_run`` / ``release``), which evicted blocks need a copy out (``to_offload``).
 Worker side (the device cache ``data``, ``data[:, :, block]`` = one block in every layer):
-``offload`` copies blocks out (evictions, idle sessions, session turns, shutdown: one path),
-``load`` copies chunks into freshly allocated blocks.
+``offload`` copies blocks out (evictions, idle sessions, session turns, write-through, shutdown:
+one path), ``load`` copies chunks into freshly allocated blocks.
 """
 from __future__ import annotations
 
@@ -65,11 +65,28 @@ class TierConnector:
         self.stats.offloads_skipped += len(evicted) - len(out)
         return out
 
+    @property
+    def writes_through(self) -> bool:
+        """Disk or Redis on: full blocks are written to them as their KV is computed."""
+        return bool(self.store.lower)
+
+    def to_write(self, sealed: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """Of the blocks registered this step, those some lower tier lacks (a block loaded from a
+        tier, or computed again while a tier held it, is not written twice)."""
+        return [(b, k) for b, k in sealed if not self.store.held_below(k)] if self.store.lower else []
+
     # -- worker side ---------------------------------------------------------------------
-    def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], wait: bool = False) -> int:
+    def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], wait: bool = False,
+                defer: bool = False) -> int:
         """Copy these blocks' KV into the tiers (skipping what they hold); ``wait``: block on a
-        full write-behind queue instead of dropping the write (shutdown). Returns blocks copied."""
-        return self.store.offload(data, blocks, wait=wait)
+        full write-behind queue instead of dropping the write (shutdown); ``defer``: queue the
+        copies behind the step's work without waiting, ``commit`` after the step (write-through).
+        Returns blocks copied."""
+        return self.store.offload(data, blocks, wait=wait, defer=defer)
+
+    def commit(self, ok: bool = True) -> None:
+        """The step is done: hand its deferred copies to the writer (``ok`` false: drop them)."""
+        self.store.commit(ok)
 
     def load(self, data: torch.Tensor, loads: list[tuple[list[int], list]], batch: int = 256) -> None:
         """Copy each run of chunks into its blocks. Each (pinned) chunk goes to the device whole,

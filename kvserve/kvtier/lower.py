@@ -62,6 +62,9 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self.files
 
+    def holds(self, key: bytes) -> bool:
+        return key in self.files
+
     def _stop_writes(self, why: str) -> None:
         if self.stats.writable:
             log.warning("disk KV tier: writes off (%s); reads continue", why)
@@ -151,10 +154,16 @@ class RedisTier:
     """Chunks as Redis strings under ``kvserve:kv:<key hex>``, shared by every process that points
     at the same server. When Redis does not answer, the tier is off (logged once, ``available``
     false in stats) and is tried again every ``retry_seconds`` of ``clock`` (monotonic seconds;
-    tests replace it instead of sleeping)."""
+    tests replace it instead of sleeping).
+
+    ``known`` lists (LRU, bounded) the keys this process wrote to or read from the server, so a
+    block whose chunk Redis already holds is not sent again each time it leaves the GPU. Redis may
+    still drop one (maxmemory, TTL): a later read misses, forgets it, and the block is recomputed
+    and written again."""
 
     name = "redis"
     PREFIX = b"kvserve:kv:"
+    KNOWN_MAX = 1 << 18
 
     def __init__(self, url: str, retry_seconds: float = 2.0, timeout: float = 1.0, ttl_seconds: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -166,6 +175,8 @@ class RedisTier:
         self.ttl = ttl_seconds
         self.clock = clock
         self.stats = TierStats()
+        self.known: OrderedDict[bytes, None] = OrderedDict()
+        self._known_lock = threading.Lock()
         self._next_try = 0.0
         try:
             self.client.ping()
@@ -173,6 +184,8 @@ class RedisTier:
             self._down(e)
 
     def _down(self, e: BaseException) -> None:
+        with self._known_lock:  # it may come back empty (restarted, failed over)
+            self.known.clear()
         self.stats.errors += 1
         self.stats.last_error = repr(e)
         if self.stats.available:
@@ -201,6 +214,21 @@ class RedisTier:
     def _key(self, key: bytes) -> bytes:
         return self.PREFIX + key.hex().encode()
 
+    def holds(self, key: bytes) -> bool:
+        """Whether this process saw the server hold ``key`` (no round trip)."""
+        with self._known_lock:
+            return key in self.known
+
+    def _saw(self, key: bytes, held: bool) -> None:
+        with self._known_lock:
+            if not held:
+                self.known.pop(key, None)
+                return
+            self.known[key] = None
+            self.known.move_to_end(key)
+            if len(self.known) > self.KNOWN_MAX:
+                self.known.popitem(last=False)
+
     def contains(self, key: bytes) -> bool:
         if not self._usable():
             return False
@@ -219,6 +247,7 @@ class RedisTier:
         except self.errors_cls as e:
             self._down(e)
             return False
+        self._saw(key, True)
         self.stats.stores += 1
         self.stats.bytes_in += len(data)
         self.stats.store_seconds += time.perf_counter() - t0
@@ -235,6 +264,7 @@ class RedisTier:
             self._down(e)
             self.stats.misses += 1
             return None
+        self._saw(key, data is not None)
         if data is None:
             self.stats.misses += 1
             return None
@@ -244,6 +274,7 @@ class RedisTier:
         return data
 
     def drop(self, key: bytes) -> None:
+        self._saw(key, False)
         try:
             if self._usable():
                 self.client.delete(self._key(key))

@@ -1,8 +1,14 @@
 """TieredStore: the tiers together, the background I/O, and the load-or-recompute cost model.
 
     spill (GPU eviction, idle session, shutdown) --put--> CPU tier (LRU, pinned)
-                                                  \\--writer thread--> disk, Redis (encoded chunks)
-    new request --prefetch thread--> disk / Redis --decode + checks--> staging (CPU) --> GPU
+    seal (a block's KV computed: write-through)   \\--writer thread--> disk, Redis (encoded chunks)
+    new request --prefetch thread--> disk / Redis --authenticate + checks--> staging (CPU) --> GPU
+
+Written through: with disk or Redis on, every full block is queued for them once its KV is
+computed, so a process that ends without a shutdown (or dies after the write landed) leaves its
+prefixes behind. The queue is bounded: when the writer falls behind, a write is dropped and
+counted (``writes_dropped``), never waited for on the step. A key a tier is known to hold is
+never written to it again.
 
 The scheduler never waits for disk or Redis: a request whose prefix may live there is handed to
 the prefetch thread and stays in the queue (others go ahead) until its chunks are in memory or
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kvtier.chunk import ChunkError, decode_chunk, encode_chunk
+from kvserve.kvtier.chunk import ChunkCodec, ChunkError
 from kvserve.kvtier.lower import DiskTier, RedisTier
 from kvserve.kvtier.tiers import CpuTier
 
@@ -72,12 +78,18 @@ class LoadStats:
     offloads_skipped: int = 0  # left the GPU without a copy: the tiers already held their KV
     load_seconds: float = 0.0  # copying loaded chunks into the GPU (measured by the runner)
     offload_seconds: float = 0.0  # copying blocks out of the GPU through ``offload``
+    written_through: int = 0  # full blocks queued for disk/Redis as their KV was computed
+    writes_dropped: int = 0  # disk/Redis writes dropped because the write queue was full
+    chunks_scrubbed: int = 0  # further chunks of a prefix checked after one failed (bad ones dropped)
 
 
 class TieredStore:
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  cpu_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
-                 redis_url: str | None = None, block_size: int = 16):
+                 redis_url: str | None = None, block_size: int = 16, secret: bytes | None = None,
+                 encrypt: bool = False, write_queue: int = 512):
+        """``secret``: authenticates (``encrypt``: and encrypts) the disk and Redis chunks
+        (``kvtier.secret.tier_secret``); needed when either is on."""
         self.block_shape, self.dtype, self.device = tuple(block_shape), dtype, device
         self.block_size = block_size
         self.chunk_bytes = dtype.itemsize
@@ -91,10 +103,14 @@ class TieredStore:
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
         self.redis = RedisTier(redis_url) if redis_url else None
         self.lower = [t for t in (self.disk, self.redis) if t is not None]
+        if self.lower and secret is None:
+            raise ValueError("disk and Redis tiers need a secret (kvserve.kvtier.secret.tier_secret)")
+        self.codec = ChunkCodec(secret, encrypt) if self.lower else None
         self.cost = CostModel(prefill_tokens_per_s=20000.0 if device.type == "cuda" else 2000.0,
                               bandwidth={"cpu": 2e10 if pin else 4e9, "disk": 5e8, "redis": 2e8})
         self.load_stats = LoadStats()
-        self._writes: queue.Queue = queue.Queue(maxsize=512)  # chunks waiting for disk/Redis (host memory)
+        self._writes: queue.Queue = queue.Queue(maxsize=write_queue)  # chunks waiting for disk/Redis (host memory)
+        self._deferred: list[tuple[list[bytes], object]] = []  # offload(defer=True) copies awaiting commit()
         self._prefetches: queue.Queue = queue.Queue()
         self.prefetch_done: dict[int, int] = {}  # prefetch token -> chunks staged (set when finished)
         self._prefetch_seq = 0
@@ -118,11 +134,15 @@ class TieredStore:
         elif self.lower:  # no CPU tier: keep it in the staging memory until it is read back
             self.staging.put(key, kv)
         if self.lower:
-            try:
-                self._writes.put((key, kv), block=wait)
-            except queue.Full:  # the disks are behind: drop the write rather than stall a step
-                for t in self.lower:
-                    t.stats.errors += 1
+            self._queue_write(key, kv, wait)
+
+    def _queue_write(self, key: bytes, kv: torch.Tensor, wait: bool) -> None:
+        try:
+            self._writes.put((key, kv), block=wait)
+        except queue.Full:  # the disks are behind: drop the write rather than stall a step
+            self.load_stats.writes_dropped += 1
+            if self.cpu is None:  # staged only for the writer: left there, it would count as held
+                self.staging.discard(key)
 
     def _writer(self) -> None:
         while True:
@@ -130,9 +150,9 @@ class TieredStore:
             try:
                 data = None
                 for t in self.lower:
-                    if isinstance(t, DiskTier) and key in t:
+                    if t.holds(key):
                         continue
-                    data = data or encode_chunk(key, kv)
+                    data = data or self.codec.encode(key, kv)
                     t.put(key, data)
                 if self.cpu is None:  # written through: the write-behind copy in memory can go
                     self.staging.discard(key)
@@ -144,46 +164,96 @@ class TieredStore:
     def holds(self, key: bytes) -> bool:
         """Whether the tiers already hold ``key``'s KV, so a block leaving the GPU needs no copy
         (keys are content hashes: same key, same KV). Memory counts (the CPU tier, refreshed in
-        its LRU; without one, the staging memory), and disk only when there is no CPU tier
-        (with one, a copy into memory is what makes the next load fast). Redis would need a
-        round trip to ask: never assumed."""
+        its LRU; without one, the staging memory), and disk or Redis only when there is no CPU
+        tier (with one, a copy into memory is what makes the next load fast). Redis counts when
+        this process wrote or read the key there (no round trip)."""
         if self.cpu is not None:
             return self.cpu.touch(key)
-        return self.staging.touch(key) or (self.disk is not None and key in self.disk)
+        return self.staging.touch(key) or any(t.holds(key) for t in self.lower)
+
+    def held_below(self, key: bytes) -> bool:
+        """Whether every lower tier holds ``key``: writing it through would change nothing."""
+        return all(t.holds(key) for t in self.lower)
 
     def offload(self, data: torch.Tensor, blocks: list[tuple[int, bytes]], batch: int = 64,
-                wait: bool = False) -> int:
+                wait: bool = False, defer: bool = False) -> int:
         """Copy the KV of these device blocks (``data[:, :, block]``, the runner's cache) into the
         tiers under their keys, skipping keys they already hold. On the GPU each block goes
         straight into a pinned slot of the CPU tier with an asynchronous copy, one synchronize per
         batch (no pageable buffer, no clone, no pinned allocation per block). The lower tiers get
         their write-behind copy as with ``put`` (``wait``: block on a full queue rather than drop
-        the write). Returns the blocks copied."""
-        todo = list({k: b for b, k in blocks if not self.holds(k)}.items())
+        the write). ``defer``: no synchronize at all: the copies are queued on the stream (after
+        the step's forward, for write-through), their chunks pinned in memory, and ``commit``
+        hands them to the writer once the device is past them. Returns the blocks copied."""
+        tier = self.cpu if self.cpu is not None else self.staging
+        todo, in_memory = [], []
+        for k, b in {k: b for b, k in blocks}.items():
+            if not self.holds(k):
+                todo.append((k, b))
+            elif (defer or wait) and self.lower and not self.held_below(k):
+                in_memory.append(k)
+        # Write-through and shutdown: a lower tier lacks a block memory holds (its write was
+        # dropped, or the tier lost it): written from the copy in memory.
+        if in_memory:
+            self._write_behind(tier, in_memory, wait)
         if not todo:
             return 0
         t0 = time.perf_counter()
-        tier = self.cpu if self.cpu is not None else self.staging
-        done = 0
+        done, keys = 0, []
         for i in range(0, len(todo), batch):
             part = todo[i:i + batch]
             idx = torch.tensor([b for _, b in part], device=data.device)
             rows = data.movedim(2, 0)[idx]  # [n, <one block>], contiguous, on the device
             stored = tier.put_from([(k, rows[j]) for j, (k, _) in enumerate(part)])
+            done += len(stored)
+            if defer:
+                if self.lower:  # no room in memory (every chunk pinned): the write is lost
+                    self.load_stats.writes_dropped += len(part) - len(stored)
+                with tier.lock:  # not evicted (its slot not reused) before the copy lands
+                    stored = [k for k in stored if k in tier.chunks]  # (one this batch's puts evicted: lost)
+                    for k in stored:
+                        tier.pins[k] = tier.pins.get(k, 0) + 1
+                keys.extend(stored)
+                continue
             if data.device.type == "cuda":
                 torch.cuda.current_stream(data.device).synchronize()
-            done += len(stored)
-            if self.lower:
-                with tier.lock:
-                    held = [(k, tier.chunks[k]) for k in stored if k in tier.chunks]
-                for k, kv in held:  # the writer gets its own copy: a slot is reused after eviction
-                    try:
-                        self._writes.put((k, kv.clone()), block=wait)
-                    except queue.Full:
-                        for t in self.lower:
-                            t.stats.errors += 1
+            self._write_behind(tier, stored, wait)
+        if defer and keys:
+            event = None
+            if data.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(data.device))
+            self._deferred.append((keys, event))
         self.load_stats.offload_seconds += time.perf_counter() - t0
         return done
+
+    def _write_behind(self, tier: CpuTier, keys: list[bytes], wait: bool, unpin: bool = False) -> None:
+        """Queue the lower tiers' writes of ``keys``, now in ``tier`` (``unpin``: as ``offload``
+        with ``defer`` left them)."""
+        with tier.lock:  # (the writer's discard of a written staging chunk waits for the unpin)
+            if unpin:
+                for k in keys:
+                    tier.unpin(k)
+            # The writer gets its own copy: a slot is reused after eviction.
+            held = [(k, tier.chunks[k].clone()) for k in keys if k in tier.chunks] if self.lower else []
+        for k, kv in held:
+            self._queue_write(k, kv, wait)
+
+    def commit(self, ok: bool = True) -> None:
+        """The step whose copies ``offload(defer=True)`` queued is done: once the device is past
+        them, hand their chunks to the writer. ``ok`` false (the step failed): drop them instead."""
+        deferred, self._deferred = self._deferred, []
+        tier = self.cpu if self.cpu is not None else self.staging
+        for keys, event in deferred:
+            if event is not None:
+                event.synchronize()
+            if ok:
+                self._write_behind(tier, keys, wait=False, unpin=True)
+                continue
+            with tier.lock:
+                for k in keys:
+                    tier.unpin(k)
+                    tier.discard(k)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued write reached its tier (shutdown, tests)."""
@@ -218,7 +288,10 @@ class TieredStore:
                     if self.in_memory(key):
                         n += 1
                         continue
-                    got = self._fetch(key, len(keys) - n)
+                    bad: list = []
+                    got = self._fetch(key, len(keys) - n, bad)
+                    if bad:
+                        self._scrub(bad, keys[n + 1:])
                     if got is None:
                         break
                     n += 1
@@ -226,7 +299,31 @@ class TieredStore:
                 log.exception("KV tier prefetch failed")
             self.prefetch_done[rid] = n
 
-    def _fetch(self, key: bytes, remaining: int) -> torch.Tensor | None:
+    def _scrub(self, tiers: list, keys: list[bytes]) -> None:
+        """A chunk of these tiers failed its checks: check the rest of the prefix there too and
+        drop every bad one now, so that one request finds them all (the run stops at the first
+        bad chunk; what follows is recomputed and written through in place of the dropped)."""
+        for t in tiers:
+            for key in keys:
+                if isinstance(t, DiskTier) and not t.holds(key):
+                    continue
+                data = t.get(key)
+                if data is None:
+                    continue
+                self.load_stats.chunks_scrubbed += 1
+                try:
+                    self.codec.decode(data, key, self.block_shape, self.dtype)
+                except ChunkError as e:
+                    self._drop_bad(t, key, e)
+
+    def _drop_bad(self, t, key: bytes, e: ChunkError) -> None:
+        t.stats.corrupt += 1
+        log.warning("%s KV tier: dropping chunk %s: %s", t.name, key.hex()[:12], e)
+        t.drop(key)
+
+    def _fetch(self, key: bytes, remaining: int, bad: list) -> torch.Tensor | None:
+        """``key``'s chunk from the first lower tier that has a valid one (and is worth loading
+        from), staged in memory; tiers whose chunk failed its checks are appended to ``bad``."""
         for t in self.lower:
             tokens = remaining * self.block_size
             measured = t.stats.load_bandwidth() is not None  # never measured: one load to learn its speed
@@ -238,11 +335,10 @@ class TieredStore:
             if data is None:
                 continue
             try:
-                kv = decode_chunk(data, key, self.block_shape, self.dtype)
+                kv = self.codec.decode(data, key, self.block_shape, self.dtype)
             except ChunkError as e:
-                t.stats.corrupt += 1
-                log.warning("%s KV tier: dropping chunk %s: %s", t.name, key.hex()[:12], e)
-                t.drop(key)
+                self._drop_bad(t, key, e)
+                bad.append(t)
                 continue
             self.cost.observe_transfer(t.name, len(data), time.perf_counter() - t0)
             if self.staging.put(key, kv, tag=t.name):  # tagged: a load from it credits this tier

@@ -86,3 +86,20 @@ def test_redis_url_without_the_redis_package(monkeypatch):
     with pytest.raises(ConfigError) as e:
         _llm(redis_url="redis://127.0.0.1:1/0")
     assert e.value.option == "redis_url" and "redis" in str(e.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("kv_tier_secret", ""), ("kv_tier_secret", "fifteen chars.."), ("kv_tier_secret", 2**64),
+    ("kv_tier_secret", b"sixteen bytes..."), ("kv_tier_encrypt", 1), ("kv_tier_encrypt", "yes"),
+    ("kv_tier_encrypt", None),
+])
+def test_bad_tier_secret_and_encrypt(field, value):
+    with pytest.raises(ConfigError) as e:
+        CacheConfig(disk_kv_dir="/nonexistent/kv", **{field: value})
+    assert e.value.option == field and field in str(e.value)
+
+
+def test_tier_secret_stays_out_of_the_config_repr():
+    from kvserve.config import EngineConfig
+    cache = CacheConfig(disk_kv_dir="/nonexistent/kv", kv_tier_secret="a very private tier secret")
+    assert "very private" not in repr(cache) and "very private" not in repr(EngineConfig(cache=cache))

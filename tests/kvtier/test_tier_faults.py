@@ -37,7 +37,7 @@ def _tokens_loaded(llm) -> dict:
 def test_damaged_disk_chunks_are_recomputed(make_llm, prompts, reference, tmp_path):
     """A flipped byte, a truncated file and another chunk's file under this chunk's name: each
     is caught, dropped and counted; the prefix loads up to it and the rest is recomputed; the
-    recomputed blocks are written again, so the directory heals."""
+    recomputed blocks are written through again, so the directory heals."""
     llm = make_llm(kv_cache_memory=KV_SMALL, disk_kv_dir=str(tmp_path / "kv"))
     favor_loading(llm)
     disk = llm.engine.store.disk
@@ -56,7 +56,8 @@ def test_damaged_disk_chunks_are_recomputed(make_llm, prompts, reference, tmp_pa
     assert out.outputs[0].token_ids == ref_b
     assert (out.metrics.num_cached_tokens, out.metrics.num_loaded_tokens) == (0, 10 * 16)
     assert disk.stats.corrupt == 1
-    assert keys[10] not in disk and not os.path.exists(path)
+    llm.engine.store.flush()  # dropped, recomputed, written through again: healed at once
+    assert keys[10] in disk and Path(path).read_bytes() != bytes(data)
 
     # 2. Block 5's file cut in half (the directory healed block 10 meanwhile).
     evict_from_gpu(llm, prompts.prefix, seed=2)
@@ -66,7 +67,9 @@ def test_damaged_disk_chunks_are_recomputed(make_llm, prompts, reference, tmp_pa
     out = gen(llm, prompts.c)
     assert out.outputs[0].token_ids == ref_c
     assert (out.metrics.num_cached_tokens, out.metrics.num_loaded_tokens) == (0, 5 * 16)
-    assert disk.stats.corrupt == 2 and keys[5] not in disk
+    assert disk.stats.corrupt == 2
+    llm.engine.store.flush()
+    assert keys[5] in disk and os.path.getsize(path) == disk.files[keys[5]] > 0
 
     # 3. Block 4's chunk in block 3's file: intact, checksummed, but not this key.
     evict_from_gpu(llm, prompts.prefix, seed=3)
@@ -82,7 +85,8 @@ def test_damaged_disk_chunks_are_recomputed(make_llm, prompts, reference, tmp_pa
     os.unlink(disk.path(keys[2]))
     out = gen(llm, prompts.b)
     assert out.outputs[0].token_ids == ref_b and out.metrics.num_loaded_tokens == 2 * 16
-    assert keys[2] not in disk  # a vanished file is forgotten
+    llm.engine.store.flush()  # a vanished file is forgotten, then written through again
+    assert keys[2] in disk and os.path.exists(disk.path(keys[2]))
 
     # Healed: everything is back on disk and the whole prefix loads.
     evict_from_gpu(llm, prompts.prefix, seed=5)
@@ -113,7 +117,8 @@ def test_damaged_redis_chunks_are_recomputed(make_llm, prompts, reference, redis
     assert out.outputs[0].token_ids == ref_b
     assert (out.metrics.num_cached_tokens, out.metrics.num_loaded_tokens) == (0, 10 * 16)
     assert stats.corrupt == 1 and stats.available
-    assert not r.exists(_rkey(keys[10]))  # dropped
+    llm.engine.store.flush()  # dropped, recomputed and written through again
+    assert len(r.get(_rkey(keys[10]))) > 25
 
     # 2. Block 8's chunk under block 7's key (a valid chunk, the wrong one), and block 12 cut short.
     evict_from_gpu(llm, prompts.prefix, seed=2)
@@ -124,9 +129,12 @@ def test_damaged_redis_chunks_are_recomputed(make_llm, prompts, reference, redis
     out = gen(llm, prompts.c)
     assert out.outputs[0].token_ids == ref_c
     assert (out.metrics.num_cached_tokens, out.metrics.num_loaded_tokens) == (0, 7 * 16)
-    assert stats.corrupt == 2
+    # The rest of the prefix was checked at block 7's failure: block 12 was found with it.
+    assert stats.corrupt == 3
 
-    # 3. The evictions wrote block 12 again (Redis takes every write); one flipped bit in it.
+    # 3. Both were recomputed and written through again; one flipped bit in block 12.
+    llm.engine.store.flush()
+    assert len(r.get(_rkey(keys[7]))) == len(r.get(_rkey(keys[12]))) == len(v)
     evict_from_gpu(llm, prompts.prefix, seed=3)
     assert len(r.get(_rkey(keys[12]))) == len(v)
     v = bytearray(r.get(_rkey(keys[12])))
@@ -135,7 +143,7 @@ def test_damaged_redis_chunks_are_recomputed(make_llm, prompts, reference, redis
     out = gen(llm, prompts.a)
     assert out.outputs[0].token_ids == ref_a
     assert out.metrics.num_loaded_tokens == 12 * 16
-    assert stats.corrupt == 3
+    assert stats.corrupt == 4
     llm.engine.check_invariants()
 
 
