@@ -28,6 +28,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.models import loader
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import StructuredCompiler
 from kvserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         log.info("KV cache: %s", plan.describe())
 
     @staticmethod
@@ -192,6 +194,10 @@ class LLMEngine:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) = {n + mt} exceeds "
                                       f"max_model_len {self.max_model_len}; "
                                       f"allowed max_tokens <= {self.max_model_len - n}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # a spec that does not compile stops here
         need = self.scheduler.blocks_to_finish(n, mt if mt is not None else self.max_model_len - n, params.n)
         if need > self.num_kv_blocks:
             raise InvalidRequestError("max_tokens", f"the request needs {need} KV blocks at its longest "
@@ -208,6 +214,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id
+        if params.structured_outputs is not None:
+            req.grammar = self.structured.matcher(params.structured_outputs)
         if session_id is not None:
             # Even if it was idle long enough to leave the GPU: moving it out now would only
             # load it straight back.

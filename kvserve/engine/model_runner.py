@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvserve import kernels
+from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan
 from kvserve.engine.kv_cache import KVCache
@@ -116,6 +116,7 @@ class ModelRunner:
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
+        self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
 
     # -- KV cache ----------------------------------------------------------------------------
     def determine_kv_memory(self) -> int:
@@ -293,11 +294,15 @@ class ModelRunner:
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
         sample_rows, rows, sample_of = [], [], []
+        grammar_rows, grammars = [], []  # rows under a grammar and their matchers
         for i, s in enumerate(sched):
             if s.samples:
                 r = s.request
                 n_draws = r.pending_forks + 1
                 for j in range(n_draws):
+                    if r.grammar is not None:  # forks draw their first token from the parent's state
+                        grammar_rows.append(len(rows))
+                        grammars.append(r.grammar)
                     sample_rows.append(query_start[i + 1] - 1)
                     rows.append(self._sampling_row(r, j))
                     sample_of.append(i)
@@ -307,7 +312,15 @@ class ModelRunner:
                 picked = hidden  # every row sampled once, in order (a decode step)
             else:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
-            pending = self.sampler.launch(self._logits(picked), rows)
+            logits = self._logits(picked)
+            bitmask = None
+            if grammar_rows:
+                # The device is busy with the forward: the host fills the grammar's mask meanwhile.
+                if self._bitmask is None:
+                    self._bitmask = structured.BitmaskFiller(self.arch.vocab_size, self.device)
+                mask = self._bitmask(len(rows), grammar_rows, grammars)
+                bitmask = (mask.to(self.device, non_blocking=True), grammar_rows)
+            pending = self.sampler.launch(logits, rows, bitmask)
             # The sampled ids stay on the device: a step scheduled before they reach the host
             # takes its requests' input tokens from here.
             self._sampled = (pending[0], sched, sample_of)
@@ -363,7 +376,9 @@ class ModelRunner:
     def _sampling_row(self, r: Request, draw: int) -> SamplingRow:
         p = r.params
         banned = ()
-        if r.num_output_tokens < p.min_tokens:
+        # Under a grammar, the grammar decides where the output ends: banning its stop token
+        # could leave a row with nothing allowed.
+        if r.num_output_tokens < p.min_tokens and r.grammar is None:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
         penal = p.needs_penalties
         return SamplingRow(
@@ -374,7 +389,7 @@ class ModelRunner:
             frequency_penalty=p.frequency_penalty,
             seen_tokens=r.all_token_ids if penal else None,
             output_tokens=r.output_token_ids if penal else None,
-            banned_tokens=banned)
+            banned_tokens=banned, logit_bias=p.logit_bias)
 
     def _prompt_logprobs(self, r: Request, s: ScheduledRequest, hidden, q_start: int):
         """Log-prob of each prompt token given those before it, for positions computed now."""
