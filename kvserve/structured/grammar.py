@@ -128,10 +128,10 @@ class StructuredCompiler:
             if kind == "json":
                 schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
                 _check_schema(schema, field)
-                return compiler.compile_json_schema(schema, any_whitespace=False)
+                return compiler.compile_grammar(_json_grammar(schema))
             if kind == "json_object":
                 # Any object: strict mode would close it to {} (no additional properties).
-                return compiler.compile_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
+                return compiler.compile_grammar(_json_grammar({"type": "object"}, strict_mode=False))
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
@@ -146,6 +146,23 @@ class StructuredCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarState:
         return GrammarState(_xgr().GrammarMatcher(self.compile(spec)))
+
+
+# A JSON string's characters as xgrammar 0.2.9 writes them: plain strings exclude control
+# characters, strings with minLength/maxLength do not (JSON forbids them raw: json.loads refuses
+# such output); neither excludes the UTF-16 surrogates, whose UTF-8 encodings are not UTF-8 at all
+# (a byte-level vocabulary can spell them; the text then shows U+FFFD and outgrows maxLength).
+_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_JSON_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+
+
+def _json_grammar(schema, strict_mode: bool = True):
+    """The schema's grammar, as compact JSON, with its string characters limited to JSON's."""
+    xgr = _xgr()
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+    for loose in _STRING_CHARS:
+        text = text.replace(loose, _JSON_CHAR)
+    return xgr.Grammar.from_ebnf(text)
 
 
 def _check_schema(schema, field: str) -> None:
