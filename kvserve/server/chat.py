@@ -46,7 +46,10 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     params = req.sampling_params(req.token_limit, req.engine_logprobs)
     ids = template_ids(state.engine.engine.tokenizer, req.messages)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = st.start(state.engine, rid, [ids], params, session_id=req.session_id)
+    try:
+        streams = st.start(state.engine, rid, [ids], params, session_id=req.session_id)
+    except InvalidRequestError as e:  # a grammar that does not compile is found at admission
+        raise req.api_error(e) from None
     k = req.top_logprobs or 0
     if req.stream:
         return StreamingResponse(_stream(state, req, rid, streams, k), media_type="text/event-stream")
