@@ -23,7 +23,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self):
         def bad(name, allowed):
-            raise InvalidRequestError(f"structured_outputs.{name}", f"must be {allowed}, got {getattr(self, name)!r}")
+            got = repr(getattr(self, name))  # a spec can be large: the message shows its start
+            raise InvalidRequestError(f"structured_outputs.{name}", f"must be {allowed}, got {got[:200]}")
 
         if not isinstance(self.json_object, bool):
             bad("json_object", "a boolean")
@@ -41,6 +42,11 @@ class StructuredOutputsParams:
                     bad("json", "a JSON schema (a JSON object)")
             elif not isinstance(self.json, dict):
                 bad("json", "a JSON schema (a dict or JSON text)")
+            else:
+                try:
+                    json.dumps(self.json)
+                except (TypeError, ValueError) as e:
+                    bad("json", f"a JSON schema of JSON values: {e}")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):

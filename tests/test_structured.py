@@ -186,6 +186,7 @@ def test_logit_bias_cannot_leave_the_grammar(llm):
     (lambda: S(json={"type": "string"}, regex="a"), "structured_outputs", ["exactly one", "json", "regex"]),
     (lambda: S(json="{not json"), "structured_outputs.json", ["JSON"]),
     (lambda: S(json=[1]), "structured_outputs.json", ["schema"]),
+    (lambda: S(json={"type": "object", "default": object()}), "structured_outputs.json", ["JSON values"]),
     (lambda: S(choice=[]), "structured_outputs.choice", ["non-empty"]),
     (lambda: S(choice=["a", 3]), "structured_outputs.choice", ["strings"]),
     (lambda: S(regex=""), "structured_outputs.regex", ["non-empty"]),
