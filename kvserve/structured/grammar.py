@@ -87,8 +87,6 @@ class StructuredCompiler:
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -110,12 +108,10 @@ class StructuredCompiler:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                self.hits += 1
                 return hit
             compiler = self._get_compiler()
         compiled = self._compile(compiler, spec)  # outside the lock: others' hits need not wait
         with self._lock:
-            self.misses += 1
             self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -191,9 +187,10 @@ class BitmaskFiller:
 
     def __call__(self, num_rows: int, rows: list[int], states: list[GrammarState]) -> torch.Tensor:
         xgr = _xgr()
-        mask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        if self.pin:
-            mask = mask.pin_memory()
+        # All ones (every token allowed) where no matcher writes; pinned on CUDA, so the copy to
+        # the device is asynchronous.
+        mask = torch.full(xgr.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=xgr.bitmask_dtype,
+                          pin_memory=self.pin)
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
         self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], mask, indices=rows)
