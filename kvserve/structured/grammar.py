@@ -94,8 +94,12 @@ class StructuredCompiler:
                 raise InvalidRequestError("structured_outputs", "this model has no tokenizer; structured outputs "
                                           "need one to know what each token spells")
             xgr = _xgr()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            try:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+            except (RuntimeError, ValueError, TypeError) as e:  # e.g. a tokenizer larger than the logits
+                raise InvalidRequestError("structured_outputs", f"this model's tokenizer cannot be used for "
+                                          f"grammars: {_reason(e)}") from None
             # One cache, ours: xgrammar's own is keyed the same way and would hold everything twice.
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._compiler
