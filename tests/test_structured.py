@@ -250,6 +250,12 @@ def test_compiled_grammars_are_cached_by_spec(llm):
         assert c.compile(S(json=schema)) is not first  # evicted by the two newer ones, compiled again
     finally:
         c.cache_size = old
+    old, c.cache_bytes = c.cache_bytes, 1  # a byte budget: only the newest stays
+    try:
+        kept = c.compile(S(regex="c+"))
+        assert c.compile(S(regex="c+")) is kept and len(c._cache) == 1
+    finally:
+        c.cache_bytes = old
 
 
 def test_matcher_accepts_lists_and_rolls_back(llm):

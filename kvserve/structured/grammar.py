@@ -25,6 +25,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is tens of KiB to a few MiB)
+DEFAULT_CACHE_BYTES = 256 << 20  # and at most this much memory between them
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -75,15 +76,18 @@ class GrammarState:
 
 class StructuredCompiler:
     """Compiles specs against one tokenizer. Compiled grammars are kept by canonical spec in an
-    LRU of ``cache_size`` entries; compiling happens when a request is admitted (a bad spec is
-    refused there), the step only reads the cache. Safe to call from several threads."""
+    LRU of ``cache_size`` entries and ``cache_bytes`` (the newest always stays); compiling happens
+    when a request is admitted (a bad spec is refused there), never in the step. Safe
+    to call from several threads."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 cache_size: int = DEFAULT_CACHE_SIZE):
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width; may exceed the tokenizer's (padded rows)
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
@@ -116,9 +120,12 @@ class StructuredCompiler:
             compiler = self._get_compiler()
         compiled = self._compile(compiler, spec)  # outside the lock: others' hits need not wait
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if key not in self._cache:  # another thread may have compiled it meanwhile
+                self._cache[key] = compiled
+                self._cached_bytes += compiled.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                            or self._cached_bytes > self.cache_bytes):
+                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def _compile(self, compiler, spec: StructuredOutputsParams):
