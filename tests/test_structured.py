@@ -168,9 +168,12 @@ def test_logit_bias_bans_and_forces(llm):
     sampled = llm.generate([prompt] * 8, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True,
                                                         logit_bias={top: -100}))
     assert all(top not in c.token_ids for o in sampled for c in o.outputs)
-    forced = llm.generate([prompt] * 4, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True,
+    forced = llm.generate([prompt] * 4, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=0,
                                                        logit_bias={77: 100, 78: 0.5}))
     assert all(c.token_ids == [77] * 8 for o in forced for c in o.outputs)
+    # Log-probs are the model's own, before the bias: a random model gives token 77 far less than 1.
+    lps = [p[77].logprob for o in forced for c in o.outputs for p in c.logprobs]
+    assert len(lps) == 32 and max(lps) < -1.0
 
 
 def test_logit_bias_cannot_leave_the_grammar(llm):
