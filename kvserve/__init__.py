@@ -1,9 +1,9 @@
 """kvserve: a paged, memory-first LLM inference engine."""
 from kvserve.errors import ConfigError, InvalidRequestError, ModelLoadError
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "InvalidRequestError", "ModelLoadError", "ConfigError"]
 __version__ = "0.1.0"
 

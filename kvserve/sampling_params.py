@@ -8,7 +8,9 @@ the context) are the engine's (``LLMEngine.validate``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import math
+from dataclasses import dataclass, field, fields
 
 from kvserve.errors import InvalidRequestError
 
@@ -30,6 +32,70 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match: exactly one of these. The grammar is compiled when the
+    request is admitted, so a spec that does not compile is refused there, naming the field."""
+    json: dict | str | None = None  # a JSON schema (dict or JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar / GBNF style)
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            got = repr(getattr(self, name))  # a spec can be large: the message shows its start
+            raise InvalidRequestError(f"structured_outputs.{name}", f"must be {allowed}, got {got[:200]}")
+
+        if not isinstance(self.json_object, bool):
+            bad("json_object", "a boolean")
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs", "give exactly one of json, regex, choice, grammar "
+                                      f"or json_object, got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    bad("json", f"a JSON schema (a dict or JSON text): {e}")
+                if not isinstance(schema, (dict, bool)):
+                    bad("json", "a JSON schema (a JSON object)")
+            elif not isinstance(self.json, dict):
+                bad("json", "a JSON schema (a dict or JSON text)")
+            else:
+                try:
+                    json.dumps(self.json)
+                except (TypeError, ValueError) as e:
+                    bad("json", f"a JSON schema of JSON values: {e}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(name, "a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            bad("choice", "a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: json, regex, choice, grammar or json_object."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The spec in canonical text: what compiled grammars are cached under."""
+        k = self.kind
+        v = getattr(self, k)
+        if k == "json":
+            v = json.dumps(json.loads(v) if isinstance(v, str) else v, sort_keys=True, separators=(",", ":"))
+        elif k == "choice":
+            v = json.dumps(v)
+        elif k == "json_object":
+            v = ""
+        return k, v
 
 
 @dataclass
@@ -52,6 +118,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probs returned per sampled token (plus the sampled one)
     prompt_logprobs: int | None = None  # log-prob of each prompt token (plus top-k)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -101,6 +169,18 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "None or a StructuredOutputsParams")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "a map of token ids to numbers in [-100, 100]")
+            for t, v in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise InvalidRequestError("logit_bias", f"keys must be token ids (integers >= 0), got {t!r}")
+                if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                        or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
+                    raise InvalidRequestError("logit_bias", f"values must be numbers in [-100, 100], got {v!r} "
+                                              f"for token {t}")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -29,6 +29,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.models import loader
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import StructuredCompiler
 from kvserve.tokenizer import check_text, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class LLMEngine:
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self._failed: dict[str, RequestFailedError] = {}  # see pop_failed
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         log.info("KV cache: %s", plan.describe())
 
     @staticmethod
@@ -209,6 +211,10 @@ class LLMEngine:
                                       f"max_model_len {self.max_model_len}; "
                                       f"allowed max_tokens <= {self.max_model_len - n}",
                                       code="context_length_exceeded")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # a spec that does not compile stops here
         longest = mt if mt is not None else self.max_model_len - n
         need = self.scheduler.blocks_to_finish(n, longest, params.n)
         if need > self.num_kv_blocks:
@@ -236,6 +242,8 @@ class LLMEngine:
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id
         req.cache_salt = cache_salt
+        if params.structured_outputs is not None:
+            req.grammar = self.structured.matcher(params.structured_outputs)
         if session_id is not None:
             # Even if it was idle long enough to leave the GPU: moving it out now would only
             # load it straight back.

@@ -13,7 +13,8 @@ Invariants:
 - If a step's results never come (it failed), ``rollback`` undoes ``advance``: the requests stand
   where the step found them, as after a failed synchronous step; the step launched ahead on top
   of it is discarded.
-- A step that forks, samples with penalties (they read the tokens on the host), wants prompt
+- A step that forks, samples with penalties (they read the tokens on the host) or under a
+  grammar (the next token's mask needs this one accepted by the matcher first), wants prompt
   log-probs (read from its hidden states) or moves KV to or from the tiers (their copies run
   beside the compute stream) is never looked past (``can_look_ahead``).
 """
@@ -43,7 +44,7 @@ def can_look_ahead(out: SchedulerOutput, tiers_on: bool) -> bool:
         return False
     for s in out.scheduled:
         r = s.request
-        if s.samples and (r.pending_forks or r.params.needs_penalties):
+        if s.samples and (r.pending_forks or r.params.needs_penalties or r.grammar is not None):
             return False
         if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
             return False

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvserve import kernels
+from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan
 from kvserve.engine.faults import is_device_fault
@@ -120,6 +120,7 @@ class ModelRunner:
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
+        self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
 
     # -- KV cache ----------------------------------------------------------------------------
     def determine_kv_memory(self) -> int:
@@ -299,6 +300,7 @@ class ModelRunner:
         sample_rows, rows, sample_of = [], [], []
         failed: dict[int, BaseException] = {}  # scheduled index -> its own fault (see faults.py)
         seeded: list[tuple[torch.Generator, torch.Tensor]] = []  # states before this step's draws
+        grammar_rows, grammars = [], []  # rows under a grammar and their matchers
         for i, s in enumerate(sched):
             if s.samples:
                 r = s.request
@@ -312,6 +314,9 @@ class ModelRunner:
                     failed[i] = e
                     mine = [_PLACEHOLDER_ROW] * n_draws
                 for row in mine:
+                    if r.grammar is not None:  # forks draw their first token from the parent's state
+                        grammar_rows.append(len(rows))
+                        grammars.append(r.grammar)
                     sample_rows.append(query_start[i + 1] - 1)
                     rows.append(row)
                     sample_of.append(i)
@@ -321,14 +326,22 @@ class ModelRunner:
                 picked = hidden  # every row sampled once, in order (a decode step)
             else:
                 picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
+            logits = self._logits(picked)
+            bitmask = None
+            if grammar_rows:
+                # The device is busy with the forward: the host fills the grammar's mask meanwhile.
+                if self._bitmask is None:
+                    self._bitmask = structured.BitmaskFiller(self.arch.vocab_size, self.device)
+                mask = self._bitmask(len(rows), grammar_rows, grammars)
+                bitmask = (mask.to(self.device, non_blocking=True), grammar_rows)
             try:
-                pending = self.sampler.launch(self._logits(picked), rows)
+                pending = self.sampler.launch(logits, rows, bitmask)
             except Exception as e:  # noqa: BLE001 - narrowed down below
                 if is_device_fault(e):
                     raise
                 for g, state in seeded:  # a seeded request draws the same noise as if alone
                     g.set_state(state)
-                pending = self._sample_one_by_one(picked, rows, sample_of, failed)
+                pending = self._sample_one_by_one(picked, rows, sample_of, failed, bitmask)
             # The sampled ids stay on the device: a step scheduled before they reach the host
             # takes its requests' input tokens from here.
             self._sampled = (pending[0], sched, sample_of)
@@ -378,16 +391,18 @@ class ModelRunner:
         return finish_and_write
 
     def _sample_one_by_one(self, picked: torch.Tensor, rows: list[SamplingRow], sample_of: list[int],
-                           failed: dict[int, BaseException]):
+                           failed: dict[int, BaseException], bitmask=None):
         """The batch's sampling raised: sample each row alone, so that the fault stays with the
         request whose row raises (in ``failed``; its row becomes a placeholder) and the others
         get their tokens. Returns what ``Sampler.launch`` would have."""
         # Afresh: the failed batch may have applied penalties to its logits in place.
         logits = self._logits(picked).float()
         tokens = []
+        masked = set() if bitmask is None else set(bitmask[1])  # rows under a grammar
         for k, row in enumerate(rows):
+            mine = (bitmask[0][k:k + 1], [0]) if k in masked else None
             try:
-                tokens.append(self.sampler.launch(logits[k:k + 1].clone(), [row])[0])
+                tokens.append(self.sampler.launch(logits[k:k + 1].clone(), [row], mine)[0])
             except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
                 if is_device_fault(e):
                     raise
@@ -427,7 +442,9 @@ class ModelRunner:
     def _sampling_row(self, r: Request, draw: int) -> SamplingRow:
         p = r.params
         banned = ()
-        if r.num_output_tokens < p.min_tokens:
+        # Under a grammar, the grammar decides where the output ends: banning its stop token
+        # could leave a row with nothing allowed.
+        if r.num_output_tokens < p.min_tokens and r.grammar is None:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
         penal = p.needs_penalties
         return SamplingRow(
@@ -438,7 +455,7 @@ class ModelRunner:
             frequency_penalty=p.frequency_penalty,
             seen_tokens=r.all_token_ids if penal else None,
             output_tokens=r.output_token_ids if penal else None,
-            banned_tokens=banned)
+            banned_tokens=banned, logit_bias=p.logit_bias)
 
     def _prompt_logprobs(self, r: Request, s: ScheduledRequest, hidden, q_start: int):
         """Log-prob of each prompt token given those before it, for positions computed now."""

@@ -82,6 +82,9 @@ class Request:
         self.session_id: str | None = None
         self.cache_salt: str | None = None  # scopes its prefix-cache keys (kv_cache_manager.salt_root)
         self.stop_reason: int | None = None  # the stop token that ended it
+        # Structured outputs: the matcher of this sequence's grammar (kvserve.structured.GrammarState),
+        # holding every output token so far; it outlives preemption with the request.
+        self.grammar = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
 
@@ -143,6 +146,7 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.pending_forks = 0
         child.generators = None if self.generators is None else [self.generators[index]]
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         child.metrics = RequestMetrics(**vars(self.metrics))
         return child
 

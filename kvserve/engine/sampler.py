@@ -1,10 +1,13 @@
 """Sampler: logits of the rows being sampled -> token ids (+ log-probs), on the logits' device.
 
-Order: penalties -> min_tokens mask -> greedy rows (temperature below ``MIN_TEMPERATURE``) take
-the argmax; the others are divided by their temperature, masked by top-k, top-p and min-p, and
-drawn by the exponential race (``argmax(p / q)``, q ~ Exp(1)), which equals drawing from ``p``.
-A seeded row draws its noise from its own generator, so its tokens do not depend on the rest of
-the batch.
+Order: penalties -> logit_bias -> min_tokens mask -> grammar mask -> greedy rows (temperature
+below ``MIN_TEMPERATURE``) take the argmax; the others are divided by their temperature, masked
+by top-k, top-p and min-p, and drawn by the exponential race (``argmax(p / q)``, q ~ Exp(1)),
+which equals drawing from ``p``. A seeded row draws its noise from its own generator, so its
+tokens do not depend on the rest of the batch.
+
+Log-probs are the model's own (a log-softmax of the raw logits), before penalties, logit_bias and
+the grammar mask change anything: what vLLM returns by default.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import structured
 from kvserve.sampling_params import MIN_TEMPERATURE
 
 
@@ -30,6 +34,7 @@ class SamplingRow:
     seen_tokens: list[int] | None = None
     output_tokens: list[int] | None = None
     banned_tokens: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
 
 @dataclass
@@ -51,6 +56,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             counts = torch.bincount(torch.tensor(r.output_tokens, device=logits.device), minlength=vocab)[:vocab]
             logits[i] -= r.frequency_penalty * counts.to(logits.dtype)
             logits[i] -= r.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """All rows' biases in one scatter-add on the logits' device."""
+    r_idx, t_idx, vals = [], [], []
+    for i, r in enumerate(rows):
+        if r.logit_bias:
+            r_idx.extend([i] * len(r.logit_bias))
+            t_idx.extend(r.logit_bias.keys())
+            vals.extend(r.logit_bias.values())
+    dev = logits.device
+    logits.index_put_((torch.tensor(r_idx).to(dev, non_blocking=True), torch.tensor(t_idx).to(dev, non_blocking=True)),
+                      torch.tensor(vals, dtype=logits.dtype).to(dev, non_blocking=True), accumulate=True)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -95,22 +113,29 @@ class Sampler:
         # ``finish`` waits for this step only, not for the next step queued behind it.
         self.copy_ahead = copy_ahead and device.type == "cuda"
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.finish(self.launch(logits, rows))
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
+        return self.finish(self.launch(logits, rows, bitmask))
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]):
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow],
+               bitmask: tuple[torch.Tensor, list[int]] | None = None):
         """Queue the sampling on the logits' device; ``finish`` reads the ids back (the step's
-        one host synchronisation)."""
+        one host synchronisation). ``bitmask``: the grammar's allowed tokens (on the device) and
+        the rows it constrains."""
         logits = logits.float()
         n, vocab = logits.shape
         want_lp = [r.num_logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_lp) else None
         if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
             apply_penalties(logits, rows)
+        if any(r.logit_bias for r in rows):
+            apply_logit_bias(logits, rows)
         for i, r in enumerate(rows):
             if r.banned_tokens:
                 ids = [t for t in r.banned_tokens if t < vocab]
                 logits[i, ids] = float("-inf")
+        if bitmask is not None:
+            structured.apply_bitmask(logits, *bitmask)
         greedy = [r.temperature < MIN_TEMPERATURE for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)

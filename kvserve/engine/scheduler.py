@@ -236,6 +236,8 @@ class Scheduler:
                     else:
                         r.append_token(tok)
                     status = self._stop_status(r, tok)
+                    if r.grammar is not None and not self._grammar_continues(r, tok) and status is None:
+                        status = RequestStatus.FINISHED_STOPPED
                     if status is not None:  # tokens accepted past a stop are dropped
                         n = k + 1
                         self.finish(r, status)
@@ -281,6 +283,13 @@ class Scheduler:
         if n_out >= r.max_tokens:  # Request.length_reached, without the property calls
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _grammar_continues(r: Request, tok: int) -> bool:
+        """Feed the token to the request's matcher. False once the grammar has ended (its stop
+        token accepted), or for a token it refuses, which only a row left with nothing allowed
+        can produce: the output ends there either way, not outside the grammar."""
+        return r.grammar.accept([tok]) == 1 and not r.grammar.terminated
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark ``req`` finished and give its blocks back (it may be running or waiting). A

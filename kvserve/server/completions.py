@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import streams as st
 from kvserve.server.errors import sse_error
@@ -33,7 +34,10 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_capacity()
     params = req.sampling_params(req.max_tokens, req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = st.start(state.engine, rid, req.prompts(), params, *state.request_scope(req, raw))
+    try:
+        streams = st.start(state.engine, rid, req.prompts(), params, *state.request_scope(req, raw))
+    except InvalidRequestError as e:  # the engine's checks (a grammar compiles at admission) use its names
+        raise req.as_sent(e) from None
     if req.stream:
         return StreamingResponse(_stream(state, req, rid, streams, raw), media_type="text/event-stream")
     try:

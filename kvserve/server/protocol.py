@@ -25,6 +25,7 @@ from kvserve.sampling_params import (
     MAX_STOP_CHARS,
     SEED_RANGE,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 
@@ -96,6 +97,34 @@ TokenCount = int_in(1, MAX_COUNT)
 NumLogprobs = int_in(0, MAX_LOGPROBS)
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=256)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+_TOKEN_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits only: int() would also read other scripts' digits
+
+
 class _SamplingFields(_Request):
     """Parameters shared by completions and chat; OpenAI's names plus vLLM-style extras."""
     model: str
@@ -117,6 +146,13 @@ class _SamplingFields(_Request):
     repetition_penalty: number_in(0, 100, lo_open=True) = 1.0
     ignore_eos: bool = False
     min_tokens: int_in(0, MAX_COUNT) = 0
+    logit_bias: dict[str, number_in(-100, 100)] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's spelling
+    guided_json: dict | str | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the field as the client sent it."""
@@ -125,20 +161,72 @@ class _SamplingFields(_Request):
                 n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-                stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+                stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                structured_outputs=self._structured_outputs(), logit_bias=self._logit_bias())
         except InvalidRequestError as e:
             raise self.as_sent(e) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for k, v in self.logit_bias.items():
+            if not _TOKEN_ID.fullmatch(k):
+                raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal integers), got {k!r}")
+            bias[int(k)] = v
+        return bias
+
+    def _structure_asked(self) -> list[tuple[str, dict]]:
+        """(the request's field, StructuredOutputsParams arguments) for each way structure is asked."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format.json_schema.schema", "is required with type json_schema")
+            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            asked.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                                                 "grammar": so.grammar, "json_object": bool(so.json_object)}))
+        for name, key in _GUIDED:
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        return asked
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        asked = self._structure_asked()
+        if len(asked) > 1:
+            raise InvalidRequestError(asked[1][0], "give one of response_format (json_object or json_schema), "
+                                      f"structured_outputs or guided_*, got {', '.join(n for n, _ in asked)}")
+        return StructuredOutputsParams(**asked[0][1]) if asked else None
 
     def _sent_names(self) -> dict[str, str]:
         """SamplingParams' name -> the name this request gave the same value, where they differ."""
         return {}
 
+    def _structured_field(self, field: str) -> str:
+        """The request's own name for a structured-outputs field: structured_outputs.json given as
+        a response_format is response_format.json_schema.schema, given as guided_json guided_json."""
+        if not field.startswith("structured_outputs"):
+            return field
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema":
+            return "response_format.json_schema.schema" if field == "structured_outputs.json" else "response_format"
+        if rf is not None and rf.type == "json_object":
+            return "response_format"
+        for name, key in _GUIDED:
+            if getattr(self, name) is not None and field in ("structured_outputs", f"structured_outputs.{key}"):
+                return name
+        return field
+
     def as_sent(self, e: InvalidRequestError) -> InvalidRequestError:
         """``e`` (raised by SamplingParams or the engine) with the field named as the client sent it."""
-        name = self._sent_names().get(e.field)
-        if name is None:
+        name = self._sent_names().get(e.field) or self._structured_field(e.field)
+        if name == e.field:
             return e
-        return InvalidRequestError(name, re.sub(rf"\b{e.field}\b", name, e.message), e.code)
+        return InvalidRequestError(name, re.sub(rf"\b{re.escape(e.field)}\b", name, e.message), e.code)
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,189 @@
+"""Structured outputs: what a JSON-schema grammar costs.
+
+Three measurements in one run:
+- output tokens/s of the same prompts with and without a JSON schema, at batch 1 and batch
+  ``--batch``, best of ``--repeats`` alternated runs (sampled at temperature 1; the
+  unconstrained requests ignore end-of-text and run to ``--max-tokens``, the constrained ones stop
+  where the grammar ends, so tokens/s is compared);
+- the host time to fill one step's token bitmask for ``--batch`` matchers (what the device's
+  forward has to hide);
+- grammar compile time per schema, cold (a fresh compiler) and cached.
+
+    python benchmarks/structured.py                                   # default model, CPU
+    python benchmarks/structured.py --model dummy:tiny --batch 16     # seconds, on a small tokenizer
+    PYTHONPATH=$PWD python benchmarks/structured.py --model dummy:llama-3-8b --out $OUT   # GPU
+
+Dummy models borrow a tokenizer: the default model's (49,152 tokens, padded to the model's
+vocabulary) where it is installed and fits, else the byte-level one the tests train.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from kvserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                              "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                              "ok": {"type": "boolean"}},
+             "required": ["name", "age", "ok"]},
+    "nested": {"type": "object", "properties": {
+        "id": {"type": "integer"},
+        "address": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+        "score": {"type": "number", "minimum": -10, "maximum": 10}},
+        "required": ["id", "address", "tags"]},
+    "records": {"type": "array", "minItems": 4, "maxItems": 8, "items": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                         "label": {"enum": ["red", "green", "blue"]}},
+        "required": ["x", "label"]}},
+    "recursive": {"$ref": "#/$defs/node", "$defs": {"node": {
+        "type": "object", "properties": {"v": {"type": "integer"},
+                                         "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        "required": ["v"]}}},
+}
+
+
+def borrowed_tokenizer(model: str | None) -> str | None:
+    if model is None or not model.startswith("dummy:"):
+        return None
+    from kvserve.errors import ModelLoadError
+    from kvserve.models.loader import default_model_path, resolve
+    if resolve(model).arch.vocab_size >= 49152:
+        try:
+            return default_model_path()
+        except ModelLoadError:
+            pass  # not installed here: the byte-level one, padded
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from byte_tokenizer import build
+    return build(tempfile.mkdtemp(prefix="kvserve-bench-tok-"))
+
+
+def throughput(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> tuple[float, int, float]:
+    """(output tok/s, output tokens, seconds) for ``batch`` requests at once."""
+    so = StructuredOutputsParams(json=schema) if schema is not None else None
+    # Unseeded: a seeded row draws its noise on its own, which would be timed too.
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=so is None, structured_outputs=so)
+    prompts = [f"Record {i} as JSON:" for i in range(batch)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    if so is not None:
+        for o in outs:  # the grammar held: every finished output parses
+            if o.outputs[0].finish_reason == "stop":
+                json.loads(o.outputs[0].text)
+    return n / dt, n, dt
+
+
+def fill_time(llm: LLM, batch: int, schema: dict, reps: int = 50) -> float:
+    """Seconds to fill one step's bitmask for ``batch`` matchers, each a few tokens into the
+    output (past the grammar's fixed prefix)."""
+    from kvserve.structured import BitmaskFiller
+    eng = llm.engine
+    spec = StructuredOutputsParams(json=schema)
+    states = []
+    for _ in range(batch):
+        g = eng.structured.matcher(spec)
+        g.accept(eng.tokenizer.encode('{"name": "ab', add_special_tokens=False))
+        states.append(g)
+    filler = BitmaskFiller(eng.arch.vocab_size, eng.runner.device)
+    rows = list(range(batch))
+    filler(batch, rows, states)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        filler(batch, rows, states)
+    return (time.perf_counter() - t0) / reps
+
+
+def compile_times(llm: LLM) -> dict:
+    from kvserve.structured import StructuredCompiler
+    eng = llm.engine
+    out = {}
+    t0 = time.perf_counter()
+    fresh = StructuredCompiler(eng.tokenizer, eng.arch.vocab_size, eng.eos_token_ids)
+    fresh.compile(StructuredOutputsParams(regex="a"))  # the tokenizer's info, built once per engine
+    out["tokenizer_info_s"] = time.perf_counter() - t0
+    for name, schema in SCHEMAS.items():
+        spec = StructuredOutputsParams(json=schema)
+        fresh._cache.clear()
+        t0 = time.perf_counter()
+        fresh.compile(spec)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fresh.compile(StructuredOutputsParams(json=json.dumps(schema)))  # same spec, written as text
+        out[name] = {"cold_ms": cold * 1e3, "cached_ms": (time.perf_counter() - t0) * 1e3}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokenizer", default=None, help="default: the model's (dummy models borrow one)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--schema", default="records", choices=sorted(SCHEMAS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--out", default="benchmarks/results", help="folder for structured.json")
+    args = ap.parse_args()
+
+    tok = args.tokenizer or borrowed_tokenizer(args.model)
+    llm = LLM(args.model, tokenizer=tok, device=args.device, max_num_seqs=max(args.batch, 1),
+              kv_cache_memory=args.kv_cache_memory, show_progress=False)
+    dev = llm.engine.runner.device
+    schema = SCHEMAS[args.schema]
+    result = {"date": time.strftime("%Y-%m-%d"), "model": args.model or "SmolLM2-135M-Instruct (default)",
+              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "schema": args.schema, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "compile": compile_times(llm)}
+    throughput(llm, 2, 8, schema)  # warm-up: kernels, the grammar's cache entry
+    throughput(llm, 2, 8, None)
+    rows = []
+    for batch in sorted({1, args.batch}):
+        # Alternated, best of --repeats each: a shared machine's noise hits both alike.
+        plain, constrained = (0.0,), (0.0,)
+        for _ in range(args.repeats):
+            plain = max(plain, throughput(llm, batch, args.max_tokens, None))
+            constrained = max(constrained, throughput(llm, batch, args.max_tokens, schema))
+        fill = fill_time(llm, batch, SCHEMAS["flat"])
+        rows.append({"batch": batch, "plain_tok_s": plain[0], "plain_tokens": plain[1],
+                     "json_tok_s": constrained[0], "json_tokens": constrained[1],
+                     "json_over_plain": constrained[0] / plain[0], "bitmask_fill_ms": fill * 1e3})
+    result["throughput"] = rows
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "structured.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+    print(f"\n{result['model']} on {result['device']}, schema {args.schema!r}, up to {args.max_tokens} tokens, "
+          f"temperature 1")
+    print(f"{'batch':>6}{'plain tok/s':>14}{'JSON tok/s':>14}{'ratio':>8}{'mask fill ms':>14}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['plain_tok_s']:>14.1f}{r['json_tok_s']:>14.1f}{r['json_over_plain']:>8.2f}"
+              f"{r['bitmask_fill_ms']:>14.3f}")
+    print(f"\ntokenizer info for the grammar compiler: {result['compile']['tokenizer_info_s'] * 1e3:.0f} ms")
+    print(f"{'schema':<12}{'cold ms':>10}{'cached ms':>11}")
+    for name in SCHEMAS:
+        c = result["compile"][name]
+        print(f"{name:<12}{c['cold_ms']:>10.2f}{c['cached_ms']:>11.3f}")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""xgrammar behind three small pieces: a compiler with a bounded cache, a matcher per sequence,
+and the batch's token bitmask.
+
+Why xgrammar: its token masks come from a per-grammar cache of context-independent tokens, so
+filling one row costs microseconds to tens of microseconds on the host; its matchers fork (n > 1)
+and roll back (speculative tokens); it applies the bitmask with a CPU kernel and a Triton one;
+vLLM and SGLang ship it by default, so its JSON-schema coverage is what users already meet.
+
+JSON is generated compact (``", "`` and ``": "`` separators, no free whitespace): a model cannot
+spend its budget on whitespace, and every output still parses as the schema asks.
+
+xgrammar is imported on the first structured request: engines that never see one do not pay
+for its import.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import StructuredOutputsParams
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is tens of KiB to a few MiB)
+DEFAULT_CACHE_BYTES = 256 << 20  # and at most this much memory between them
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _xgr():
+    import xgrammar
+    return xgrammar
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its C++ source location."""
+    return _CPP_PREFIX.sub("", str(e).strip()).splitlines()[0][:500]
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF accepting exactly one of the strings."""
+    lit = ['"' + c.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+           .replace("\t", "\\t") + '"' for c in choices]
+    return "root ::= " + " | ".join(lit)
+
+
+class GrammarState:
+    """One sequence's position in its grammar. Tokens go in as a list (a step may accept several
+    with speculative decoding) and can be rolled back."""
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token_ids: list[int]) -> int:
+        """Feed tokens in order; returns how many were accepted (stops at the first refused)."""
+        for k, t in enumerate(token_ids):
+            if not self.matcher.accept_token(t):
+                return k
+        return len(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fork(self) -> GrammarState:
+        return GrammarState(self.matcher.fork())
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: the output ends here."""
+        return self.matcher.is_terminated()
+
+
+class StructuredCompiler:
+    """Compiles specs against one tokenizer. Compiled grammars are kept by canonical spec in an
+    LRU of ``cache_size`` entries and ``cache_bytes`` (the newest always stays); compiling happens
+    when a request is admitted (a bad spec is refused there), never in the step. Safe
+    to call from several threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width; may exceed the tokenizer's (padded rows)
+        self.stop_token_ids = list(stop_token_ids)
+        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
+        self._compiler = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_outputs", "this model has no tokenizer; structured outputs "
+                                          "need one to know what each token spells")
+            xgr = _xgr()
+            try:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+            except (RuntimeError, ValueError, TypeError) as e:  # e.g. a tokenizer larger than the logits
+                raise InvalidRequestError("structured_outputs", f"this model's tokenizer cannot be used for "
+                                          f"grammars: {_reason(e)}") from None
+            # One cache, ours: xgrammar's own is keyed the same way and would hold everything twice.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar for ``spec``; InvalidRequestError naming the field if it does not
+        compile."""
+        key = spec.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            compiler = self._get_compiler()
+        compiled = self._compile(compiler, spec)  # outside the lock: others' hits need not wait
+        with self._lock:
+            if key not in self._cache:  # another thread may have compiled it meanwhile
+                self._cache[key] = compiled
+                self._cached_bytes += compiled.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                            or self._cached_bytes > self.cache_bytes):
+                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+        return compiled
+
+    def _compile(self, compiler, spec: StructuredOutputsParams):
+        kind = spec.kind
+        field = f"structured_outputs.{kind}"
+        try:
+            if kind == "json":
+                schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+                _check_schema(schema, field)
+                return compiler.compile_grammar(_json_grammar(schema))
+            if kind == "json_object":
+                # Any object: strict mode would close it to {} (no additional properties).
+                return compiler.compile_grammar(_json_grammar({"type": "object"}, strict_mode=False))
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except InvalidRequestError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "the JSON schema", "regex": "the regular expression", "choice": "the choices",
+                    "grammar": "the EBNF grammar"}.get(kind, kind)
+            raise InvalidRequestError(field, f"{what} cannot be compiled: {_reason(e)}") from None
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarState:
+        return GrammarState(_xgr().GrammarMatcher(self.compile(spec)))
+
+
+# A JSON string's characters as xgrammar 0.2.9 writes them: plain strings exclude control
+# characters, strings with minLength/maxLength do not (JSON forbids them raw: json.loads refuses
+# such output); neither excludes the UTF-16 surrogates, whose UTF-8 encodings are not UTF-8 at all
+# (a byte-level vocabulary can spell them; the text then shows U+FFFD and outgrows maxLength).
+_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_JSON_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+
+
+def _json_grammar(schema, strict_mode: bool = True):
+    """The schema's grammar, as compact JSON, with its string characters limited to JSON's."""
+    xgr = _xgr()
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+    for loose in _STRING_CHARS:
+        text = text.replace(loose, _JSON_CHAR)
+    return xgr.Grammar.from_ebnf(text)
+
+
+def _check_schema(schema, field: str) -> None:
+    """A schema must be valid against its own metaschema (jsonschema's check), before xgrammar
+    reads it: xgrammar skips what it does not know, which would hide a typo."""
+    import jsonschema
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(field, "must be a JSON schema (an object)")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise InvalidRequestError(field, f"is not a valid JSON schema{f' at {where}' if where else ''}: "
+                                  f"{e.message[:300]}") from None
+
+
+class BitmaskFiller:
+    """The step's token bitmask, filled on the host from each constrained row's matcher (one
+    int32 word per 32 tokens; a set bit allows the token). Rows without a grammar stay all-ones
+    and are skipped when it is applied."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.pin = device.type == "cuda"
+        self._batch = None
+
+    def __call__(self, num_rows: int, rows: list[int], states: list[GrammarState]) -> torch.Tensor:
+        xgr = _xgr()
+        # All ones (every token allowed) where no matcher writes; pinned on CUDA, so the copy to
+        # the device is asynchronous.
+        mask = torch.full(xgr.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=xgr.bitmask_dtype,
+                          pin_memory=self.pin)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], mask, indices=rows)
+        return mask
+
+
+def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+    """Disallowed tokens of the listed rows go to -inf, in place, on the logits' device."""
+    _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
