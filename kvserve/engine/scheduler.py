@@ -202,8 +202,9 @@ class Scheduler:
                                                      num_output_tokens=req.num_output_tokens))
                 continue
             core.num_generated_tokens += len(toks)
-            if len(toks) == 1 and not req.pending_forks:
-                # One token, no forks: the common decode step, without the general loop's lists.
+            if len(toks) == 1 and not req.pending_forks and req.grammar is None:
+                # One token, no forks, no grammar: the common decode step, without the general
+                # loop's lists. Whatever the general loop learns to do per token must hold here too.
                 tok = toks[0]
                 if advanced:
                     req.resolve_pending(tok)
