@@ -9,6 +9,15 @@ MAX_LOGPROBS = 20
 
 
 @dataclass
+class StructuredOutputsParams:
+    json: dict | str | None = None      # a JSON schema (dict or JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None          # EBNF
+    json_object: bool = False
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16  # None: up to the context length
@@ -28,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probs returned per sampled token (plus the sampled one)
     prompt_logprobs: int | None = None  # log-prob of each prompt token (plus top-k)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):

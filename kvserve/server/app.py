@@ -98,13 +98,16 @@ def _replay(body: bytes, receive):
 
 def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | Sequence[str] | None = None,
               api_key: str | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
-              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_load_error: Callable[[BaseException], None] | None = None,
+              tool_call_parser: str = "auto") -> FastAPI:
     """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
     on a thread at startup. `served_model_name`: one name or several (the first is the one responses
     carry); None: the engine's (state.default_names). `on_load_error` is called on the event loop if
-    that function raises (the launcher shuts the server down)."""
+    that function raises (the launcher shuts the server down). `tool_call_parser`: a name in
+    tool_parsers.PARSERS, or "auto" (from the chat template)."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
-    cfg = ServerConfig(tuple(dict.fromkeys(names)), api_key, max_request_bytes, max_waiting)
+    cfg = ServerConfig(tuple(dict.fromkeys(names)), api_key, max_request_bytes, max_waiting,
+                       tool_call_parser=tool_call_parser)
     ready = engine if isinstance(engine, AsyncEngine) else None
     state = ServerState(None, cfg, Metrics(lambda: state.engine))
     if ready is not None:

@@ -25,6 +25,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
+    tool_call_parser: str = "auto"  # a name in tool_parsers.PARSERS, or auto: from the chat template
 
     def __post_init__(self):
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
@@ -33,6 +34,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ConfigError("tool_call_parser", f"must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
 
     @property
     def model_name(self) -> str:

@@ -61,8 +61,8 @@ def test_bad_values_are_400_naming_the_param(client, kwargs, param, words):
 def test_chat_unsupported_param_and_unknown_model(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.body["param"] == "tools"
+                                       extra_body={"functions": [{"name": "f"}]})
+    assert e.value.body["param"] == "functions"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt=[1], max_tokens=1)
     assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
