@@ -5,9 +5,10 @@ from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
 from kvserve.engine.llm_engine import LLMEngine, PromptType
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import read_chat_template
 
 
 class LLM:
@@ -23,7 +24,8 @@ class LLM:
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
-                 async_scheduling: bool | None = None, kernel: KernelConfig | None = None):
+                 async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
+                 chat_template: str | None = None):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -42,6 +44,10 @@ class LLM:
                                    kernel=kernel or KernelConfig())
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
+        if chat_template is not None:  # a file or the template text; replaces the model's own
+            if self.engine.tokenizer is None:
+                raise ConfigError("chat_template", "this model has no tokenizer to apply it with")
+            self.engine.tokenizer.chat_template = read_chat_template(chat_template)
         self._counter = 0
 
     def shutdown(self) -> None:
@@ -90,17 +96,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        ``chat_template_kwargs``: extra template variables, e.g. {"enable_thinking": False}."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, **(chat_template_kwargs or {}))} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict], **template_kwargs) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
-        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **template_kwargs)
         return tok.encode(text, add_special_tokens=False)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

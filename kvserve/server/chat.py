@@ -6,12 +6,14 @@ Streamed as OpenAI does: per choice a role delta first, then content deltas (and
 """
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from jinja2 import TemplateError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
@@ -36,16 +38,28 @@ from kvserve.server.state import ServerState
 ENDPOINT = "chat_completions"
 
 
-def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] | None = None) -> list[int]:
+def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] | None = None,
+                 template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids, exactly as LLM.apply_chat_template builds them (so outputs match offline).
-    Tools go to the model's template, or into a system-prompt section if it has no tool support."""
+    Tools go to the model's template, or into a system-prompt section if it has no tool support;
+    `template_kwargs` are extra variables for the template (chat_template_kwargs)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
     conv, tool_list = [m.as_template_dict() for m in messages], tl.tool_dicts(tools) if tools else None
     history_has_tools = any(m.role == "tool" or m.tool_calls for m in messages)
     if (tool_list or history_has_tools) and not tl.template_supports_tools(tokenizer):
         conv, tool_list = tl.fallback_messages(conv, tool_list), None
-    text = tokenizer.apply_chat_template(conv, tools=tool_list, add_generation_prompt=True, tokenize=False)
+    extra = template_kwargs or {}
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    for key in extra:
+        if key in reserved or not isinstance(key, str) or not key.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs.{key}", "is not a template variable that can be set "
+                                      f"(reserved: {sorted(reserved)})")
+    try:
+        text = tokenizer.apply_chat_template(conv, tools=tool_list, add_generation_prompt=True, tokenize=False,
+                                             **extra)
+    except TemplateError as e:  # the template refused the conversation (raise_exception in it)
+        raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -73,7 +87,8 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     params = req.sampling_params(req.token_limit, req.engine_logprobs)
     if tool_mode not in (None, "auto"):
         params.structured_outputs = StructuredOutputsParams(json=tl.forced_schema(req, tool_mode))
-    ids = template_ids(state.engine.engine.tokenizer, req.messages, req.tools if tool_mode else None)
+    ids = template_ids(state.engine.engine.tokenizer, req.messages, req.tools if tool_mode else None,
+                       req.chat_template_kwargs)
     parser = _parser(state, tool_mode)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = st.start(state.engine, rid, [ids], params, session_id=req.session_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -43,6 +43,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(None, max_length=1024)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the field for out-of-range values."""
@@ -50,7 +51,7 @@ class _SamplingFields(_Request):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -61,7 +62,19 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: Literal[False] = False  # accepted only as "off": echo is not implemented
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+
+    @property
+    def num_samples(self) -> int:
+        """How many completions the engine samples per prompt: best_of, or n."""
+        if self.best_of is None:
+            return self.n
+        if self.best_of < max(self.n, 1):
+            raise InvalidRequestError("best_of", f"must be an integer >= n ({self.n}), got {self.best_of}")
+        if self.stream:
+            raise InvalidRequestError("best_of", "cannot be used with stream=true")
+        return self.best_of
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -147,6 +160,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True

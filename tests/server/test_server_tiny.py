@@ -44,7 +44,7 @@ def test_models_and_completion(client):
     (dict(top_p=2.0), "top_p", ["(0, 1]"]),
     (dict(n=0), "n", [">= 1"]),
     (dict(max_tokens=5000), "max_tokens", ["3", "5000", "2048"]),
-    (dict(extra_body={"best_of": 2}), "best_of", ["best_of", "not supported"]),
+    (dict(n=3, extra_body={"best_of": 2}), "best_of", ["best_of", ">= n"]),
     (dict(extra_body={"top_k": "many"}), "top_k", ["top_k"]),
     (dict(prompt="text needs a tokenizer"), "prompt", ["tokenizer"]),
     (dict(prompt=[]), "prompt", ["empty"]),
