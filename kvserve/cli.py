@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="how the model writes tool calls (auto: from its chat template)")
+    s.add_argument("--embedding-pooling", default="mean", choices=["mean", "last"],
+                   help="/v1/embeddings: average the final hidden states or take the last token's")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
     k = sub.add_parser("calibrate-kv", help="calibrate fp8/int8 KV scales per layer and head on a text; "

@@ -94,6 +94,14 @@ class LLM:
             ids_by_order.append(rid)
         return self._run(ids_by_order, use_tqdm and self.config.show_progress)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "mean") -> list[list[float]]:
+        """One unit-length embedding per prompt: the model's final hidden states, mean- or
+        last-token-pooled (kvserve/engine/pooling.py)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [self.engine.embed(p, pooling, field=f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:

@@ -46,7 +46,7 @@ def serve(args, make_engine) -> int:
 
     app = build_app(load, args.served_model_name, api_key=api_key or None, max_request_bytes=max_bytes,
                     max_waiting=args.max_waiting, on_load_error=on_load_error,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, embedding_pooling=args.embedding_pooling)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
     print(f"kvserve: listening at http://{args.host}:{args.port}/v1; loading {args.model or 'the default model'} "

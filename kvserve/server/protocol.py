@@ -182,6 +182,27 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
+
+
+class EmbeddingRequest(_Request):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own width: we do not truncate
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            return [x]
+        if not x:
+            raise InvalidRequestError("input", "must not be empty")
+        if len(x) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(x)}")
+        return list(x)
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
@@ -234,6 +255,24 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TopLogprob(BaseModel):

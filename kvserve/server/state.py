@@ -26,6 +26,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_waiting: int = 1024
     tool_call_parser: str = "auto"  # a name in tool_parsers.PARSERS, or auto: from the chat template
+    embedding_pooling: str = "mean"  # /v1/embeddings: mean or last (engine/pooling.py)
 
     def __post_init__(self):
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
@@ -36,6 +37,8 @@ class ServerConfig:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
             raise ConfigError("tool_call_parser", f"must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.embedding_pooling not in ("mean", "last"):
+            raise ConfigError("embedding_pooling", f"must be mean or last, got {self.embedding_pooling!r}")
 
     @property
     def model_name(self) -> str:

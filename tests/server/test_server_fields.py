@@ -1,6 +1,7 @@
 """Request fields agent frameworks send, through the official openai client: echo (with the
 prompt's logprobs checked against transformers), best_of, stop_token_ids, min_tokens,
-chat_template_kwargs and a server started with --chat-template."""
+chat_template_kwargs and a server started with --chat-template; /v1/embeddings against
+transformers' hidden states."""
 from __future__ import annotations
 
 import httpx
@@ -135,3 +136,34 @@ def test_chat_template_file_and_kwargs(smol):
             client.chat.completions.create(model=SMOL, messages=msgs, max_tokens=1,
                                            extra_body={"chat_template_kwargs": bad})
         assert e.value.body["param"] == param
+
+
+@pytest.mark.slow  # the default model and transformers' reference
+def test_embeddings_match_transformers_and_leave_generation_alone(smol, hf_model):
+    client = openai.OpenAI(base_url=f"{smol.url}/v1", api_key="none", max_retries=0)
+    texts = ["The capital of France is Paris.", "Memory decides what inference costs."]
+    ids = [httpx.post(f"{smol.url}/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    with torch.no_grad():
+        refs = [torch.nn.functional.normalize(hf_model.model(torch.tensor([i])).last_hidden_state[0].mean(0), dim=0)
+                for i in ids]
+    # the official client asks for base64 and decodes it; plain JSON floats the same
+    r = client.embeddings.create(model=SMOL, input=texts)
+    raw = httpx.post(f"{smol.url}/v1/embeddings", json={"model": SMOL, "input": ids[1], "encoding_format": "float",
+                                                        "dimensions": 576}).json()
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(map(len, ids))
+    for got, ref in zip([r.data[0].embedding, r.data[1].embedding, raw["data"][0]["embedding"]], refs + refs[1:]):
+        assert len(got) == 576 and (torch.tensor(got) - ref).abs().max().item() < 1e-4
+    # an embedding computed while a generation streams changes nothing in it
+    kw = dict(model=SMOL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    alone = client.completions.create(**kw).choices[0].text
+    text = ""
+    for j, ch in enumerate(client.completions.create(stream=True, **kw)):
+        text += ch.choices[0].text if ch.choices else ""
+        if j in (1, 5):
+            client.embeddings.create(model=SMOL, input=texts[j % 2])
+    assert text == alone
+    for body, param in [({"input": "x", "dimensions": 64}, "dimensions"), ({"input": []}, "input"),
+                        ({"input": ["ok", ""]}, "input[1]"), ({"input": [[1, 2], [3, 10**9]]}, "input[1]"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format")]:
+        e = httpx.post(f"{smol.url}/v1/embeddings", json={"model": SMOL, **body})
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
