@@ -2,7 +2,7 @@
 
 Streamed as OpenAI does: per choice a role delta first, then content deltas (and, with tools,
 `tool_calls` deltas: see tool_parsers.py), `finish_reason` on that choice's last chunk
-("tool_calls" when it called any); a usage chunk (no choices) when asked; then `data: [DONE]`.
+("tool_calls" when it chose to call any); a usage chunk (no choices) when asked; then `data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ def _parser(state: ServerState, tool_mode: str | None):
     return tp.PARSERS[name]()
 
 
-def _finish_reason(reason: str | None, calls) -> str | None:
-    return "tool_calls" if calls and reason == "stop" else reason
+def _finish_reason(reason: str | None, calls, tool_mode: str | None) -> str | None:
+    """"tool_calls" when the model chose to call (auto, required); a call forced by name ends
+    with "stop", as OpenAI reports it."""
+    return "tool_calls" if calls and reason == "stop" and tool_mode in ("auto", "required") else reason
 
 
 async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
@@ -94,7 +96,8 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     streams = st.start(state.engine, rid, [ids], params, session_id=req.session_id)
     k = req.top_logprobs or 0
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, streams, k, parser), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, rid, streams, k, parser, tool_mode),
+                                 media_type="text/event-stream")
     try:
         (out,) = await st.collect(streams, raw)
     except st.ClientGone:
@@ -105,14 +108,14 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     for c in out.outputs:
         content, calls = (c.text, []) if parser is None else tp.parse(parser, c.text, req.parallel_tool_calls)
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
-                                  finish_reason=_finish_reason(c.finish_reason, calls),
+                                  finish_reason=_finish_reason(c.finish_reason, calls, tool_mode),
                                   logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k))
                                   if req.logprobs else None))
     return ChatCompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage([out]))
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, streams, k: int,
-                  parser) -> AsyncIterator[str]:
+                  parser, tool_mode: str | None) -> AsyncIterator[str]:
     created, model = int(time.time()), state.config.model_name
 
     def chunk(choices, usage=None) -> str:
@@ -148,7 +151,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
                 sent_chars[c.index], sent_toks[c.index] = len(c.text), ntok
                 if c.finished:
                     done.add(c.index)
-                reason = _finish_reason(c.finish_reason, tools and tools[c.index].num_calls)
+                reason = _finish_reason(c.finish_reason, tools and tools[c.index].num_calls, tool_mode)
                 for j, delta in enumerate(pieces):
                     last = j == len(pieces) - 1
                     yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp if j == 0 else None,
