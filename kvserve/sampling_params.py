@@ -32,6 +32,8 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 

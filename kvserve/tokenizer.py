@@ -10,7 +10,7 @@ import os
 import shutil
 
 from kvserve import envs
-from kvserve.errors import InvalidRequestError, ModelLoadError
+from kvserve.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 
 def cache_dir() -> str:
@@ -69,3 +69,13 @@ def _from_gguf(path: str):
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tok
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file (vLLM's --chat-template) or as the Jinja text itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template")

@@ -42,6 +42,7 @@ SLOW_TESTS = (
     "test_engine.py::test_parallel_samples_reproducible",
     "test_engine.py::test_logprobs_match_transformers",
     "test_engine.py::test_stop_token_ids_min_tokens_ignore_eos",
+    "test_embeddings.py::test_pooled_hidden_states_match_transformers",
     "test_engine.py::test_streamed_text_never_shows_part_of_a_stop_string",
     "test_kv_cache_dtype.py::test_perplexity_per_kv_dtype",
     "test_kv_cache_dtype.py::test_8bit_greedy_agreement",

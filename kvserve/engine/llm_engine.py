@@ -20,6 +20,7 @@ from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.lookahead import InFlight
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.pooling import POOLINGS, pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sessions import Sessions
@@ -191,6 +192,22 @@ class LLMEngine:
             return None, list(prompt)
         raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, "
                                   f"got {type(prompt).__name__}")
+
+    def embed(self, prompt: PromptType, pooling: str = "mean", field: str = "input") -> tuple[list[float], int]:
+        """(the prompt's embedding, its number of tokens): the final hidden states pooled
+        (engine/pooling.py). Runs an eager forward outside the batch; call it on the engine's
+        thread (AsyncEngine.call) when requests are in flight."""
+        if pooling not in POOLINGS:
+            raise InvalidRequestError("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
+        _, ids = self.tokenize_prompt(prompt)
+        vocab = self.arch.vocab_size
+        if not ids:
+            raise InvalidRequestError(field, "must not be empty")
+        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(field, f"has {len(ids)} tokens; at most max_model_len ({self.max_model_len}) fit")
+        return pool(self.runner.hidden_states(ids), pooling).tolist(), len(ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)

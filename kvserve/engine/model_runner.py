@@ -159,6 +159,18 @@ class ModelRunner:
                                f"total {total / 2**30:.2f} GiB); lower max_num_batched_tokens or set kv_cache_memory")
         return int(budget)
 
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """The final hidden states [T, H] of one prompt, for embeddings: an eager forward with a
+        scratch KV cache of the prompt's size, so the paged pool and the batch are untouched."""
+        n = len(token_ids)
+        num_blocks = -(-n // self.block_size)
+        scratch = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        meta, positions = self._build_metadata([(0, n, list(range(num_blocks)))])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        with forward_context(ForwardContext(meta, scratch.layers, self.backend)):
+            return self.model(ids, positions)
+
     def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
         self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
                                 plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales)

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
-from kvserve.server import chat, completions
+from kvserve.server import chat, completions, embeddings
 from kvserve.server.errors import APIError, error_response, install_handlers
 from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
@@ -33,6 +33,7 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     check_session_id,
 )
@@ -42,6 +43,7 @@ from kvserve.tokenizer import check_text
 DISCONNECTED = 499  # nginx's "client closed request": the client left before the response ended
 # Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+              "/v1/embeddings": "embeddings",
               "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize"}
 
 
@@ -129,18 +131,21 @@ def _replay(body: bytes, receive):
 def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | Sequence[str] | None = None,
               api_key: str | Sequence[str] | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
               on_load_error: Callable[[BaseException], None] | None = None, prefix_cache_isolation: str = "none",
-              metrics_public: bool = False, on_engine_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
+              metrics_public: bool = False, on_engine_dead: Callable[[BaseException], None] | None = None,
+              tool_call_parser: str = "auto", embedding_pooling: str = "mean") -> FastAPI:
     """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
     on a thread at startup. `served_model_name`: one name or several (the first is the one responses
     carry); None: the engine's (state.default_names). `api_key`: one key or several (each its own
     tenant); None: open. `on_load_error` is called on the event loop if that function raises,
     `on_engine_dead` if the engine later fails for good (a device fault: see engine/faults.py); the
     launcher then shuts the server down and exits non-zero. `prefix_cache_isolation`: none, key or
-    request (state.py)."""
+    request (state.py). `tool_call_parser`: a name in tool_parsers.PARSERS, or "auto" (from the chat
+    template); `embedding_pooling`: mean or last."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     cfg = ServerConfig(tuple(dict.fromkeys(names)), tuple(dict.fromkeys(keys)), max_request_bytes, max_waiting,
-                       prefix_cache_isolation, metrics_public)
+                       prefix_cache_isolation, metrics_public, tool_call_parser=tool_call_parser,
+                       embedding_pooling=embedding_pooling)
     ready = engine if isinstance(engine, AsyncEngine) else None
     state = ServerState(None, cfg, Metrics(lambda: state.engine))
     if ready is not None:
@@ -177,6 +182,10 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
     @app.post("/v1/chat/completions")
     async def v1_chat(req: ChatCompletionRequest, raw: Request):
         return await chat.create(state, req, raw)
+
+    @app.post("/v1/embeddings")
+    async def v1_embeddings(req: EmbeddingRequest):
+        return await embeddings.create(state, req)
 
     @app.get("/v1/models")
     async def v1_models():

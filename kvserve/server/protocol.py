@@ -9,6 +9,7 @@ model validator raises InvalidRequestError, so that the 400 names its field.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -23,6 +24,7 @@ from kvserve.sampling_params import (
     MAX_N,
     MAX_STOP,
     MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
     SEED_RANGE,
     SamplingParams,
     StructuredOutputsParams,
@@ -146,6 +148,7 @@ class _SamplingFields(_Request):
     repetition_penalty: number_in(0, 100, lo_open=True) = 1.0
     ignore_eos: bool = False
     min_tokens: int_in(0, MAX_COUNT) = 0
+    stop_token_ids: list[int_in(0, MAX_COUNT)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     logit_bias: dict[str, number_in(-100, 100)] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's spelling
@@ -161,7 +164,7 @@ class _SamplingFields(_Request):
                 n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-                stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 structured_outputs=self._structured_outputs(), logit_bias=self._logit_bias())
         except InvalidRequestError as e:
             raise self.as_sent(e) from None
@@ -237,7 +240,19 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: TokenCount | None = 16  # OpenAI's default for completions
     logprobs: NumLogprobs | None = None
-    echo: Literal[False] = False  # accepted only as "off": echo is not implemented
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
+    best_of: int_in(1, MAX_N) | None = None  # sample this many, return the n with the highest cumulative logprob
+
+    @property
+    def num_samples(self) -> int:
+        """How many completions the engine samples per prompt: best_of, or n."""
+        if self.best_of is None:
+            return self.n
+        if self.best_of < max(self.n, 1):
+            raise InvalidRequestError("best_of", f"must be an integer >= n ({self.n}), got {self.best_of}")
+        if self.stream:
+            raise InvalidRequestError("best_of", "cannot be used with stream=true")
+        return self.best_of
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -251,15 +266,70 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+
+    @property
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c or [])
 
     def as_template_dict(self) -> dict:
-        c = self.content
-        text = c if isinstance(c, str) else "".join(p.text for p in c or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        d = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": t.id, "type": "function",
+                                "function": {"name": t.function.name, "arguments": _arguments(t.function.arguments)}}
+                               for t in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            d["name"] = self.name
+        return d
+
+
+def _arguments(text: str) -> dict | str:
+    """Chat templates (Qwen2.5's, Llama 3.1's) expect the arguments of past calls as a mapping."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if isinstance(v, dict) else text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -268,6 +338,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self):
@@ -290,6 +364,27 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs=true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
+
+
+class EmbeddingRequest(_Request):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own width: we do not truncate
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            return [x]
+        if not x:
+            raise InvalidRequestError("input", "must not be empty")
+        if len(x) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(x)}")
+        return list(x)
 
 
 class TokenizeRequest(_Request):
@@ -346,6 +441,24 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -363,11 +476,26 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has its id, type and name (arguments ""); later ones argument text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -54,6 +54,8 @@ class ServerConfig:
     max_waiting: int = 1024
     prefix_cache_isolation: str = "none"  # none | key | request (see the module docstring)
     metrics_public: bool = False  # /metrics without a key even when keys are set
+    tool_call_parser: str = "auto"  # a name in tool_parsers.PARSERS, or auto: from the chat template
+    embedding_pooling: str = "mean"  # /v1/embeddings: mean or last (engine/pooling.py)
 
     def __post_init__(self):
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
@@ -70,6 +72,10 @@ class ServerConfig:
         if self.prefix_cache_isolation == "key" and not self.api_keys:
             raise ConfigError("prefix_cache_isolation", "'key' needs API keys (--api-key): it salts each "
                               "key's prefix cache apart")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ConfigError("tool_call_parser", f"must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.embedding_pooling not in ("mean", "last"):
+            raise ConfigError("embedding_pooling", f"must be mean or last, got {self.embedding_pooling!r}")
 
     @property
     def model_name(self) -> str:

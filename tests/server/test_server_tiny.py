@@ -44,7 +44,7 @@ def test_models_and_completion(client):
     (dict(top_p=2.0), "top_p", ["(0, 1]"]),
     (dict(n=0), "n", ["[1, 128]"]),
     (dict(max_tokens=5000), "max_tokens", ["3", "5000", "2048"]),
-    (dict(extra_body={"best_of": 2}), "best_of", ["best_of", "not supported"]),
+    (dict(n=3, extra_body={"best_of": 2}), "best_of", ["best_of", ">= n"]),
     (dict(extra_body={"top_k": "many"}), "top_k", ["top_k"]),
     (dict(prompt="text needs a tokenizer"), "prompt", ["tokenizer"]),
     (dict(prompt=[]), "prompt", ["empty"]),
@@ -61,8 +61,8 @@ def test_bad_values_are_400_naming_the_param(client, kwargs, param, words):
 def test_chat_unsupported_param_and_unknown_model(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.body["param"] == "tools"
+                                       extra_body={"functions": [{"name": "f"}]})
+    assert e.value.body["param"] == "functions"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt=[1], max_tokens=1)
     assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
