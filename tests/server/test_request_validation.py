@@ -28,7 +28,7 @@ class _TemplateOnly:
     chat_template = "plain"
     eos_token_id = None
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=False, **kwargs):
         return "".join(m["content"] for m in messages)
 
     def encode(self, text, add_special_tokens=False):

@@ -41,7 +41,7 @@ def replay(monkeypatch):
         text = ""
         calls: list = []
 
-    def start(engine, base_id, prompts, params, session_id=None):
+    def start(engine, base_id, prompts, params, session_id=None, cache_salt=None):
         Replay.calls.append((prompts[0], params))
         return [Replay.text]
 
