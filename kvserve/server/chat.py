@@ -21,16 +21,14 @@ from kvserve.server import streams as st
 from kvserve.server import tool_parsers as tp
 from kvserve.server import tools as tl
 from kvserve.server.errors import sse_error
-from kvserve.server.protocol import (
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from kvserve.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
-    ChatTool,
     DeltaMessage,
 )
 from kvserve.server.state import OUTCOME, ServerState

@@ -17,7 +17,8 @@ from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server import streams as st
 from kvserve.server.errors import sse_error
-from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from kvserve.server.protocol import CompletionRequest
+from kvserve.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from kvserve.server.state import OUTCOME, ServerState
 
 

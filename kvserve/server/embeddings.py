@@ -14,7 +14,8 @@ import numpy as np
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.errors import InvalidRequestError
-from kvserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from kvserve.server.protocol import EmbeddingRequest
+from kvserve.server.responses import Embedding, EmbeddingResponse, EmbeddingUsage
 from kvserve.server.state import ServerState
 
 ENGINE_POLL_S = 0.5  # how often a waiting request checks that the engine thread is still alive

@@ -16,7 +16,7 @@ from fastapi import Request
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.protocol import PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from kvserve.server.responses import PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import re
 
-from kvserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from kvserve.server.protocol import FunctionCall, ToolCall
+from kvserve.server.responses import DeltaFunctionCall, DeltaToolCall
 from kvserve.server.tools import assemble_forced, new_call_id
 
 Call = tuple[str, str]  # (function name, arguments as JSON text)
