@@ -50,16 +50,24 @@ function drawMap(n) {
   layout = {cols, cell};
   canvas.width = cols * cell;
   canvas.height = rows * cell;
-  const img = new ImageData(cols, rows), px = img.data;
+  const ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  if (cell >= 4) {  // large cells: one rectangle each, with a gap so single blocks stand out
+    for (let b = 0; b < n; b++) {
+      const c = COLORS[states[b]];
+      ctx.fillStyle = `rgb(${c[0]},${c[1]},${c[2]})`;
+      ctx.fillRect((b % cols) * cell, Math.floor(b / cols) * cell, cell - 1, cell - 1);
+    }
+    return;
+  }
+  const img = new ImageData(cols, rows), px = img.data;  // one pixel per block, scaled up
   for (let b = 0; b < n; b++) {
     const c = COLORS[states[b]], o = b * 4;
     px[o] = c[0]; px[o + 1] = c[1]; px[o + 2] = c[2]; px[o + 3] = 255;
   }
   const small = new OffscreenCanvas(cols, rows);
   small.getContext("2d").putImageData(img, 0, 0);
-  const ctx = canvas.getContext("2d");
   ctx.imageSmoothingEnabled = false;
-  ctx.clearRect(0, 0, canvas.width, canvas.height);
   ctx.drawImage(small, 0, 0, cols * cell, rows * cell);
 }
 
