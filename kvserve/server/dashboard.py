@@ -137,7 +137,7 @@ class DashboardHub:
 
 
 def register(app: FastAPI, state: ServerState) -> DashboardHub:
-    hub = DashboardHub(state)
+    hub = app.state.dashboard = DashboardHub(state)
     headers = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
     @app.get("/dashboard", include_in_schema=False)
