@@ -185,9 +185,41 @@ def cmd_bench_serve(args) -> int:
     from kvserve.bench.serve import main as bench_main
     try:
         return bench_main(args)
-    except ValueError as e:  # BenchConfig validation
+    except (ValueError, ImportError) as e:  # BenchConfig validation, matplotlib missing
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_bench_compare(args) -> int:
+    import json
+    import os
+
+    from kvserve.bench import html_report, report
+    results = {}
+    for path in args.results:
+        label = os.path.basename(path)
+        if label in results:
+            label = path
+        try:
+            with open(path, encoding="utf-8") as f:
+                res = json.load(f)
+            if not isinstance(res, dict) or not isinstance(res.get("runs"), list):
+                raise ValueError("no 'runs' list: not a `kvserve bench serve --json-out` result")
+        except (OSError, ValueError) as e:
+            print(f"kvserve: error: {path}: {e}", file=sys.stderr)
+            return 2
+        results[label] = res
+    for label, res in results.items():
+        print(f"{label}\n{report.table(res['runs'])}\n")
+    if args.report:
+        try:
+            page = html_report.compare_page(results)
+        except ImportError as e:
+            print(f"kvserve: error: {e}", file=sys.stderr)
+            return 2
+        html_report.write(args.report, page)
+        print(f"wrote {args.report}")
+    return 0
 
 
 def _bench_args(sub) -> None:
@@ -222,7 +254,13 @@ def _bench_args(sub) -> None:
     s.add_argument("--slo-tpot-ms", type=float, default=None)
     s.add_argument("--json-out", default=None)
     s.add_argument("--plot-dir", default=None)
+    s.add_argument("--report", default=None, metavar="HTML",
+                   help="write one self-contained HTML page with the plots and the table")
     s.set_defaults(func=cmd_bench_serve)
+    c = b.add_parser("compare", help="compare `bench serve --json-out` results on one page")
+    c.add_argument("results", nargs="+", metavar="JSON", help="result files, labelled by their file names")
+    c.add_argument("--report", default=None, metavar="HTML", help="write the comparison as one HTML page")
+    c.set_defaults(func=cmd_bench_compare)
 
 
 def cmd_calibrate_kv(args) -> int:

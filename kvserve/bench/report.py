@@ -46,16 +46,21 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def table(runs: list[dict]) -> str:
-    """One row per run: load, throughput, goodput, then p50/p90/p99 of each latency (ms)."""
+def rows(runs: list[dict]) -> list[list[str]]:
+    """The header, then one row per run: load, throughput, goodput, p50/p90/p99 of each latency (ms)."""
     lat = [(k, p) for k in ("ttft_ms", "tpot_ms", "itl_ms") for p in PERCENTILES]
     head = ["load", "ok", "fail", "req/s", "out tok/s", "goodput"] + [f"{k[:-3]} p{p}" for k, p in lat]
-    rows = [head]
+    out = [head]
     for run in runs:
         s = run["summary"]
-        rows.append([run["load"], str(s["completed"]), str(s["failed"]), _fmt(s["request_throughput"]),
-                     _fmt(s["output_token_throughput"]), _fmt(s["goodput"])] + [_fmt(s[k][f"p{p}"]) for k, p in lat])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        out.append([run["load"], str(s["completed"]), str(s["failed"]), _fmt(s["request_throughput"]),
+                    _fmt(s["output_token_throughput"]), _fmt(s["goodput"])] + [_fmt(s[k][f"p{p}"]) for k, p in lat])
+    return out
+
+
+def table(runs: list[dict]) -> str:
+    cells = rows(runs)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + "\n(latencies in ms; goodput: requests/s meeting the SLOs)"

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from kvserve.bench import datasets, plots, report
+from kvserve.bench import datasets, html_report, plots, report
 from kvserve.bench.client import RequestResult, send
 
 
@@ -108,8 +108,24 @@ async def _session(cfg: BenchConfig, client: httpx.AsyncClient, s: datasets.Sess
     return results
 
 
-async def run_once(cfg: BenchConfig, rate: float) -> tuple[list[RequestResult], float]:
-    """One pass over the dataset at `rate`; (results, wall seconds from first send to last reply)."""
+async def _kv_usage(client: httpx.AsyncClient, url: str, t0: float, out: list, interval_s: float = 0.5) -> None:
+    """Sample the server's KV blocks in use from its Prometheus /metrics while the pass runs, as
+    [seconds since start, used, free]; a server that does not export kvserve's gauges records nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+    while True:
+        try:
+            r = await client.get(url)
+            r.raise_for_status()
+            got = {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+            out.append([time.perf_counter() - t0, got["kvserve_kv_blocks_used"], got["kvserve_kv_blocks_free"]])
+        except (httpx.HTTPError, KeyError, ValueError):
+            return
+        await asyncio.sleep(interval_s)
+
+
+async def run_once(cfg: BenchConfig, rate: float) -> tuple[list[RequestResult], float, list]:
+    """One pass over the dataset at `rate`; (results, wall seconds from first send to last reply,
+    KV usage samples: see _kv_usage)."""
     sessions, rng = cfg.sessions(), random.Random(cfg.seed + 1)
     gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -122,14 +138,18 @@ async def run_once(cfg: BenchConfig, rate: float) -> tuple[list[RequestResult], 
             async with gate:
                 return await _session(cfg, client, s)
 
-        t0, tasks = time.perf_counter(), []
+        t0, tasks, kv = time.perf_counter(), [], []
+        root = cfg.base_url.rstrip("/").removesuffix("/v1")
+        sampler = asyncio.create_task(_kv_usage(client, root + "/metrics", t0, kv))
         for s in sessions:
             tasks.append(asyncio.create_task(one(s)))
             if not math.isinf(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         done = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return [r for rs in done for r in rs], duration
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    return [r for rs in done for r in rs], duration, kv
 
 
 def _load_label(cfg: BenchConfig, rate: float) -> str:
@@ -140,17 +160,18 @@ def _load_label(cfg: BenchConfig, rate: float) -> str:
 
 
 def run(cfg: BenchConfig) -> dict:
-    """Every pass, summarized: {"config", "runs": [{"load", "request_rate", "summary", "requests"}]}."""
+    """Every pass, summarized: {"config", "runs": [{"load", "request_rate", "concurrency", "summary",
+    "samples_ms", "kv_usage", "requests"}]}."""
     runs = []
     for rate in cfg.rates:
-        results, duration = asyncio.run(run_once(cfg, rate))
+        results, duration, kv = asyncio.run(run_once(cfg, rate))
         ok = [r for r in results if r.ok]
         runs.append({"load": _load_label(cfg, rate), "request_rate": None if math.isinf(rate) else rate,
                      "concurrency": cfg.concurrency,
                      "summary": report.summarize(results, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
                      "samples_ms": {"ttft": [r.ttft * 1e3 for r in ok], "tpot": [r.tpot * 1e3 for r in ok if r.tpot],
                                     "itl": [x * 1e3 for r in ok for x in r.itl]},
-                     "requests": [r.as_dict() for r in results]})
+                     "kv_usage": kv or None, "requests": [r.as_dict() for r in results]})
     conf = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(cfg).items()}
     conf.pop("api_key")
     return {"config": conf, "runs": runs}
@@ -167,6 +188,8 @@ def main(args) -> int:
         system_prompt_len=args.system_prompt_len, ignore_eos=not args.no_ignore_eos,
         temperature=args.temperature, seed=args.seed, api_key=args.api_key, timeout_s=args.timeout,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    if args.plot_dir or args.report:
+        plots._pyplot()  # no matplotlib: say so before the run, not after it
     out = run(cfg)
     print(report.table(out["runs"]))
     if args.json_out:
@@ -176,6 +199,9 @@ def main(args) -> int:
     if args.plot_dir:
         for p in plots.write_all(out["runs"], list(rates) or None, args.plot_dir):
             print(f"wrote {p}")
+    if args.report:
+        html_report.write(args.report, html_report.serve_page(out))
+        print(f"wrote {args.report}")
     failed = sum(r["summary"]["failed"] for r in out["runs"])
     if failed:
         print(f"{failed} requests failed; first errors: {out['runs'][0]['summary']['errors'][:3]}", file=sys.stderr)

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
-from kvserve.server import chat, completions, embeddings
+from kvserve.server import chat, completions, dashboard, embeddings
 from kvserve.server.errors import APIError, error_response, install_handlers
 from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
@@ -273,5 +273,6 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
             raise InvalidRequestError("tokens", f"token ids must be in [0, {vocab})")
         return {"prompt": tokenizer().decode(req.tokens)}
 
+    dashboard.register(app, state)
     app.add_middleware(_Gate, state=state)
     return app
