@@ -265,13 +265,15 @@ class Soak:
                 if now >= next_quiet:
                     self.paused.clear()
                     t = time.monotonic()
-                    while self.in_flight and time.monotonic() - t < 120:
+                    while self.in_flight and time.monotonic() - t < 300:
                         await asyncio.sleep(0.1)
-                    m = {}
-                    while time.monotonic() - t < 60:
+                    m, t = {}, time.monotonic()
+                    while True:  # at least one read, then until idle or 60 s
                         m = await self.metrics(client)
                         if (m.get("kvserve_num_requests_running") == 0 and m.get("kvserve_num_requests_waiting") == 0
                                 and m.get("kvserve_kv_blocks_used") == 0):
+                            break
+                        if time.monotonic() - t > 60:
                             break
                         await asyncio.sleep(0.2)
                     used = m.get("kvserve_kv_blocks_used")

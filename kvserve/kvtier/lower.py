@@ -1,8 +1,9 @@
 """The tiers below memory: a disk directory and Redis.
 
 Both hold encoded chunks (``chunk.py``) and fail soft: an I/O error turns the tier's writes off
-(disk full, read-only directory) or the whole tier off until it answers again (Redis), logged
-once, and the engine keeps serving from the other tiers or by recomputing.
+(disk full, read-only directory: tried again every ``RETRY_S`` seconds, so a disk that has room
+again is written again) or the whole tier off until it answers again (Redis), logged once, and the
+engine keeps serving from the other tiers or by recomputing.
 """
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ class DiskTier:
     eviction. Survives restarts: the index is rebuilt from the directory at start."""
 
     name = "disk"
+    RETRY_S = 30.0  # writes off after a write error: one write is tried again this often
 
-    def __init__(self, root: str, capacity: int):
+    def __init__(self, root: str, capacity: int, clock: Callable[[], float] = time.monotonic):
         self.root = os.path.abspath(root)
         self.capacity = capacity
+        self.clock = clock
+        self._retry_at = 0.0
         self.stats = TierStats()
         self.lock = threading.Lock()
         os.makedirs(self.root, exist_ok=True)
@@ -67,12 +71,17 @@ class DiskTier:
 
     def _stop_writes(self, why: str) -> None:
         if self.stats.writable:
-            log.warning("disk KV tier: writes off (%s); reads continue", why)
+            log.warning("disk KV tier: writes off (%s); reads continue, writes tried again every %.0f s",
+                        why, self.RETRY_S)
         self.stats.writable = False
         self.stats.last_error = why
+        self._retry_at = self.clock() + self.RETRY_S
 
     def put(self, key: bytes, data: bytes) -> bool:
-        if not self.stats.writable or len(data) > self.capacity:
+        if len(data) > self.capacity:
+            return False
+        retrying = not self.stats.writable
+        if retrying and self.clock() < self._retry_at:
             return False
         with self.lock:
             if key in self.files:
@@ -100,6 +109,9 @@ class DiskTier:
             else:
                 self.stats.last_error = str(e)
             return False
+        if retrying:
+            log.warning("disk KV tier: writes back on")
+            self.stats.writable = True
         with self.lock:
             self.files[key] = len(data)
             self.used += len(data)

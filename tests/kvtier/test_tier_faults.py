@@ -4,7 +4,9 @@ written. Each time the output is the recomputed one and the engine keeps serving
 interval passes on a fake clock (``RedisTier.clock``)."""
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from tierutil import (
 
 from kvserve import LLM
 from kvserve.errors import ConfigError
+from kvserve.kvtier.lower import DiskTier
 
 REDIS_PREFIX = b"kvserve:kv:"
 
@@ -330,3 +333,31 @@ def test_redis_is_asked_again_only_once_its_retry_is_due(redis_server):
     assert tier.may_answer()
     assert tier.put(key, b"data") and tier.stats.available is True
     assert tier.get(key) == b"data"
+
+
+def test_full_disk_stops_writes_then_they_resume_once_there_is_room(tmp_path, monkeypatch):
+    """ENOSPC turns the disk tier's writes off; a write is tried again after RETRY_S, and once
+    the disk has room the tier writes again (before, writes stayed off until a restart)."""
+    now = [0.0]
+    disk = DiskTier(str(tmp_path / "kv"), capacity=1 << 20, clock=lambda: now[0])
+    real_mkstemp = tempfile.mkstemp
+    full = [True]
+
+    def mkstemp(*a, **kw):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_mkstemp(*a, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    assert disk.put(b"\x01" * 16, b"a" * 100) is False
+    assert disk.stats.writable is False and disk.stats.errors == 1
+    full[0] = False  # room again, but the retry is not due: nothing is tried
+    assert disk.put(b"\x02" * 16, b"b" * 100) is False and disk.stats.errors == 1
+    now[0] += DiskTier.RETRY_S
+    assert disk.put(b"\x03" * 16, b"c" * 100) is True
+    assert disk.stats.writable is True and disk.get(b"\x03" * 16) == b"c" * 100
+    full[0] = True  # full again: off again, and the retry waits its interval again
+    assert disk.put(b"\x04" * 16, b"d" * 100) is False and disk.stats.writable is False
+    now[0] += DiskTier.RETRY_S / 2
+    full[0] = False
+    assert disk.put(b"\x05" * 16, b"e" * 100) is False
