@@ -5,16 +5,18 @@ from dataclasses import dataclass
 
 from kvserve.errors import ModelLoadError
 
-# HF "architectures" / model_type -> our family name. One module (llama.py) serves all of them.
+# HF "architectures" / model_type -> our family name. llama.py serves the Llama-shaped families,
+# gemma3.py Gemma 3.
 SUPPORTED = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "Gemma3ForCausalLM": "gemma3", "gemma3_text": "gemma3",
 }
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # llama | qwen2 | qwen3
+    family: str  # llama | qwen2 | qwen3 | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,11 +34,22 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # Gemma 3: each layer's attention window (None: global), the local layers' RoPE base, q
+    # scaled by query_pre_attn_scalar ** -0.5, the logits' tanh softcap.
+    layer_windows: tuple[int | None, ...] = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                                  f"num_key_value_heads ({self.num_kv_heads})")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ModelLoadError(f"layer_types has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        windows = [w for w in self.layer_windows if w is not None]
+        if windows and min(windows) < 1:
+            raise ModelLoadError(f"sliding_window must be at least 1, got {min(windows)}")
 
     @property
     def num_params(self) -> int:
@@ -58,6 +71,8 @@ class ModelArch:
             raise ModelLoadError(f"{source}: unsupported architecture {archs} (model_type "
                                  f"{cfg.get('model_type')!r}); supported: "
                                  f"{sorted(set(SUPPORTED) - set(SUPPORTED.values()))}")
+        if family == "gemma3":
+            cfg = _gemma3_config(cfg)
         try:
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -82,10 +97,49 @@ class ModelArch:
                 max_position_embeddings=cfg.get("max_position_embeddings", 4096),
                 tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                 attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "gemma3"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+                **cfg.get("_gemma3", {}),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def _gemma3_config(cfg: dict) -> dict:
+    """A Gemma 3 config in the shape the common reader takes, plus the Gemma-only fields: the layer
+    pattern from ``layer_types`` or else ``sliding_window_pattern`` (every sixth layer global), the
+    global layers' RoPE from ``rope_parameters["full_attention"]`` (or the flat keys older configs
+    carry), the local base from ``rope_parameters["sliding_attention"]`` / ``rope_local_base_freq``."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    window = cfg.get("sliding_window") or 4096
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ModelLoadError(f"unsupported Gemma 3 layer types {sorted(unknown)}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    if not full and cfg.get("rope_scaling"):
+        full = dict(cfg["rope_scaling"])
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"unsupported Gemma 3 local RoPE type {local.get('rope_type')!r}")
+    head_dim = cfg.get("head_dim") or 256
+    out = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling")}
+    out.update(head_dim=head_dim, rope_theta=full.pop("rope_theta"), rope_scaling=full or None,
+               tie_word_embeddings=cfg.get("tie_word_embeddings", True), use_sliding_window=False)
+    out["_gemma3"] = {
+        "layer_windows": tuple(int(window) if t == "sliding_attention" else None for t in types),
+        "rope_local_theta": float(local_theta),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
+        "final_logit_softcap": cfg.get("final_logit_softcapping"),
+    }
+    return out

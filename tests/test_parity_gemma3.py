@@ -1,0 +1,68 @@
+"""Parity against transformers' Gemma3ForCausalLM on small random Gemma 3 models saved as Hugging
+Face directories: local layers with a window of 16-24 keys and global ones, GQA and MQA, prompts
+several windows long, in one batch, over chunks and prefix-cache hits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import hf_greedy
+
+N_NEW = 12
+
+
+def make_gemma3(tmp_path, window: int, kv_heads: int, **extra):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32,
+                           max_position_embeddings=2048, sliding_window=window, query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                        "sliding_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                           eos_token_id=1, bos_token_id=2, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random, non-zero, far from uniform logits (no near-ties)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+            else:
+                p.normal_(0.0, 0.08 if p.dim() > 1 else 0.3)
+    path = tmp_path / "gemma3"
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+def prompts_of(lengths, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("window,kv_heads,softcap", [(16, 2, None), (24, 1, None), (16, 2, 2.0)])
+def test_random_gemma3_matches_transformers(tmp_path, window, kv_heads, softcap):
+    model, path = make_gemma3(tmp_path, window, kv_heads, final_logit_softcapping=softcap)
+    prompts = prompts_of((1, 7, 15, 16, 17, 40, 100, 203))
+    want = [hf_greedy(model, p, N_NEW, eos_token_id=None) for p in prompts]
+    llm = LLM(path, show_progress=False, kv_cache_memory="64MiB", block_size=8, max_num_batched_tokens=64,
+              enable_prefix_caching=True)
+    arch = llm.engine.arch
+    assert arch.family == "gemma3" and arch.layer_windows == (window, None, window, window)
+    if softcap is not None:  # the logits kvserve returns are capped as transformers' are
+        with torch.no_grad():
+            hf_logits = model(torch.tensor([prompts[-1]])).logits[0, -1]
+        assert hf_logits.max() > 0.8 * softcap  # the cap bends the top logits
+        got = llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(max_tokens=1, logprobs=5, temperature=0),
+                           use_tqdm=False)[0].outputs[0].logprobs[0]
+        want_lp = hf_logits.log_softmax(-1)
+        for tok, lp in got.items():
+            assert abs(lp.logprob - want_lp[tok].item()) < 1e-4
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the second pass hits the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, o, w in zip(prompts, outs, want, strict=True):
+            assert o.outputs[0].token_ids == w, f"prompt of {len(p)} tokens"
+        llm.engine.check_invariants()
+    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.kv.pool.num_used_blocks == 0
