@@ -40,13 +40,18 @@ def prompts_of(lengths, seed=1):
     return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("window,kv_heads,softcap", [(16, 2, None), (24, 1, None), (16, 2, 2.0)])
-def test_random_gemma3_matches_transformers(tmp_path, window, kv_heads, softcap):
+# triton: the engine's Triton backend (the window kernels, the fused RoPE + KV write), in
+# Triton's interpreter when there is no GPU.
+@pytest.mark.parametrize("window,kv_heads,softcap,backend", [
+    (16, 2, None, "torch"), (24, 1, None, "torch"), (16, 2, 2.0, "torch"),
+    pytest.param(16, 1, None, "triton", marks=pytest.mark.slow)])
+def test_random_gemma3_matches_transformers(tmp_path, window, kv_heads, softcap, backend):
     model, path = make_gemma3(tmp_path, window, kv_heads, final_logit_softcapping=softcap)
     prompts = prompts_of((1, 7, 15, 16, 17, 40, 100, 203))
     want = [hf_greedy(model, p, N_NEW, eos_token_id=None) for p in prompts]
     llm = LLM(path, show_progress=False, kv_cache_memory="64MiB", block_size=8, max_num_batched_tokens=64,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, attention_backend=backend)
+    assert llm.engine.runner.backend.name == backend
     arch = llm.engine.arch
     assert arch.family == "gemma3" and arch.layer_windows == (window, None, window, window)
     if softcap is not None:  # the logits kvserve returns are capped as transformers' are
