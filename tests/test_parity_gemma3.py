@@ -71,3 +71,49 @@ def test_random_gemma3_matches_transformers(tmp_path, window, kv_heads, softcap,
         llm.engine.check_invariants()
     assert llm.engine.kv.prefix_hits > 0
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+GEMMA3_CFG = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 64,
+              "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 7, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 1024, "sliding_window": 8}
+
+
+@pytest.mark.unit
+def test_gemma3_config_layer_pattern():
+    from kvserve.models.arch import ModelArch
+    arch = ModelArch.from_hf_config(GEMMA3_CFG)  # no layer_types: every sixth layer global
+    assert arch.layer_windows == (8, 8, 8, 8, 8, None, 8)
+    assert (arch.rope_theta, arch.rope_local_theta, arch.query_pre_attn_scalar) == (1e6, 1e4, 16.0)
+    arch = ModelArch.from_hf_config({**GEMMA3_CFG, "sliding_window_pattern": 2, "rope_local_base_freq": 500.0,
+                                     "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert arch.layer_windows == (8, None, 8, None, 8, None, 8) and arch.rope_local_theta == 500.0
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    # A window as long as the context: no key ever leaves it.
+    assert ModelArch.from_hf_config({**GEMMA3_CFG, "sliding_window": 1024}).layer_windows == (None,) * 7
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"sliding_window": 0}, "sliding_window"), ({"sliding_window": -4}, "sliding_window"),
+    ({"sliding_window": 2 ** 63}, None), ({"sliding_window": "512"}, "sliding_window"),
+    ({"sliding_window": True}, "sliding_window"), ({"sliding_window": 8.5}, "sliding_window"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern"),
+    ({"layer_types": ["sliding_attention"] * 6}, "layer_types"),
+    ({"layer_types": ["sliding_attention"] * 6 + ["chunked_attention"]}, "chunked_attention"),
+    ({"layer_types": "full_attention"}, "layer_types"),
+    ({"query_pre_attn_scalar": float("nan")}, "query_pre_attn_scalar"),
+    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping"),
+    ({"final_logit_softcapping": float("inf")}, "final_logit_softcapping"),
+    ({"rope_parameters": ["full_attention"]}, "rope_parameters"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+])
+@pytest.mark.unit
+def test_gemma3_bad_config(change, field):
+    """A bad Gemma 3 config fails to load with a message naming the field."""
+    from kvserve.errors import ModelLoadError
+    from kvserve.models.arch import ModelArch
+    cfg = {k: v for k, v in {**GEMMA3_CFG, **change}.items() if v is not None}
+    if field is None:  # huge but valid: a window no context reaches
+        assert ModelArch.from_hf_config(cfg).layer_windows == (None,) * 7
+        return
+    with pytest.raises(ModelLoadError, match=field):
+        ModelArch.from_hf_config(cfg)

@@ -1,6 +1,7 @@
 """ModelArch: the shape of a decoder-only model, read from a HF config.json dict or GGUF metadata."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvserve.errors import ModelLoadError
@@ -71,9 +72,9 @@ class ModelArch:
             raise ModelLoadError(f"{source}: unsupported architecture {archs} (model_type "
                                  f"{cfg.get('model_type')!r}); supported: "
                                  f"{sorted(set(SUPPORTED) - set(SUPPORTED.values()))}")
-        if family == "gemma3":
-            cfg = _gemma3_config(cfg)
         try:
+            if family == "gemma3":
+                cfg = _gemma3_config(cfg)
             heads = cfg["num_attention_heads"]
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -115,15 +116,22 @@ def _gemma3_config(cfg: dict) -> dict:
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
-        pattern = cfg.get("sliding_window_pattern", 6)
+        pattern = _number(cfg, "sliding_window_pattern", 6, int)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    window = cfg.get("sliding_window") or 4096
-    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if not isinstance(types, list) or len(types) != n:
+        raise ModelLoadError(f"layer_types must list one type per layer ({n}), got {types!r:.200}")
+    unknown = {repr(t) for t in types} - {"'sliding_attention'", "'full_attention'"}
     if unknown:
-        raise ModelLoadError(f"unsupported Gemma 3 layer types {sorted(unknown)}")
+        raise ModelLoadError(f"unsupported Gemma 3 layer types {sorted(unknown)}; supported: "
+                             f"sliding_attention, full_attention")
+    window = _number(cfg, "sliding_window", 4096, int)
+    if window >= cfg.get("max_position_embeddings", 4096):
+        window = None  # no key ever leaves it: the layers are global
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
     rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or not all(isinstance(v, dict | None) for v in rope.values()):
+        raise ModelLoadError(f"rope_parameters must map layer types to RoPE settings, got {rope!r:.200}")
     full = dict(rope.get("full_attention") or {})
     local = dict(rope.get("sliding_attention") or {})
     if not full and cfg.get("rope_scaling"):
@@ -137,9 +145,21 @@ def _gemma3_config(cfg: dict) -> dict:
     out.update(head_dim=head_dim, rope_theta=full.pop("rope_theta"), rope_scaling=full or None,
                tie_word_embeddings=cfg.get("tie_word_embeddings", True), use_sliding_window=False)
     out["_gemma3"] = {
-        "layer_windows": tuple(int(window) if t == "sliding_attention" else None for t in types),
+        "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
         "rope_local_theta": float(local_theta),
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
-        "final_logit_softcap": cfg.get("final_logit_softcapping"),
+        "query_pre_attn_scalar": float(_number(cfg, "query_pre_attn_scalar", head_dim, float)),
+        "final_logit_softcap": _number(cfg, "final_logit_softcapping", None, float),
     }
     return out
+
+
+def _number(cfg: dict, key: str, default, kind: type):
+    """``cfg[key]`` (``default`` when absent or null): a positive finite int (``kind`` int) or
+    number (float), never a bool."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if kind is int else isinstance(v, int | float) and math.isfinite(v)
+    if isinstance(v, bool) or not ok or v <= 0:
+        raise ModelLoadError(f"{key} must be a positive {'integer' if kind is int else 'number'}, got {v!r:.100}")
+    return v
