@@ -41,6 +41,7 @@ def test_gemma3_270m_matches_transformers(gguf_path, hf_gemma3):
     arch, tok = llm.engine.arch, llm.engine.tokenizer
     assert arch.family == "gemma3" and arch.layer_windows.count(None) == 3 and arch.sliding_window is None
     assert set(arch.layer_windows) == {512, None} and (arch.num_kv_heads, arch.head_dim) == (1, 256)
+    assert tok.convert_ids_to_tokens(list(arch.eos_token_ids)) == ["<eos>", "<end_of_turn>"]
     long_doc = tok.encode(LONG_DOC + (argparse.__doc__ or "") + (unittest.__doc__ or "") + ZEN)
     assert len(long_doc) > 1600
     prompts = [tok.encode(p) for p in RAW_PROMPTS[:3]] + [tok.encode(ZEN), long_doc[:1600]]

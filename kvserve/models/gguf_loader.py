@@ -90,7 +90,22 @@ def read_arch(r, path: str) -> ModelArch:
         cfg["sliding_window_pattern"] = 6
         cfg["rope_local_base_freq"] = 10_000.0
         cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
+        # The instruction-tuned models end a turn with <end_of_turn>, which the metadata's one
+        # eos id does not name: llama.cpp stops on it too, found by its text.
+        eot = _token_id(tokens, b"<end_of_turn>")
+        if eot is not None:
+            cfg["eos_token_id"] = [i for i in (cfg["eos_token_id"], eot) if i is not None]
     return ModelArch.from_hf_config(cfg, path)
+
+
+def _token_id(tokens, text: bytes) -> int | None:
+    """The id of the token spelled ``text`` in a ``tokenizer.ggml.tokens`` field (None: absent)."""
+    if tokens is None:
+        return None
+    for i, part in enumerate(tokens.data):
+        if bytes(tokens.parts[part]) == text:
+            return i
+    return None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
