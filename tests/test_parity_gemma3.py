@@ -104,7 +104,9 @@ def test_gemma3_config_layer_pattern():
     ({"final_logit_softcapping": -30.0}, "final_logit_softcapping"),
     ({"final_logit_softcapping": float("inf")}, "final_logit_softcapping"),
     ({"rope_parameters": ["full_attention"]}, "rope_parameters"),
-    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"), ({"num_hidden_layers": "7"}, "num_hidden_layers"),
+    ({"max_position_embeddings": "1024"}, "max_position_embeddings"),
+    ({"rope_local_base_freq": "1e4"}, "rope_local_base_freq"),
 ])
 @pytest.mark.unit
 def test_gemma3_bad_config(change, field):

@@ -113,7 +113,9 @@ def _gemma3_config(cfg: dict) -> dict:
     pattern from ``layer_types`` or else ``sliding_window_pattern`` (every sixth layer global), the
     global layers' RoPE from ``rope_parameters["full_attention"]`` (or the flat keys older configs
     carry), the local base from ``rope_parameters["sliding_attention"]`` / ``rope_local_base_freq``."""
-    n = cfg["num_hidden_layers"]
+    if cfg.get("num_hidden_layers") is None:
+        raise KeyError("num_hidden_layers")
+    n = _number(cfg, "num_hidden_layers", None, int)
     types = cfg.get("layer_types")
     if types is None:
         pattern = _number(cfg, "sliding_window_pattern", 6, int)
@@ -125,7 +127,7 @@ def _gemma3_config(cfg: dict) -> dict:
         raise ModelLoadError(f"unsupported Gemma 3 layer types {sorted(unknown)}; supported: "
                              f"sliding_attention, full_attention")
     window = _number(cfg, "sliding_window", 4096, int)
-    if window >= cfg.get("max_position_embeddings", 4096):
+    if window >= _number(cfg, "max_position_embeddings", 4096, int):
         window = None  # no key ever leaves it: the layers are global
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
@@ -137,7 +139,8 @@ def _gemma3_config(cfg: dict) -> dict:
     if not full and cfg.get("rope_scaling"):
         full = dict(cfg["rope_scaling"])
     full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    local_theta = _number({"rope_local_base_freq": local.get("rope_theta", cfg.get("rope_local_base_freq"))},
+                          "rope_local_base_freq", 10_000.0, float)
     if local.get("rope_type", "default") != "default":
         raise ModelLoadError(f"unsupported Gemma 3 local RoPE type {local.get('rope_type')!r}")
     head_dim = cfg.get("head_dim") or 256
