@@ -70,6 +70,10 @@ def test_random_gemma3_matches_transformers(tmp_path, window, kv_heads, softcap,
             assert o.outputs[0].token_ids == w, f"prompt of {len(p)} tokens"
         llm.engine.check_invariants()
     assert llm.engine.kv.prefix_hits > 0
+    if backend == "triton":  # a lone whole prompt longer than the window: the prefill kernel, not SDPA's
+        lone = prompts_of((3 * window + 5,), seed=2)[0]
+        out = llm.generate([{"prompt_token_ids": lone}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(model, lone, N_NEW, eos_token_id=None)
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
