@@ -20,7 +20,6 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
 from kvserve.models import loader
-from kvserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ class ModelRunner:
         self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
         t0 = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = LlamaForCausalLM(src.arch, max_positions=max_model_len)
+            self.model = loader.build_model(src.arch, max_positions=max_model_len)
         if src.kind == "dummy":
             loader.init_dummy_weights(self.model, config.seed)
         else:

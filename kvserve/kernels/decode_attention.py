@@ -7,6 +7,10 @@ a partial output and its log-sum-exp; the last program of a (sequence, KV head) 
 merges the splits (an atomic counter per pair says which), so one kernel does it all. With one
 split the program writes the output directly.
 
+With a sliding ``window`` (each query sees its last ``window`` keys, itself included) the splits
+cut only the key tiles from the one holding the window's first key: the keys before are never
+read, and those of that first tile before the window are masked.
+
 Splitting the context lets a small batch with long contexts fill the GPU; the split count is a
 function of the batch size alone (``num_splits``), so a CUDA graph captured for a batch size
 serves every context length. A sequence of length 0 (graph padding) yields zeros.
@@ -48,14 +52,18 @@ ROPE_LAUNCH = MappingProxyType({"enable_fp_fusion": False})
 
 
 @triton.jit
-def _split_range(SEQ_LENS, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _split_range(SEQ_LENS, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr):
     """Sequence ``b``'s length, its splits with keys (``active``: a short context leaves the rest
-    empty) and split ``split``'s key range [start, end)."""
+    empty), split ``split``'s key range [start, end) and the first key the query sees."""
     seq_len = tl.load(SEQ_LENS + b)
-    n_chunks = tl.cdiv(seq_len, BLOCK_N)
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    lo = (first // BLOCK_N) * BLOCK_N
+    n_chunks = tl.cdiv(seq_len - lo, BLOCK_N)
     per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
-    start = split * per * BLOCK_N
-    return seq_len, tl.cdiv(n_chunks, per), start, tl.minimum(start + per * BLOCK_N, seq_len)
+    start = lo + split * per * BLOCK_N
+    return seq_len, tl.cdiv(n_chunks, per), start, tl.minimum(start + per * BLOCK_N, seq_len), first
 
 
 @triton.jit
@@ -79,7 +87,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
                          VD: tl.constexpr, HEADS: tl.constexpr, MERGE_S: tl.constexpr,
-                         ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+                         ROPE: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,11 +109,11 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         # own key is patched into that tile from registers; later tiles are read after its
         # store.
         DT: tl.constexpr = Q.dtype.element_ty
-        seq_len, active, start, end = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS)
+        seq_len, active, start, end, first = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS, WINDOW)
         if split >= tl.maximum(active, 1):
             return
         n0 = start + w
-        nmask0 = n0 < end
+        nmask0 = (n0 < end) & (n0 >= first)
         page0 = tl.load(bt_row + n0 // PAGE, mask=nmask0, other=0).to(tl.int64)
         tile_k, tile_v = load_kv_tile(KC, VC, KS, VS, RES, page0, n0 % PAGE, n0, kvh, d,
                                       nmask0[:, None] & dmask[None, :], 0, 0, stride_kb, stride_ks, stride_kh,
@@ -144,7 +152,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         # context's critical path; an empty split's load is wasted, and cheap
         q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
-        seq_len, active, start, end = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS)
+        seq_len, active, start, end, first = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS, WINDOW)
         if split >= tl.maximum(active, 1):
             return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
         loop_start = start
@@ -167,7 +175,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         tp1 = tl.load(bt_row + (start + BLOCK_N) // PAGE, mask=start + BLOCK_N < end, other=0).to(tl.int64)
         for s in range(start, end, BLOCK_N):
             n = s + w
-            nmask = n < end
+            nmask = (n < end) & (n >= first)
             s1 = s + BLOCK_N
             s2 = s1 + BLOCK_N
             tp2 = tl.load(bt_row + s2 // PAGE, mask=s2 < end, other=0).to(tl.int64)
@@ -182,7 +190,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
     else:
         for s in range(loop_start, end, BLOCK_N):
             n = s + w
-            nmask = n < end
+            nmask = (n < end) & (n >= first)
             page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
             within = (n % PAGE).to(tl.int64)
             kmask = nmask[:, None] & dmask[None, :]
@@ -258,7 +266,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            out: torch.Tensor | None = None, block_n: int | None = None,
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
                            num_stages: int = 2, maxnreg: int | None = None, rope: RopeWrite | None = None,
-                           pdl: bool = True, counters: SplitCounters | None = None) -> torch.Tensor:
+                           pdl: bool = True, counters: SplitCounters | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -268,7 +277,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     is in memory; k rotated and k, v stored at each slot >= 0 by the split that reads that key,
     which must be the sequence's last, ``seq_lens - 1``). ``pdl``: programmatic dependent launch
     where the GPU has it. ``counters``: the splits' counters (the caller's, kept across launches
-    and graph captures; None: fresh ones for this launch). Returns [B, H, D]."""
+    and graph captures; None: fresh ones for this launch). ``window``: each query sees only its
+    last ``window`` keys (None: all). Returns [B, H, D]."""
+    assert window is None or window >= 1
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -335,13 +346,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, PREC=dot_precision(q.dtype),
         FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
-        HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
+        HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, WINDOW=window or 0, num_warps=num_warps,
+        num_stages=num_stages,
         **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q, pdl), **(ROPE_LAUNCH if rope is not None else {}))
     return out
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """Plain PyTorch in float64: gather each sequence's keys through its table; zeros for len 0."""
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None):
+    """Plain PyTorch in float64: gather each sequence's keys through its table (its last
+    ``window`` with a window); zeros for len 0."""
     B, H, D = q.shape
     page, KVH = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(B, H, D, dtype=torch.float64, device=q.device)
@@ -349,7 +362,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
         L = int(seq_lens[b])
         if L == 0:
             continue
-        n = torch.arange(L, device=q.device)
+        n = torch.arange(0 if window is None else max(0, L - window), L, device=q.device)
         pages = block_tables[b, n // page].long()
         k = k_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)  # [L, H, D]
         v = v_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)

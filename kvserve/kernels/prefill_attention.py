@@ -8,7 +8,13 @@ plain prompt, a prompt chunk after earlier chunks (chunked prefill) and a prompt
 came from the prefix cache. Decode rows (q_len 1) may ride along in a mixed batch.
 
 Grid ``(query tiles, batch, heads)``. Key tiles that lie wholly before the tile's first query
-run without a mask; only the diagonal tiles are masked.
+run without a mask; only the diagonal tiles are masked. With a sliding ``window`` (each query
+sees its last ``window`` keys, itself included) a query tile skips the key tiles before its
+first query's window and masks those its queries see only in part:
+
+    keys   0 ........ lo ....... edge ........ unmasked_end ...... kv_end
+           skipped    | window edge | whole tiles |    diagonal      |
+                        (masked)                     (causal + window)
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
-                    FAST: tl.constexpr, VD: tl.constexpr, IDX32: tl.constexpr):
+                    FAST: tl.constexpr, VD: tl.constexpr, IDX32: tl.constexpr, WINDOW: tl.constexpr):
     # Query tiles in reverse: the causal tiles with the most keys start first and the light ones
     # fill the tail.
     mt = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -67,7 +73,19 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
     first_q = ctx + mt * BLOCK_M
     kv_end = tl.minimum(seq_len, first_q + BLOCK_M)
     unmasked_end = (first_q // BLOCK_N) * BLOCK_N  # key tiles every query of the tile sees whole
-    for s in range(0, unmasked_end, BLOCK_N):
+    lo = 0  # the first key tile any query of the tile sees
+    edge = 0  # from here on, up to unmasked_end, every query of the tile sees whole key tiles
+    if WINDOW > 0:
+        lo = (tl.maximum(first_q - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        last_q = tl.minimum(first_q + BLOCK_M, seq_len) - 1
+        edge = tl.minimum(tl.cdiv(tl.maximum(last_q - WINDOW + 1, 0), BLOCK_N) * BLOCK_N, unmasked_end)
+        for s in range(lo, edge, BLOCK_N):
+            m_i, l_i, acc = _masked_step(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
+                s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST,
+                WINDOW)
+    for s in range(tl.maximum(edge, lo), unmasked_end, BLOCK_N):
         n = s + tl.arange(0, BLOCK_N)
         if FAST:  # (the tile lies in one block: its entry is read in _compressed_step)
             m_i, l_i, acc = _compressed_step(
@@ -93,28 +111,45 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)
     for s in range(unmasked_end, kv_end, BLOCK_N):  # the diagonal: causal mask
-        n = s + tl.arange(0, BLOCK_N)
-        nmask = n < kv_end
-        within = (n % PAGE).to(tl.int64)
-        causal = (n[None, :] <= qpos[:, None]) & nmask[None, :]
-        if FAST:
-            m_i, l_i, acc = _compressed_step(
-                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, nmask, causal, kvh,
-                full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PAGE,
-                BLOCK_N, PREC, DT, VD)
-        else:
-            page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
-            kmask = nmask[:, None] & dmask[None, :]
-            k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
-                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
-                                s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT, VD)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-            qk = tl.where(causal, qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)  # padding rows may see no key
+        m_i, l_i, acc = _masked_step(
+            q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
+            s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST, WINDOW)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _masked_step(q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
+                 s_vsh, s_rt, s_rh, scale_log2, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 DT: tl.constexpr, VD: tl.constexpr, FAST: tl.constexpr, WINDOW: tl.constexpr):
+    """The key tile at ``s`` that some queries of the tile see only in part: each query sees the
+    keys up to its position ``qpos`` (and after ``qpos - WINDOW`` with a window)."""
+    n = s + tl.arange(0, BLOCK_N)
+    nmask = n < kv_end
+    within = (n % PAGE).to(tl.int64)
+    seen = (n[None, :] <= qpos[:, None]) & nmask[None, :]
+    if WINDOW > 0:
+        seen = seen & (n[None, :] > qpos[:, None] - WINDOW)
+    if FAST:
+        m_i, l_i, acc = _compressed_step(
+            q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, nmask, seen, kvh,
+            full_end, res_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, HEAD_DIM, PAGE,
+            BLOCK_N, PREC, DT, VD)
+    else:
+        page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+        kmask = nmask[:, None] & dmask[None, :]
+        k, v = load_kv_tile(KC, VC, KS, VS, RES, page, within, n, kvh, d, kmask, full_end, res_row,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst,
+                            s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh, FMT, BITS, QGROUP, DT, VD)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        qk = tl.where(seen, qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, scale_log2, PREC)  # padding rows may see no key
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -138,10 +173,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
                             max_query_len: int, scale: float, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            res_slots: torch.Tensor | None = None) -> torch.Tensor:
+                            res_slots: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] packed by ``cu_q`` ([B + 1] int32); seq_lens: [B] int32 (keys after this
     step); caches as for ``paged_decode_attention`` (a compressed layer's ``KVViews`` as
-    ``k_cache``). Returns [T, H, D]."""
+    ``k_cache``); ``window``: each query sees only its last ``window`` keys (None: all).
+    Returns [T, H, D]."""
+    assert window is None or window >= 1
     T, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -179,7 +216,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"],
         BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
-        IDX32=idx32, num_warps=num_warps, num_stages=num_stages)
+        IDX32=idx32, WINDOW=window or 0, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -187,7 +224,7 @@ def _last_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
-def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale):
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, window=None):
     """Plain PyTorch in float64, one sequence at a time."""
     T, H, D = q.shape
     page, KVH = k_cache.shape[1], k_cache.shape[2]
@@ -203,6 +240,9 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q, seq_len
         v = v_cache[pages, n % page].double().repeat_interleave(H // KVH, dim=1)
         att = torch.einsum("qhd,lhd->hql", q[s:e].double(), k) * scale
         qpos = torch.arange(L - ql, L, device=q.device)
-        att = att.masked_fill(n[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = n[None, None, :] > qpos[None, :, None]
+        if window is not None:
+            hidden |= n[None, None, :] <= qpos[None, :, None] - window
+        att = att.masked_fill(hidden, float("-inf"))
         out[s:e] = torch.einsum("hql,lhd->qhd", att.softmax(-1), v)
     return out

@@ -7,7 +7,8 @@ so that it can fuse the rotation with the cache write.
 
 A backend is an object with ``name``, ``kernel`` (the ``KernelConfig`` the step's CUDA layers
 follow), ``prepare(meta, device)`` (once per step) and ``forward(positions, q, k, v, rope,
-k_cache, v_cache, meta, scale)`` (per layer); ``get_backend`` makes one by name.
+k_cache, v_cache, meta, scale, window=None)`` (per layer; ``window``: each query sees only the
+last ``window`` keys up to itself); ``get_backend`` makes one by name.
 """
 from __future__ import annotations
 
@@ -36,15 +37,17 @@ class TorchPagedAttention:
     @staticmethod
     def forward(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] before RoPE; caches: [num_blocks, bs, KVH, D].
+                scale: float, window: int | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] before RoPE; caches: [num_blocks, bs, KVH, D];
+        ``window``: each query sees only the last ``window`` keys up to itself (None: all).
         Returns [T, H, D].
 
         One SDPA call per sequence over exactly its keys, gathered with index_select: on the
-        CPU this beats one padded, masked call for the batch (masks force a slow path)."""
+        CPU this beats one padded, masked call for the batch (masks force a slow path). With a
+        window, the blocks before the chunk's first visible key are not read."""
         q, k = rope(positions, q, k)
         if isinstance(k_cache, KVViews):
-            return _forward_compressed(q, k, v, k_cache, meta, scale)
+            return _forward_compressed(q, k, v, k_cache, meta, scale, window)
         nb, bs, kvh, d = k_cache.shape
         k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -56,27 +59,38 @@ class TorchPagedAttention:
         for i, table in enumerate(meta.seq_tables):
             s, e = meta.query_start[i], meta.query_start[i + 1]
             L = meta.seq_lens[i]
-            keys = k_cache.index_select(0, table).view(-1, kvh, d)[:L].to(acc)
-            vals = v_cache.index_select(0, table).view(-1, kvh, d)[:L].to(acc)
-            out[s:e] = _attend(q[s:e], keys, vals, L, scale).to(out.dtype)
+            lo = 0 if window is None else max(0, L - (e - s) - window + 1)  # first key any query sees
+            b0 = lo // bs
+            keys = k_cache.index_select(0, table[b0:]).view(-1, kvh, d)[lo - b0 * bs:L - b0 * bs].to(acc)
+            vals = v_cache.index_select(0, table[b0:]).view(-1, kvh, d)[lo - b0 * bs:L - b0 * bs].to(acc)
+            out[s:e] = _attend(q[s:e], keys, vals, L, scale, window).to(out.dtype)
         return out
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:
-    """q: [ql, H, D] (the last ql of L positions), keys/vals: [L, KVH, D] -> [ql, H, D]."""
-    ql = q.shape[0]
+def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float,
+            window: int | None = None) -> torch.Tensor:
+    """q: [ql, H, D] (the last ql of L positions), keys/vals: [n, KVH, D], the last n of the L
+    keys -> [ql, H, D]."""
+    ql, n = q.shape[0], keys.shape[0]
     qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
     keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
-    if ql == 1 or ql == L:  # one query sees every key; or a whole prompt, plainly causal
+    in_window = window is None or n <= window  # no key is too far back for any query
+    if in_window and (ql == 1 or ql == n == L):
+        # one query sees every key; or a whole prompt, plainly causal
         o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=ql > 1, scale=scale, enable_gqa=True)
-    else:  # a chunk after cached context: causal, offset by the context
-        qpos = torch.arange(L - ql, L, device=q.device)
-        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
-        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+    # a chunk after cached context (causal, offset by the context), or a window
+    qpos = torch.arange(L - ql, L, device=q.device)[:, None]
+    kpos = torch.arange(L - n, L, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
-def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale: float,
+                        window: int | None = None) -> torch.Tensor:
     """The reference path for a compressed cache (``kvserve/kv_format.py``): quantize the step's
     K/V into it, then attend over each sequence's dequantized blocks. As in the Triton backend, a
     lone whole prompt attends to its own keys in full precision (it computed them just now)."""
@@ -97,7 +111,7 @@ def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale:
             keys, vals = k[s:e], v[s:e]
         else:
             keys, vals = kv_format.read_kv(views, table, L, meta.res_slots[i] if f.kivi else -1)
-        out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), L, scale).to(out.dtype)
+        out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), L, scale, window).to(out.dtype)
     return out
 
 

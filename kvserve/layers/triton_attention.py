@@ -12,6 +12,10 @@ A route is the step's RoPE + KV write (a kernel of its own) and the attention ke
 route allows it and ``KernelConfig.fused_rope_decode`` asks for it, the attention kernel does the
 write itself (one kernel less per layer; KIVI with 64-token blocks: two, the key seal too). The
 backend holds the engine's ``KernelConfig`` and passes its choices to the launchers.
+
+A layer with a sliding window (Gemma 3's local layers) passes it to both Triton kernels; a lone
+prompt longer than its window takes the paged prefill kernel rather than SDPA's causal one, and
+a KIVI int4 decode the Triton kernel rather than the Gluon one (which has no window).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ class _Call:
     kernel: KernelConfig
     counters: SplitCounters
     phase: str
+    window: int | None = None
 
     def rope_write(self) -> RopeWrite:
         m = self.meta
@@ -91,7 +96,7 @@ def _decode(c: _Call, fused: bool) -> torch.Tensor:
                                            c.q.device)
     return paged_decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.seq_lens_t, c.scale, splits=splits,
                                   res_slots=m.res_slots_t, rope=c.rope_write() if fused else None,
-                                  pdl=c.kernel.pdl, counters=c.counters)
+                                  pdl=c.kernel.pdl, counters=c.counters, window=c.window)
 
 
 def _decode_kivi4(c: _Call, fused: bool) -> torch.Tensor:
@@ -115,7 +120,7 @@ def _prompt(c: _Call, fused: bool) -> torch.Tensor:
 def _prefill(c: _Call, fused: bool) -> torch.Tensor:
     m = c.meta
     return paged_prefill_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.cu_q, m.seq_lens_t,
-                                   m.max_query_len, c.scale, res_slots=m.res_slots_t)
+                                   m.max_query_len, c.scale, res_slots=m.res_slots_t, window=c.window)
 
 
 class Route(NamedTuple):
@@ -176,11 +181,17 @@ class TritonPagedAttention:
             meta.res_slots_t = torch.tensor(meta.res_slots, dtype=torch.int32).to(device, non_blocking=True)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
-                k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         phase = step_phase(meta)
-        route = ROUTES[phase, cache_kind(k_cache, q, phase, self.kernel)]
+        if phase == "prompt" and window is not None and meta.max_query_len > window:
+            phase = "prefill"
+        kind = cache_kind(k_cache, q, phase, self.kernel)
+        if kind == "kivi4" and window is not None:
+            kind = "kivi"
+        route = ROUTES[phase, kind]
         fused = route.fuses_write and self.kernel.fused_rope_decode
-        call = _Call(positions, q, k, v, rope, k_cache, v_cache, meta, scale, self.kernel, self.counters, phase)
+        call = _Call(positions, q, k, v, rope, k_cache, v_cache, meta, scale, self.kernel, self.counters, phase,
+                     window)
         route.write(call, fused)
         return route.attend(call, fused)
 

@@ -23,7 +23,12 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Gemma 3's four norms per layer: llama.cpp names the one before the MLP "ffn_norm".
+_GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "gemma3": "Gemma3ForCausalLM"}
 
 
 def open_reader(path: str):
@@ -77,7 +82,30 @@ def read_arch(r, path: str) -> ModelArch:
         "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }
+    if arch == "gemma3":
+        # What llama.cpp's Gemma 3 assumes beyond the metadata: every sixth layer global, the
+        # local layers' RoPE base 10k, q scaled by the head size (by hidden / heads in the
+        # 62-layer 27B), and no layer pattern or scalar stored in the file.
+        cfg["sliding_window"] = req("attention.sliding_window")
+        cfg["sliding_window_pattern"] = 6
+        cfg["rope_local_base_freq"] = 10_000.0
+        cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
+        # The instruction-tuned models end a turn with <end_of_turn>, which the metadata's one
+        # eos id does not name: llama.cpp stops on it too, found by its text.
+        eot = _token_id(tokens, b"<end_of_turn>")
+        if eot is not None:
+            cfg["eos_token_id"] = [i for i in (cfg["eos_token_id"], eot) if i is not None]
     return ModelArch.from_hf_config(cfg, path)
+
+
+def _token_id(tokens, text: bytes) -> int | None:
+    """The id of the token spelled ``text`` in a ``tokenizer.ggml.tokens`` field (None: absent)."""
+    if tokens is None:
+        return None
+    for i, part in enumerate(tokens.data):
+        if bytes(tokens.parts[part]) == text:
+            return i
+    return None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -86,13 +114,16 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_weights(r, path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) of every tensor, with Hugging Face's values: llama.cpp
+    stores Gemma's norm weights as ``1 + w`` (its RMSNorm multiplies by the weight alone)."""
     import gguf
+    layer_names = _GEMMA3_NAMES if arch.family == "gemma3" else _LAYER_NAMES
     for t in r.tensors:
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+            if rest not in layer_names:
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+            name = f"model.layers.{layer}.{layer_names[rest]}"
         elif t.name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[t.name]
         elif t.name.startswith("rope_"):
@@ -111,6 +142,8 @@ def iter_weights(r, path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Ten
             w = _unpermute(w, arch.num_heads)
         elif arch.family == "llama" and rest_is(t.name, "attn_k.weight"):
             w = _unpermute(w, arch.num_kv_heads)
+        elif arch.family == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0
         yield name, w
 
 

@@ -139,6 +139,15 @@ def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
+def build_model(arch: ModelArch, max_positions: int) -> torch.nn.Module:
+    """The model of ``arch``'s family, its weights not yet loaded."""
+    if arch.family == "gemma3":
+        from kvserve.models.gemma3 import Gemma3ForCausalLM
+        return Gemma3ForCausalLM(arch, max_positions)
+    from kvserve.models.llama import LlamaForCausalLM
+    return LlamaForCausalLM(arch, max_positions)
+
+
 def count_weights(src: ModelSource) -> int | None:
     """How many tensors a source holds, for the progress bar (None when unknown)."""
     if src.kind == "gguf":
