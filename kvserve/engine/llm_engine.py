@@ -270,6 +270,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         for req in self.scheduler.abort_group(request_id):
             self.runner.drop_request(req.request_id)
+            if self.speculator is not None:
+                self.speculator.drop_request(req.request_id)
         self.output_processor.abort(request_id)
 
     def _fail_request(self, group_id: str, cause: BaseException) -> None:
@@ -394,6 +396,8 @@ class LLMEngine:
             finished.append(req)
         for req in finished:
             self.runner.drop_request(req.request_id)
+            if self.speculator is not None:
+                self.speculator.drop_request(req.request_id)
             if req.session_id is not None:
                 self._end_session_turn(req.session_id, list(req.block_hashes))
         self.stats.num_requests_finished += sum(o.finished for o in outputs)

@@ -36,11 +36,15 @@ class Speculator:
             if k > 0:
                 want.append((r, k))
         if self.draft is not None:
-            self.draft.propose(want)
+            self.draft.propose(want, running)
             return
         c = self.config
         for r, k in want:
             r.spec_token_ids = propose_ngram(r.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def drop_request(self, request_id: str) -> None:
+        if self.draft is not None:
+            self.draft.drop(request_id)
 
     def observe(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         for i, (s, toks) in enumerate(zip(out.scheduled, result.sampled_token_ids)):
