@@ -49,7 +49,8 @@ class LLM:
                                    attention_backend=attention_backend, enforce_eager=enforce_eager,
                                    cuda_graph_max_batch=cuda_graph_max_batch, async_scheduling=async_scheduling,
                                    kernel=kernel or KernelConfig(),
-                                   speculative=(speculative_config if not isinstance(speculative_config, dict)
+                                   speculative=(speculative_config
+                                                if isinstance(speculative_config, (SpeculativeConfig, type(None)))
                                                 else SpeculativeConfig.from_dict(speculative_config)))
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
