@@ -193,3 +193,43 @@ def test_default_model_greedy_identical_with_ngram_drafts(model_path):
     assert got == want
     assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_metrics_endpoint_and_request_errors():
+    """/metrics carries the counters under vLLM's names; a request speculation cannot serve is a
+    400 in OpenAI's shape naming the field."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.config import CacheConfig, EngineConfig, SpeculativeConfig
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", cache=CacheConfig(kv_cache_memory=16 << 20),
+                                    show_progress=False, speculative=SpeculativeConfig.from_dict(NGRAM)))
+
+    async def run():
+        ae = AsyncEngine(engine)
+        app = build_app(ae, "tiny")
+        ae.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7] * 6,
+                                                          "max_tokens": 24, "temperature": 0})
+                assert r.status_code == 200
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "n": 2})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+                text = (await c.get("/metrics")).text
+        finally:
+            ae.shutdown()
+        return text
+
+    text = asyncio.run(asyncio.wait_for(run(), 60))
+    s = engine.stats.spec
+    assert s.spec_decode_num_accepted_tokens > 0
+    assert f"kvserve_spec_decode_num_drafts_total {float(s.spec_decode_num_drafts)}" in text
+    assert f"kvserve_spec_decode_num_accepted_tokens_total {float(s.spec_decode_num_accepted_tokens)}" in text
+    assert 'kvserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+    assert f"kvserve_spec_decode_mean_acceptance_length {s.mean_acceptance_length}" in text

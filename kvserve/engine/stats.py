@@ -1,6 +1,7 @@
 """Per-step and whole-run statistics of the engine."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -47,6 +48,11 @@ class SpecDecodingStats:
         self.spec_decode_num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.spec_decode_num_accepted_tokens_per_pos[j] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        c = dataclasses.replace(self)
+        c.spec_decode_num_accepted_tokens_per_pos = list(self.spec_decode_num_accepted_tokens_per_pos)
+        return c
 
     @property
     def mean_acceptance_length(self) -> float:
