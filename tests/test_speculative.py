@@ -233,3 +233,16 @@ def test_metrics_endpoint_and_request_errors():
     assert f"kvserve_spec_decode_num_accepted_tokens_total {float(s.spec_decode_num_accepted_tokens)}" in text
     assert 'kvserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
     assert f"kvserve_spec_decode_mean_acceptance_length {s.mean_acceptance_length}" in text
+
+
+def test_logprobs_are_the_targets_own(plain):
+    prompts = _prompts(3, 2)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = _tiny(NGRAM).generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) and b[t].rank == a[t].rank

@@ -24,6 +24,8 @@ class Speculator:
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
 
     def propose(self, running: list[Request]) -> None:
+        for r in running:  # drafts of a step that preempted the request before taking them are stale
+            r.spec_token_ids, r.spec_draft_probs = [], None
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         k_batch = self.policy.k_for_batch(len(decoding))
         if k_batch == 0:
