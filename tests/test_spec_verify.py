@@ -125,3 +125,18 @@ def test_policy_turns_off_at_large_batches_and_shrinks_on_rejection():
     for _ in range(20):
         SpecPolicy.observe(r, 4, 4)
     assert SpecPolicy.k_for_request(r, 8) == 8
+
+
+def test_requests_under_a_grammar_or_at_their_last_token_get_no_drafts():
+    from kvserve.engine.request import Request
+    from kvserve.engine.spec.speculator import Speculator
+    from kvserve.sampling_params import SamplingParams
+
+    sp = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    reqs = [Request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=m)) for i, m in enumerate((9, 9, 1))]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+    reqs[1].grammar = object()
+    sp.propose(reqs)
+    assert reqs[0].spec_token_ids == [3, 1]  # a new request's rate (0.5) is worth two drafts
+    assert reqs[1].spec_token_ids == [] and reqs[2].spec_token_ids == []

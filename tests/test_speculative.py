@@ -82,6 +82,15 @@ def test_rejections_and_stops_inside_the_accepted_run(plain):
     assert s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens  # some were rejected
 
 
+def test_a_small_token_budget_cuts_drafts_first(plain):
+    prompts = _prompts(4, 6)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _tiny(NGRAM, max_num_batched_tokens=9)  # six decoding requests with up to 4 drafts each
+    assert _stepwise(llm, prompts, params) == want
+    assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
+
+
 def test_preempted_speculative_requests_resume_identically(plain):
     prompts = _prompts(2, 8)
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
