@@ -45,6 +45,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
                         "the GPU (default: on for CUDA, off on the CPU)")
@@ -83,6 +86,16 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _json_object(value: str) -> dict:
+    try:
+        v = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return v
+
+
 def _served_name(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError(f"a model name must be non-empty, got {value!r}")
@@ -101,7 +114,7 @@ def _make_llm(args):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-               async_scheduling=args.async_scheduling,
+               async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
                max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,

@@ -175,6 +175,80 @@ class KernelConfig:
                 "logits": self.gemv_max_rows_logits}[kind]
 
 
+_SPEC_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (kvserve/spec), with vLLM's names. ``ngram``: drafts copied from
+    earlier in the prompt and output (prompt lookup); ``draft_model``: a smaller model of the
+    same vocabulary proposes them. Lossless either way: the target model verifies every draft."""
+    method: str
+    num_speculative_tokens: int  # the most drafts per step; the policy may propose fewer
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 5  # ngram: the longest
+    model: str | None = None  # draft_model: GGUF file, HF directory or dummy:<preset>
+    # No drafts while more requests than this are decoding: a verify step of B * (k + 1) tokens
+    # stops being as cheap as a 1-token step once the batch alone fills the device. None: from
+    # ``verify_token_budget``.
+    disable_by_batch_size: int | None = None
+    # Tokens a verify step may carry (batch x (1 + drafts)) before it costs more than a plain
+    # decode step; the per-step k is capped by it. The default is the token count where a
+    # decode step of an 8B model stops being bound by reading the weights on an H100-class GPU.
+    verify_token_budget: int = 128
+
+    _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+               "disable_by_batch_size", "verify_token_budget")
+
+    @classmethod
+    def from_dict(cls, d) -> SpeculativeConfig:
+        """``speculative_config`` as the user wrote it (a dict, as in vLLM)."""
+        if not isinstance(d, dict):
+            raise ConfigError("speculative_config", f"must be a dict (JSON object), got {type(d).__name__}")
+        unknown = sorted(set(map(str, d)) - set(cls._FIELDS))
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]}", f"unknown field; known: {', '.join(cls._FIELDS)}")
+        for name in ("method", "num_speculative_tokens"):
+            if d.get(name) is None:
+                raise ConfigError(f"speculative_config.{name}", "is required")
+        return cls(**d)
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise ConfigError(f"speculative_config.{name}", msg)
+
+        def int_in(name, lo, hi):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                bad(name, f"must be an integer {bound}, got {v!r}")
+
+        if self.method not in _SPEC_METHODS:
+            bad("method", f"must be one of {', '.join(_SPEC_METHODS)}; got {self.method!r}")
+        int_in("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        int_in("prompt_lookup_min", 1, 64)
+        int_in("prompt_lookup_max", 1, 64)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            bad("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
+                f"got {self.prompt_lookup_min}")
+        if self.disable_by_batch_size is not None:
+            int_in("disable_by_batch_size", 1, None)
+        int_in("verify_token_budget", 2, None)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                bad("model", "method 'draft_model' needs the draft's path or dummy:<preset>")
+        elif self.model is not None:
+            bad("model", f"only method 'draft_model' takes a model; method is {self.method!r}")
+
+    @property
+    def max_batch(self) -> int:
+        """The largest decoding batch that still speculates."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        return self.verify_token_budget // 2  # one draft per request at least
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
@@ -196,8 +270,24 @@ class EngineConfig:
     # host's bookkeeping overlaps the device (see LLMEngine.step). None: on for CUDA (same tokens
     # as synchronous on an H200), off on the CPU, whose steps compute before they return.
     async_scheduling: bool | None = None
+    speculative: SpeculativeConfig | None = None  # speculative decoding, off by default
 
     def __post_init__(self):
+        spec = self.speculative
+        if spec is not None:
+            # Combinations whose output speculation would change or that it cannot roll back.
+            if self.async_scheduling:
+                raise ConfigError("async_scheduling", "is not supported with speculative decoding (the next "
+                                  "step's inputs depend on how many drafts are accepted); leave it unset")
+            if self.cache.kv_cache_dtype != "auto":
+                raise ConfigError("kv_cache_dtype", f"{self.cache.kv_cache_dtype!r} is not supported with "
+                                  "speculative decoding (rejected drafts cannot be rolled out of its scales); use auto")
+            if self.cache.preemption_mode == "swap":
+                raise ConfigError("preemption_mode",
+                                  "'swap' is not supported with speculative decoding; use 'recompute'")
+            if self.cache.tiers_enabled:
+                raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url",
+                                  "the KV tiers are not supported with speculative decoding")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("attention_backend",
                               f"must be one of auto, torch, triton; got {self.attention_backend!r}")

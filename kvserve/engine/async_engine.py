@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
+from kvserve.engine.stats import SpecDecodingStats
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class EngineSnapshot:
     generation_tokens: int = 0  # cumulative
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found there
+    spec_decode: SpecDecodingStats | None = None  # a copy, with speculative decoding on
 
 
 class RequestStream:
@@ -254,7 +256,8 @@ class AsyncEngine:
             # The last step's waste while requests hold blocks; an idle engine wastes none.
             kv_waste=last.kv_waste if last and eng.has_unfinished_requests() else 0.0,
             prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
-            prefix_cache_queries=eng.kv.prefix_queries, prefix_cache_hits=eng.kv.prefix_hits)
+            prefix_cache_queries=eng.kv.prefix_queries, prefix_cache_hits=eng.kv.prefix_hits,
+            spec_decode=eng.stats.spec.copy() if eng.stats.spec is not None else None)
 
     # -- callbacks run on the event loop -----------------------------------------------------
     def _added(self, n: int) -> None:

@@ -157,6 +157,16 @@ class KVCacheManager:
         self.pool.free(table[::-1])
         return table
 
+    def trim(self, req: Request) -> None:
+        """Free the blocks past ``req.num_computed_tokens`` (rejected drafts' slots). None of
+        them is hash-registered: registered blocks hold only known tokens, all computed."""
+        table = self.tables.get(req.request_id)
+        keep = self.blocks_for(req.num_computed_tokens)
+        if table is not None and len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free(extra[::-1])
+
     def table(self, req: Request) -> list[int]:
         return self.tables[req.request_id]
 

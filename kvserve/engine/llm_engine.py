@@ -76,11 +76,22 @@ class LLMEngine:
         self.sessions = Sessions(config.cache.idle_offload_seconds, max_sessions=config.cache.max_sessions,
                                  ttl_seconds=config.cache.session_ttl_seconds)
         self.stats = EngineStats()
+        self.speculator = self._speculator(config.speculative, src) if config.speculative is not None else None
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self._failed: dict[str, RequestFailedError] = {}  # see pop_failed
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         log.info("KV cache: %s", plan.describe())
+
+    def _speculator(self, spec, src):
+        from kvserve.engine.spec.speculator import Speculator
+        draft = None
+        if spec.method == "draft_model":
+            from kvserve.engine.spec.draft import DraftModel
+            draft = DraftModel(self.config, spec, src, self.runner, self.kv_plan.num_blocks)
+        s = Speculator(spec, draft)
+        self.stats.spec = s.stats
+        return s
 
     @staticmethod
     def _connector(store):
@@ -232,6 +243,11 @@ class LLMEngine:
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # a spec that does not compile stops here
+        if self.speculator is not None:
+            if params.n > 1:
+                raise InvalidRequestError("n", f"must be 1 with speculative decoding on, got {params.n}")
+            if params.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs", "is not supported with speculative decoding on")
         longest = mt if mt is not None else self.max_model_len - n
         need = self.scheduler.blocks_to_finish(n, longest, params.n)
         if need > self.num_kv_blocks:
@@ -271,6 +287,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         for req in self.scheduler.abort_group(request_id):
             self.runner.drop_request(req.request_id)
+            if self.speculator is not None:
+                self.speculator.drop_request(req.request_id)
         self.output_processor.abort(request_id)
 
     def _fail_request(self, group_id: str, cause: BaseException) -> None:
@@ -333,6 +351,8 @@ class LLMEngine:
     def _schedule_and_launch(self) -> InFlight | None:
         t0 = time.perf_counter()
         io0 = self._tier_copy_seconds()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
             if any(r.prefetch_state == "pending" for r in self.scheduler.waiting):
@@ -379,6 +399,8 @@ class LLMEngine:
                     self._fail_request(req.group_id, e)
         core = (self.scheduler.update(out, result, cur.advanced) if result is not None
                 else EngineCoreOutputs())
+        if self.speculator is not None and result is not None:
+            self.speculator.observe(out, result)
         for parent, child in core.forks:
             self.runner.fork_request(parent.request_id, child.request_id)
         outputs, stops, failed = self.output_processor.process(core, only_finished)
@@ -391,6 +413,8 @@ class LLMEngine:
             finished.append(req)
         for req in finished:
             self.runner.drop_request(req.request_id)
+            if self.speculator is not None:
+                self.speculator.drop_request(req.request_id)
             if req.session_id is not None:
                 self._end_session_turn(req.session_id, list(req.block_hashes))
         self.stats.num_requests_finished += sum(o.finished for o in outputs)

@@ -17,6 +17,7 @@ from kvserve.engine.faults import is_device_fault
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.spec import rejection
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
 from kvserve.models import loader
@@ -76,7 +77,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int):
         self.device = resolve_device(config.device)
         if config.async_scheduling is None:
-            config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda")
+            # Speculative decoding needs each step's accepted tokens before the next is scheduled.
+            config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda"
+                                         and config.speculative is None)
         self.config = config
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -120,6 +123,8 @@ class ModelRunner:
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
         self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
+        # Draws of unseeded requests' draft verification (seeded ones use their own generators).
+        self._spec_generator = torch.Generator().manual_seed(config.seed)
 
     # -- KV cache ----------------------------------------------------------------------------
     def determine_kv_memory(self) -> int:
@@ -285,7 +290,9 @@ class ModelRunner:
         pending_rows, pending_src = [], []  # async scheduling: input tokens sampled by the step in flight
         for s in sched:
             r = s.request
-            ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens])
+            n_known = s.num_new_tokens - len(s.draft_token_ids)
+            ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n_known])
+            ids.extend(s.draft_token_ids)
             if ids and ids[-1] == PENDING_TOKEN:
                 pending_rows.append(len(ids) - 1)
                 pending_src.append(r.request_id)
@@ -312,8 +319,11 @@ class ModelRunner:
         failed: dict[int, BaseException] = {}  # scheduled index -> its own fault (see faults.py)
         seeded: list[tuple[torch.Generator, torch.Tensor]] = []  # states before this step's draws
         grammar_rows, grammars = [], []  # rows under a grammar and their matchers
+        verifying: list[int] = []  # requests with drafts: all their k + 1 positions are verified
         for i, s in enumerate(sched):
-            if s.samples:
+            if s.samples and s.draft_token_ids:
+                verifying.append(i)
+            elif s.samples:
                 r = s.request
                 n_draws = r.pending_forks + 1
                 try:
@@ -358,6 +368,7 @@ class ModelRunner:
             self._sampled = (pending[0], sched, sample_of)
         else:
             self._sampled = None
+        verify_logits = self._verify_logits(hidden, query_start, sched, verifying) if verifying else []
         if self.gpu_timer is not None:
             self.gpu_timer.stop()
 
@@ -371,6 +382,13 @@ class ModelRunner:
                     if i not in failed:
                         res.sampled_token_ids[i].append(so.token_ids[k])
                         res.logprobs[i].append(so.logprobs[k])
+            for i, logits in zip(verifying, verify_logits):
+                try:
+                    res.sampled_token_ids[i], res.logprobs[i] = self._verify(sched[i], logits)
+                except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
+                    if is_device_fault(e):
+                        raise
+                    failed[i] = e
             for i, s in enumerate(sched):
                 r = s.request
                 if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens and i not in failed:
@@ -400,6 +418,32 @@ class ModelRunner:
             self.tiers.commit()
             return res
         return finish_and_write
+
+    def _verify_logits(self, hidden: torch.Tensor, query_start: list[int], sched: list[ScheduledRequest],
+                       verifying: list[int]) -> list[torch.Tensor]:
+        """The logits at every position of each request with drafts (its last known token and
+        its drafts), in one LM-head product; one [k + 1, vocab] tensor per request."""
+        idx, sizes = [], []
+        for i in verifying:
+            end = query_start[i + 1]
+            n = len(sched[i].draft_token_ids) + 1
+            idx.extend(range(end - n, end))
+            sizes.append(n)
+        logits = self._logits(hidden[torch.tensor(idx).to(self.device, non_blocking=True)])
+        return list(logits.split(sizes))
+
+    def _verify(self, s: ScheduledRequest, logits: torch.Tensor):
+        """One request's tokens (accepted drafts + the target's) and their log-probs, if asked."""
+        r, drafts = s.request, s.draft_token_ids
+        rows = [self._sampling_row(r, 0, drafts[:j]) for j in range(len(drafts) + 1)]
+        processed = rejection.processed_logits(logits, rows)
+        gen = r.generator if r.generator is not None else self._spec_generator
+        toks = rejection.verify_request(processed, rows[0], drafts, r.spec_draft_probs, gen)
+        n_lp = r.params.logprobs
+        if n_lp is None:
+            return toks, [None] * len(toks)
+        raw = logits.float().log_softmax(dim=-1)
+        return toks, [rejection.logprob_entry(raw[j], t, n_lp) for j, t in enumerate(toks)]
 
     def _sample_one_by_one(self, picked: torch.Tensor, rows: list[SamplingRow], sample_of: list[int],
                            failed: dict[int, BaseException], bitmask=None):
@@ -450,12 +494,13 @@ class ModelRunner:
         with forward_context(ForwardContext(None, [], self.backend)):
             return self.model.compute_logits(hidden)
 
-    def _sampling_row(self, r: Request, draw: int) -> SamplingRow:
+    def _sampling_row(self, r: Request, draw: int, drafted: list[int] = ()) -> SamplingRow:
+        """``drafted``: draft tokens before the position sampled (verification), counted as output."""
         p = r.params
         banned = ()
         # Under a grammar, the grammar decides where the output ends: banning its stop token
         # could leave a row with nothing allowed.
-        if r.num_output_tokens < p.min_tokens and r.grammar is None:
+        if r.num_output_tokens + len(drafted) < p.min_tokens and r.grammar is None:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
         penal = p.needs_penalties
         return SamplingRow(
@@ -464,8 +509,8 @@ class ModelRunner:
             num_logprobs=p.logprobs,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
-            seen_tokens=r.all_token_ids if penal else None,
-            output_tokens=r.output_token_ids if penal else None,
+            seen_tokens=(r.all_token_ids + list(drafted) if drafted else r.all_token_ids) if penal else None,
+            output_tokens=(r.output_token_ids + list(drafted) if drafted else r.output_token_ids) if penal else None,
             banned_tokens=banned, logit_bias=p.logit_bias)
 
     def _prompt_logprobs(self, r: Request, s: ScheduledRequest, hidden, q_start: int):

@@ -85,6 +85,11 @@ class Request:
         # Structured outputs: the matcher of this sequence's grammar (kvserve.structured.GrammarState),
         # holding every output token so far; it outlives preemption with the request.
         self.grammar = None
+        # Speculative decoding: drafts proposed for the next step (the scheduler takes them), and
+        # the running rate at which this request's drafts are accepted (the policy's k follows it).
+        self.spec_token_ids: list[int] = []
+        self.spec_acceptance = 0.5
+        self.spec_draft_probs = None  # a sampling draft model's q for those drafts, [k, vocab]
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
 

@@ -84,7 +84,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n_known = req.num_tokens - req.num_computed_tokens
+            drafts, req.spec_token_ids = req.spec_token_ids, []
+            n = min(n_known + len(drafts), budget)
+            drafts = drafts[:max(0, n - n_known)]  # a budget cut drops drafts first
             if n <= 0 or (req.token_pending and req.length_reached):
                 # Nothing to compute; or (async scheduling) the token in flight is its last.
                 i += 1
@@ -96,7 +99,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, self.kv.table(req)))
+                scheduled.append(ScheduledRequest(req, n, self.kv.table(req), draft_token_ids=drafts))
                 budget -= n
                 i += 1
                 continue
@@ -195,6 +198,11 @@ class Scheduler:
             if not advanced:
                 core.num_prompt_tokens += max(0, min(s.num_new_tokens, req.num_prompt_tokens - start))
                 req.num_computed_tokens += s.num_new_tokens
+                if s.draft_token_ids and toks:
+                    # The KV of rejected drafts is garbage: their slots are recomputed, and
+                    # blocks holding only them go back to the pool.
+                    req.num_computed_tokens -= len(s.draft_token_ids) - (len(toks) - 1)
+                    self.kv.trim(req)
             if not toks:  # a prompt chunk that does not reach the end
                 core.outputs.append(EngineCoreOutput(req.request_id, req.group_id, req.index, [],
                                                      prompt_logprobs=plps, prompt_logprobs_start=start,

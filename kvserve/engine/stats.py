@@ -1,7 +1,8 @@
 """Per-step and whole-run statistics of the engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,6 +30,43 @@ class StepStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters, with vLLM's names."""
+    num_speculative_tokens: int
+    spec_decode_num_drafts: int = 0  # verify steps of a request (each with >= 1 draft)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    # [j]: drafts accepted at position j (the j-th draft of a step, from 0)
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.spec_decode_num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_drafts
+        self.spec_decode_num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.spec_decode_num_accepted_tokens_per_pos[j] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        c = dataclasses.replace(self)
+        c.spec_decode_num_accepted_tokens_per_pos = list(self.spec_decode_num_accepted_tokens_per_pos)
+        return c
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify step emits on average: the accepted drafts plus the target's own."""
+        d = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / d if d else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        t = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / t if t else 0.0
+
+
+@dataclass
 class EngineStats:
     num_steps: int = 0
     num_requests_finished: int = 0
@@ -39,6 +77,7 @@ class EngineStats:
     slots_filled_sum: int = 0
     peak_kv_blocks_used: int = 0
     last: StepStats | None = None
+    spec: SpecDecodingStats | None = None  # with speculative decoding on
 
     def record(self, s: StepStats) -> None:
         self.num_steps += 1
@@ -69,4 +108,11 @@ class EngineStats:
                 f"({(self.prompt_tokens + self.generation_tokens) / max(self.busy_time, 1e-9):.1f} tok/s, "
                 f"{self.generation_tokens_per_s:.1f} generated tok/s) | prefix-cache hit rate {hit:.1%} | "
                 f"preemptions {pre} | KV waste {self.mean_kv_waste:.2%} (time-averaged) | "
-                f"peak KV blocks {self.peak_kv_blocks_used}")
+                f"peak KV blocks {self.peak_kv_blocks_used}" + self._spec_summary())
+
+    def _spec_summary(self) -> str:
+        sp = self.spec
+        if sp is None:
+            return ""
+        return (f" | speculative: mean acceptance length {sp.mean_acceptance_length:.2f}, "
+                f"{sp.spec_decode_num_accepted_tokens}/{sp.spec_decode_num_draft_tokens} drafts accepted")

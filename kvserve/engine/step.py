@@ -28,10 +28,13 @@ class ScheduledRequest:
     num_new_tokens: int
     block_table: list[int]
     samples: bool = False  # the step reaches the end of the known tokens, so a token is sampled
+    # Speculative decoding: the last ``len(draft_token_ids)`` of the step's tokens are drafts
+    # after the known tokens, verified by the runner (``kvserve.engine.spec``).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         r = self.request
-        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == r.num_tokens
 
 
 @dataclass

@@ -24,6 +24,11 @@ DUMMY_PRESETS: dict[str, dict] = {
                      "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
                      "max_position_embeddings": 8192, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2},
+    # A draft for "tiny" (same vocabulary, a quarter of its width): speculative decoding tests.
+    "tiny-draft": {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 32,
+                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                   "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                   "max_position_embeddings": 2048, "tie_word_embeddings": True, "eos_token_id": 0},
     "tiny": {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,

@@ -56,6 +56,27 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], v)
             yield c
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s.spec_decode)
+
+
+def _spec_decode_metrics(sp):
+    """Speculative decoding, with vLLM's names (under kvserve_)."""
+    for name, doc in (("spec_decode_num_drafts", "verify steps of a request with drafts"),
+                      ("spec_decode_num_draft_tokens", "draft tokens proposed"),
+                      ("spec_decode_num_accepted_tokens", "draft tokens accepted")):
+        c = CounterMetricFamily(f"kvserve_{name}", doc)
+        c.add_metric([], getattr(sp, name))
+        yield c
+    c = CounterMetricFamily("kvserve_spec_decode_num_accepted_tokens_per_pos",
+                            "draft tokens accepted, by position in the step's drafts", labels=["position"])
+    for j, v in enumerate(sp.spec_decode_num_accepted_tokens_per_pos):
+        c.add_metric([str(j)], v)
+    yield c
+    g = GaugeMetricFamily("kvserve_spec_decode_mean_acceptance_length",
+                          "tokens a verify step emits on average (accepted drafts + 1)")
+    g.add_metric([], sp.mean_acceptance_length)
+    yield g
 
 
 class Metrics:

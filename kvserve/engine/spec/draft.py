@@ -1,0 +1,141 @@
+"""DraftModel: a smaller model of the target's vocabulary that proposes drafts by decoding.
+
+It runs inside the engine with its own KV cache: a pool of as many blocks as the target's (its
+blocks are smaller, so it costs the draft's share of the target's KV bytes on top; it is not
+part of the profiled budget) with its own block tables, no prefix caching. Per request it keeps
+``computed``: the leading tokens whose draft KV is valid.
+
+    propose:  catch up (compute the known tokens past ``computed``: the whole prompt at first)
+              and draw draft 1 -> feed it, draw draft 2 -> ... -> draft k (k forward passes)
+    after verification the request's ``num_computed_tokens`` bounds what stays valid: drafts it
+    accepted are known tokens now, KV of rejected ones is overwritten on the next catch-up.
+
+A greedy request gets the draft's argmax (a point mass); a sampled one a draw from the draft's
+softmax at its temperature, with those distributions kept for the rejection rule
+(``Request.spec_draft_probs``). Requests that no longer run lose their draft KV (a resumed one
+recomputes it); a request the pool cannot hold gets no drafts.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import EngineConfig, SpeculativeConfig
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.request import Request
+from kvserve.errors import ConfigError
+from kvserve.layers.attention import ForwardContext, forward_context
+from kvserve.models import loader
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.sampling_params import MIN_TEMPERATURE
+
+
+class DraftModel:
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: loader.ModelSource,
+                 runner, num_blocks: int):
+        src = loader.resolve(spec.model)
+        if src.arch.vocab_size != target.arch.vocab_size:
+            raise ConfigError("speculative_config.model", f"the draft's vocabulary ({src.arch.vocab_size} tokens) "
+                              f"differs from the target's ({target.arch.vocab_size}); drafts would be other tokens")
+        if src.arch.num_params > target.arch.num_params:
+            raise ConfigError("speculative_config.model", f"the draft ({src.arch.num_params:,} parameters) is larger "
+                              f"than the target ({target.arch.num_params:,}); it would cost more than it saves")
+        self.runner = runner  # the target's: device, dtype, attention backend, metadata builder
+        self.arch = src.arch
+        dev, dtype = runner.device, runner.dtype
+        with torch.device(dev):
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                self.model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
+            finally:
+                torch.set_default_dtype(old)
+        if src.kind == "dummy":
+            # Not the target's seed: a random draft of the target's own preset would equal it.
+            loader.init_dummy_weights(self.model, config.seed + 1)
+        else:
+            with torch.no_grad():
+                self.model.load_weights(loader.iter_weights(src))
+        self.model.eval()
+        self.block_size = config.cache.block_size
+        self.kv = KVCache(src.arch, num_blocks, self.block_size, dtype, dev)
+        self.pool = BlockPool(num_blocks, enable_caching=False)
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def drop(self, rid: str) -> None:
+        self.pool.free(self.tables.pop(rid, [])[::-1])
+        self.computed.pop(rid, None)
+
+    def _reserve(self, rid: str, num_tokens: int) -> bool:
+        table = self.tables.setdefault(rid, [])
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    @torch.inference_mode()
+    def propose(self, want: list[tuple[Request, int]], running: list[Request]) -> None:
+        """Set ``spec_token_ids`` (and ``spec_draft_probs``) of each (request, k) in ``want``."""
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self.tables if rid not in live]:
+            self.drop(rid)
+        reqs, ks = [], []
+        for r, k in want:
+            rid = r.request_id
+            self.computed[rid] = min(self.computed.get(rid, 0), r.num_computed_tokens)
+            # Slots for the known tokens and drafts 1 .. k-1 (draft k is drawn, never fed).
+            if self._reserve(rid, r.num_tokens + k - 1):
+                reqs.append(r)
+                ks.append(k)
+        if not reqs:
+            return
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        # Step 0 feeds each request's uncomputed known tokens; step j > 0 its draft j.
+        feed = [r.all_token_ids[self.computed[r.request_id]:] for r in reqs]
+        active = list(range(len(reqs)))
+        rt_gen = self.runner._spec_generator  # unseeded requests' draws
+        for _step in range(max(ks)):
+            seqs = [(self.computed[reqs[i].request_id], len(feed[i]), self.tables[reqs[i].request_id])
+                    for i in active]
+            ids = [t for i in active for t in feed[i]]
+            logits = self._forward(ids, seqs)
+            for row, i in enumerate(active):
+                r = reqs[i]
+                self.computed[r.request_id] += len(feed[i])
+                tok, q = self._draw(r, logits[row], rt_gen)
+                drafts[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+                feed[i] = [tok]
+            active = [i for i in active if len(drafts[i]) < ks[i]]
+            if not active:
+                break
+        for r, d, q in zip(reqs, drafts, probs):
+            r.spec_token_ids = d
+            r.spec_draft_probs = torch.stack(q) if q else None
+
+    def _forward(self, ids: list[int], seqs) -> torch.Tensor:
+        """Logits at the last fed position of each sequence."""
+        rt = self.runner
+        meta, positions = rt._build_metadata(seqs)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(rt.device, non_blocking=True)
+        with forward_context(ForwardContext(meta, self.kv.layers, rt.backend)):
+            hidden = self.model(input_ids, positions)
+        last = torch.tensor(meta.query_start[1:], device=rt.device) - 1
+        with forward_context(ForwardContext(None, [], rt.backend)):
+            return self.model.compute_logits(hidden[last]).float()
+
+    @staticmethod
+    def _draw(r: Request, logits: torch.Tensor, fallback: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        t = r.params.temperature
+        if t < MIN_TEMPERATURE:
+            return int(logits.argmax()), None
+        q = (logits / t).softmax(dim=-1).cpu()
+        gen = r.generator if r.generator is not None else fallback
+        return int(torch.multinomial(q, 1, generator=gen)), q
+
+

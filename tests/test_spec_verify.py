@@ -1,0 +1,142 @@
+"""Speculative decoding's pieces without a model: n-gram lookup, and the verification rule,
+whose output must be distributed exactly as the target's (scipy's chi-square tests against
+distributions torch computes from the logits)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from kvserve.config import SpeculativeConfig
+from kvserve.engine.sampler import SamplingRow
+from kvserve.engine.spec import rejection
+from kvserve.engine.spec.ngram import propose_ngram
+from kvserve.engine.spec.policy import SpecPolicy
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 12
+N = 6000
+
+
+def _row(temperature: float = 1.0) -> SamplingRow:
+    return SamplingRow(temperature=temperature, top_k=-1, top_p=1.0, min_p=0.0, generator=None, num_logprobs=None)
+
+
+def test_ngram_drafts_follow_the_latest_earlier_match():
+    assert propose_ngram([1, 2, 3, 4, 5, 9, 1, 2, 3], 3, 2, 5) == [4, 5, 9]
+    assert propose_ngram([1, 2, 3, 7, 1, 2, 3, 8, 2, 3], 2, 2, 5) == [8, 2]  # the latest of two matches
+    assert propose_ngram([1, 2, 3, 4], 3, 2, 5) == []  # no suffix recurs
+    assert propose_ngram([9, 1, 2, 1, 2], 5, 2, 5) == [1, 2, 1, 2, 1]  # a repeat overlapping the suffix
+    assert propose_ngram([4, 5, 6, 0, 5, 6], 2, 3, 5) == []  # the 2-gram recurs, but min is 3
+
+
+def test_ngram_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        toks = rng.integers(0, 4, size=int(rng.integers(2, 40))).tolist()
+        got = propose_ngram(toks, 3, 2, 4)
+        want = []
+        L = len(toks)
+        for n in range(min(4, L - 1), 1, -1):
+            starts = [s for s in range(L - n) if toks[s:s + n] == toks[L - n:]]
+            if starts:
+                want = toks[starts[-1] + n:starts[-1] + n + 3]
+                break
+        assert got[:len(want)] == want
+
+
+def test_greedy_keeps_the_argmax_prefix():
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB)
+    best = logits.argmax(dim=-1).tolist()
+    g = torch.Generator().manual_seed(0)
+    wrong = (best[1] + 1) % VOCAB
+    assert rejection.verify_request(logits, _row(0.0), [best[0], wrong, best[2]], None, g) == [best[0], best[1]]
+    assert rejection.verify_request(logits, _row(0.0), best[:3], None, g) == best  # all kept, one more
+
+
+def _first_tokens(logits, drafts, q, temperature=1.0, rule=rejection.verify_request):
+    g = torch.Generator().manual_seed(1)
+    return np.bincount([rule(logits, _row(temperature), drafts, q, g)[0] for _ in range(N)], minlength=VOCAB)
+
+
+def _p_value(counts, probs):
+    probs = probs / probs.sum()
+    keep = probs * N >= 5  # chi-square needs expected counts of 5 or more: pool the rest
+    exp = np.append(probs[keep], probs[~keep].sum()) * N
+    obs = np.append(counts[keep], counts[~keep].sum())
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    return stats.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_point_mass_draft_leaves_the_target_distribution(temperature):
+    """The first emitted token is the accepted draft or the residual draw: ~ p either way."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, VOCAB) * 1.5
+    p = (logits[0] / temperature).softmax(-1).numpy().astype(np.float64)
+    draft = int(np.argsort(p)[-2])  # a likely token, neither certain nor hopeless
+    assert _p_value(_first_tokens(logits, [draft, 3], None, temperature), p) > 1e-3
+
+
+def test_sampled_draft_leaves_the_target_distribution():
+    torch.manual_seed(3)
+    logits = torch.randn(2, VOCAB) * 1.5
+    q = torch.randn(1, VOCAB).softmax(-1)
+    p = logits[0].softmax(-1).numpy().astype(np.float64)
+    g = torch.Generator().manual_seed(4)
+    counts = np.zeros(VOCAB, dtype=np.int64)
+    for _ in range(N):
+        d = int(torch.multinomial(q[0], 1, generator=g))  # the draft is drawn from q
+        counts[rejection.verify_request(logits, _row(), [d], q, g)[0]] += 1
+    assert _p_value(counts, p) > 1e-3
+
+
+def test_the_chi_square_catches_a_wrong_rule():
+    """Rejecting and then drawing from p itself (not p without the draft) over-weights the
+    draft: the same test must reject it, or it proves nothing."""
+    def wrong(logits, row, drafts, q, g):
+        p = rejection.target_probs(logits, row)
+        if float(torch.rand(1, generator=g)) < float(p[0, drafts[0]]):
+            return drafts[:1]
+        return [int(torch.multinomial(p[0], 1, generator=g))]
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, VOCAB) * 1.5
+    p = logits[0].softmax(-1).numpy().astype(np.float64)
+    draft = int(np.argsort(p)[-2])
+    assert _p_value(_first_tokens(logits, [draft, 3], None, rule=wrong), p) < 1e-6
+
+
+def test_policy_turns_off_at_large_batches_and_shrinks_on_rejection():
+    pol = SpecPolicy(SpeculativeConfig("ngram", 8, verify_token_budget=64))
+    assert pol.k_for_batch(1) == 8 and pol.k_for_batch(16) == 3 and pol.k_for_batch(32) == 1
+    assert pol.k_for_batch(33) == 0  # above verify_token_budget // 2: no drafts
+
+    class R:
+        spec_acceptance = 0.5
+    r = R()
+    for _ in range(20):
+        SpecPolicy.observe(r, 4, 0)
+    assert r.spec_acceptance < 0.01 and SpecPolicy.k_for_request(r, 8) == 1
+    for _ in range(20):
+        SpecPolicy.observe(r, 4, 4)
+    assert SpecPolicy.k_for_request(r, 8) == 8
+
+
+def test_requests_under_a_grammar_or_at_their_last_token_get_no_drafts():
+    from kvserve.engine.request import Request
+    from kvserve.engine.spec.speculator import Speculator
+    from kvserve.sampling_params import SamplingParams
+
+    sp = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    reqs = [Request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=m)) for i, m in enumerate((9, 9, 1))]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+    reqs[1].grammar = object()
+    sp.propose(reqs)
+    assert reqs[0].spec_token_ids == [3, 1]  # a new request's rate (0.5) is worth two drafts
+    assert reqs[1].spec_token_ids == [] and reqs[2].spec_token_ids == []

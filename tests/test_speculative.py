@@ -1,0 +1,257 @@
+"""Speculative decoding end to end: greedy output token-identical with and without drafts
+(n-gram and draft model, through rejections, stops and preemption), sampled output distributed
+as without drafts (chi-square), no KV block leaked, and every bad configuration refused."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import ConfigError, InvalidRequestError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+DRAFT = {"method": "draft_model", "model": "dummy:tiny-draft", "num_speculative_tokens": 3}
+
+
+def _tiny(spec=None, **kw):
+    kw.setdefault("kv_cache_memory", "16MiB")
+    return LLM("dummy:tiny", show_progress=False, speculative_config=spec, **kw)
+
+
+def _prompts(seed=0, n=4):
+    """Token prompts whose second half repeats the first, so lookup finds drafts; and random ones."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        unit = [rng.randrange(1, 512) for _ in range(rng.randrange(3, 20))]
+        out.append(unit * 3 if i % 2 == 0 else [rng.randrange(1, 512) for _ in range(rng.randrange(2, 50))])
+    return out
+
+
+def _stepwise(llm, prompts, params):
+    """Run to completion one step at a time, checking the KV pool's invariants after each."""
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        eng.check_invariants()
+    assert eng.kv.pool.num_used_blocks == 0  # nothing leaked past the rejected drafts
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _tiny()
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_greedy_output_is_token_identical(plain, spec):
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _tiny(spec)
+    assert _stepwise(llm, prompts, params) == want
+    s = llm.stats.spec
+    assert s.spec_decode_num_drafts > 0 and s.spec_decode_num_accepted_tokens > 0
+    assert sum(s.spec_decode_num_accepted_tokens_per_pos) == s.spec_decode_num_accepted_tokens
+    assert "mean acceptance length" in llm.stats.summary()
+    if spec is DRAFT:
+        assert llm.engine.speculator.draft.pool.num_used_blocks == 0
+
+
+def test_rejections_and_stops_inside_the_accepted_run(plain):
+    """Penalties make drafts wrong often (they change what is likely once a draft is counted);
+    stop tokens and max_tokens cut inside a run of accepted drafts."""
+    prompts = _prompts(1, 6)
+    outs = [o.outputs[0].token_ids for o in plain.generate(
+        prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)]
+    stop = [o[7] for o in outs[:2]]  # tokens the greedy run produces, so the stops fire
+    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True, stop_token_ids=stop,
+                            repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=3)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _tiny(NGRAM)
+    assert _stepwise(llm, prompts, params) == want
+    s = llm.stats.spec
+    assert s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens  # some were rejected
+
+
+def test_a_small_token_budget_cuts_drafts_first(plain):
+    prompts = _prompts(4, 6)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _tiny(NGRAM, max_num_batched_tokens=9)  # six decoding requests with up to 4 drafts each
+    assert _stepwise(llm, prompts, params) == want
+    assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
+
+
+def test_preempted_speculative_requests_resume_identically(plain):
+    prompts = _prompts(2, 8)
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    # 48 blocks of 16 tokens: the eight requests cannot all hold their KV at once.
+    llm = _tiny(NGRAM, kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4)
+    assert llm.engine.num_kv_blocks == 48
+    assert _stepwise(llm, prompts, params) == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.stats.spec.spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_same_distribution(plain, spec):
+    """Tokens 2 and 3 of 800 seeded requests with drafts against 800 without: a chi-square
+    test of homogeneity over the tokens. logit_bias gives most of the mass to a few tokens the
+    prompt repeats, so drafts are accepted and rejected alike."""
+    prompt = [1, 2, 3, 4] * 4
+    bias = {t: 6.0 for t in (1, 2, 3, 4, 5)}  # about 80% of the mass
+    n = 800
+    runs = []
+    spec = {**spec, "disable_by_batch_size": 4096, "verify_token_budget": 1 << 16}
+    if spec["method"] == "ngram":
+        spec["prompt_lookup_min"] = 1
+    for llm in (plain, _tiny(spec)):
+        params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, logit_bias=bias, seed=i)
+                  for i in range(n)]
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        if llm is not plain:
+            s = llm.stats.spec
+            assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+            assert llm.engine.kv.pool.num_used_blocks == 0
+    for pos in (1, 2):
+        cats = [t if t in bias else -1 for t in range(6)]  # the biased tokens, the rest pooled
+        table = np.array([[sum((o[pos] if o[pos] in bias else -1) == c for o in run) for c in sorted(set(cats))]
+                          for run in runs])
+        assert stats.chi2_contingency(table).pvalue > 1e-3, table
+
+
+def test_async_scheduling_is_refused():
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        _tiny(NGRAM, async_scheduling=True)
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2**63}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": float("nan")}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "dummy:tiny"}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "dummy:smollm2-135m"}, "model"),  # vocab
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+])
+def test_bad_config_names_the_field(spec, field):
+    with pytest.raises(ConfigError, match=f"speculative_config.{field}"):
+        _tiny(spec)
+
+
+def test_draft_larger_than_target_is_refused():
+    with pytest.raises(ConfigError, match="speculative_config.model.*larger"):
+        LLM("dummy:tiny-draft", show_progress=False, kv_cache_memory="16MiB",
+            speculative_config={**DRAFT, "model": "dummy:tiny"})
+
+
+@pytest.mark.parametrize("kw, option", [
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"preemption_mode": "swap"}, "preemption_mode"),
+    ({"cpu_kv_memory": "16MiB"}, "cpu_kv_memory"),
+])
+def test_unsupported_combinations_are_refused(kw, option):
+    with pytest.raises(ConfigError, match=option):
+        _tiny(NGRAM, **kw)
+    with pytest.raises(ConfigError, match="speculative_config"):
+        _tiny("ngram")  # not a dict
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(n=2), "n"),
+    (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+])
+def test_unsupported_requests_are_refused(params, field):
+    llm = _tiny(NGRAM)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert e.value.field == field
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_default_model_greedy_identical_with_ngram_drafts(model_path):
+    """SmolLM2-135M repeating text from its prompt: drafts are accepted, the output unchanged."""
+    text = ("Copy this list exactly.\napples, pears, plums, cherries, grapes, lemons, limes\n"
+            "apples, pears, plums, cherries, grapes, lemons, limes\napples,")
+    params = SamplingParams(max_tokens=24, temperature=0)
+    want = LLM(model_path, show_progress=False).generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(model_path, show_progress=False, speculative_config=NGRAM)
+    got = llm.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
+    assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_metrics_endpoint_and_request_errors():
+    """/metrics carries the counters under vLLM's names; a request speculation cannot serve is a
+    400 in OpenAI's shape naming the field."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.config import CacheConfig, EngineConfig, SpeculativeConfig
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", cache=CacheConfig(kv_cache_memory=16 << 20),
+                                    show_progress=False, speculative=SpeculativeConfig.from_dict(NGRAM)))
+
+    async def run():
+        ae = AsyncEngine(engine)
+        app = build_app(ae, "tiny")
+        ae.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7] * 6,
+                                                          "max_tokens": 24, "temperature": 0})
+                assert r.status_code == 200
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "n": 2})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+                text = (await c.get("/metrics")).text
+        finally:
+            ae.shutdown()
+        return text
+
+    text = asyncio.run(asyncio.wait_for(run(), 60))
+    s = engine.stats.spec
+    assert s.spec_decode_num_accepted_tokens > 0
+    assert f"kvserve_spec_decode_num_drafts_total {float(s.spec_decode_num_drafts)}" in text
+    assert f"kvserve_spec_decode_num_accepted_tokens_total {float(s.spec_decode_num_accepted_tokens)}" in text
+    assert 'kvserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+    assert f"kvserve_spec_decode_mean_acceptance_length {s.mean_acceptance_length}" in text
+
+
+def test_logprobs_are_the_targets_own(plain):
+    prompts = _prompts(3, 2)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = _tiny(NGRAM).generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) and b[t].rank == a[t].rank
