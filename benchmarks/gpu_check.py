@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import KernelConfig  # noqa: E402
-from kvserve.engine.model_runner import GpuTimer  # noqa: E402
+from kvserve.engine.device import GpuTimer  # noqa: E402
 from kvserve.layers.attention import get_backend  # noqa: E402
 
 HBM = 4.25e12

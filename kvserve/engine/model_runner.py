@@ -1,7 +1,6 @@
 """ModelRunner: owns the model and the KV cache tensors; turns a SchedulerOutput into tokens."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -13,10 +12,12 @@ import torch
 from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan
+from kvserve.engine.device import DTYPES, GpuTimer, default_dtype, resolve_device
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.kv_cache import KVCache
-from kvserve.engine.request import PENDING_TOKEN, Request
-from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.request import PENDING_TOKEN
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sample_one_by_one, sampling_row
 from kvserve.engine.spec import rejection
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
@@ -24,53 +25,6 @@ from kvserve.models import loader
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Sampled in place of a failed request's row: the batch keeps its shape (a step launched ahead
-# reads each request's token by row), and the token is thrown away with the request.
-_PLACEHOLDER_ROW = SamplingRow(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, generator=None, num_logprobs=None)
-
-
-def resolve_device(name: str) -> torch.device:
-    from kvserve import envs
-    name = envs.get(envs.KVSERVE_DEVICE) or name
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-class GpuTimer:
-    """Device time of each step's forward + sampling, from CUDA events (for benchmarks: set
-    ``runner.gpu_timer = GpuTimer()``). ``seconds`` over the wall time says how much of a run the
-    GPU was busy; the rest is host overhead the GPU waited for."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self.steps = 0
-        self._ev: list = []  # (start, end) per launched step, oldest first (async scheduling: two)
-
-    def start(self):
-        self._ev.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-        self._ev[-1][0].record()
-
-    def stop(self):
-        self._ev[-1][1].record()
-
-    def collect(self):
-        if self._ev:
-            start, end = self._ev.pop(0)
-            end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1e3
-            self.steps += 1
 
 
 class ModelRunner:
@@ -84,7 +38,7 @@ class ModelRunner:
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
-            self.dtype = _DTYPES[config.dtype]
+            self.dtype = DTYPES[config.dtype]
         self.arch = src.arch
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -96,7 +50,7 @@ class ModelRunner:
         self.kv_scales = kv_plan.load_scales(config, src, self.device)
         self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
         t0 = time.perf_counter()
-        with _default_dtype(self.dtype), torch.device(self.device):
+        with default_dtype(self.dtype), torch.device(self.device):
             self.model = loader.build_model(src.arch, max_positions=max_model_len)
         if src.kind == "dummy":
             loader.init_dummy_weights(self.model, config.seed)
@@ -327,13 +281,13 @@ class ModelRunner:
                 r = s.request
                 n_draws = r.pending_forks + 1
                 try:
-                    mine = [self._sampling_row(r, j) for j in range(n_draws)]
+                    mine = [sampling_row(r, j) for j in range(n_draws)]
                     seeded.extend((w.generator, w.generator.get_state()) for w in mine if w.generator is not None)
                 except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
                     if is_device_fault(e):
                         raise
                     failed[i] = e
-                    mine = [_PLACEHOLDER_ROW] * n_draws
+                    mine = [PLACEHOLDER_ROW] * n_draws
                 for row in mine:
                     if r.grammar is not None:  # forks draw their first token from the parent's state
                         grammar_rows.append(len(rows))
@@ -362,7 +316,8 @@ class ModelRunner:
                     raise
                 for g, state in seeded:  # a seeded request draws the same noise as if alone
                     g.set_state(state)
-                pending = self._sample_one_by_one(picked, rows, sample_of, failed, bitmask)
+                # Afresh: the failed batch may have applied penalties to its logits in place.
+                pending = sample_one_by_one(self.sampler, self._logits(picked), rows, sample_of, failed, bitmask)
             # The sampled ids stay on the device: a step scheduled before they reach the host
             # takes its requests' input tokens from here.
             self._sampled = (pending[0], sched, sample_of)
@@ -393,7 +348,7 @@ class ModelRunner:
                 r = s.request
                 if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens and i not in failed:
                     try:
-                        res.prompt_logprobs[i] = self._prompt_logprobs(r, s, hidden, query_start[i])
+                        res.prompt_logprobs[i] = prompt_logprobs(self._logits, r, s, hidden, query_start[i])
                     except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
                         if is_device_fault(e):
                             raise
@@ -435,7 +390,7 @@ class ModelRunner:
     def _verify(self, s: ScheduledRequest, logits: torch.Tensor):
         """One request's tokens (accepted drafts + the target's) and their log-probs, if asked."""
         r, drafts = s.request, s.draft_token_ids
-        rows = [self._sampling_row(r, 0, drafts[:j]) for j in range(len(drafts) + 1)]
+        rows = [sampling_row(r, 0, drafts[:j]) for j in range(len(drafts) + 1)]
         processed = rejection.processed_logits(logits, rows)
         gen = r.generator if r.generator is not None else self._spec_generator
         toks = rejection.verify_request(processed, rows[0], drafts, r.spec_draft_probs, gen)
@@ -444,28 +399,6 @@ class ModelRunner:
             return toks, [None] * len(toks)
         raw = logits.float().log_softmax(dim=-1)
         return toks, [rejection.logprob_entry(raw[j], t, n_lp) for j, t in enumerate(toks)]
-
-    def _sample_one_by_one(self, picked: torch.Tensor, rows: list[SamplingRow], sample_of: list[int],
-                           failed: dict[int, BaseException], bitmask=None):
-        """The batch's sampling raised: sample each row alone, so that the fault stays with the
-        request whose row raises (in ``failed``; its row becomes a placeholder) and the others
-        get their tokens. Returns what ``Sampler.launch`` would have."""
-        # Afresh: the failed batch may have applied penalties to its logits in place.
-        logits = self._logits(picked).float()
-        tokens = []
-        masked = set() if bitmask is None else set(bitmask[1])  # rows under a grammar
-        for k, row in enumerate(rows):
-            mine = (bitmask[0][k:k + 1], [0]) if k in masked else None
-            try:
-                tokens.append(self.sampler.launch(logits[k:k + 1].clone(), [row], mine)[0])
-            except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
-                if is_device_fault(e):
-                    raise
-                failed.setdefault(sample_of[k], e)
-                rows[k] = _PLACEHOLDER_ROW
-                tokens.append(logits[k:k + 1].argmax(dim=-1))
-        want_lp = any(r.num_logprobs is not None for r in rows)
-        return torch.cat(tokens), logits.log_softmax(dim=-1) if want_lp else None, rows, None
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -493,44 +426,6 @@ class ModelRunner:
         """The LM head, under the backend's kernel choices (its skinny-GEMM row limit, PDL)."""
         with forward_context(ForwardContext(None, [], self.backend)):
             return self.model.compute_logits(hidden)
-
-    def _sampling_row(self, r: Request, draw: int, drafted: list[int] = ()) -> SamplingRow:
-        """``drafted``: draft tokens before the position sampled (verification), counted as output."""
-        p = r.params
-        banned = ()
-        # Under a grammar, the grammar decides where the output ends: banning its stop token
-        # could leave a row with nothing allowed.
-        if r.num_output_tokens + len(drafted) < p.min_tokens and r.grammar is None:
-            banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
-        penal = p.needs_penalties
-        return SamplingRow(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            generator=None if r.generators is None else r.generators[draw],
-            num_logprobs=p.logprobs,
-            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            seen_tokens=(r.all_token_ids + list(drafted) if drafted else r.all_token_ids) if penal else None,
-            output_tokens=(r.output_token_ids + list(drafted) if drafted else r.output_token_ids) if penal else None,
-            banned_tokens=banned, logit_bias=p.logit_bias)
-
-    def _prompt_logprobs(self, r: Request, s: ScheduledRequest, hidden, q_start: int):
-        """Log-prob of each prompt token given those before it, for positions computed now."""
-        start = r.num_computed_tokens
-        end = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)  # position p predicts p + 1
-        if end <= start:
-            return []
-        logits = self._logits(hidden[q_start:q_start + end - start])
-        lps = logits.log_softmax(dim=-1)
-        targets = torch.tensor(r.all_token_ids[start + 1:end + 1], device=lps.device)
-        chosen = lps.gather(1, targets[:, None]).squeeze(1)
-        ranks = (lps > chosen[:, None]).sum(dim=1) + 1
-        k = r.params.prompt_logprobs
-        top_v, top_i = (lps.topk(k) if k else (None, None))
-        out = []
-        for j in range(end - start):
-            top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
-            out.append((int(targets[j]), float(chosen[j]), int(ranks[j]), top))
-        return out
 
     def drop_request(self, request_id: str) -> None:
         if self.kv_cache is not None:

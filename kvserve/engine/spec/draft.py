@@ -21,6 +21,7 @@ import torch
 
 from kvserve.config import EngineConfig, SpeculativeConfig
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.device import default_dtype
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import Request
 from kvserve.errors import ConfigError
@@ -43,13 +44,8 @@ class DraftModel:
         self.runner = runner  # the target's: device, dtype, attention backend, metadata builder
         self.arch = src.arch
         dev, dtype = runner.device, runner.dtype
-        with torch.device(dev):
-            old = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                self.model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
-            finally:
-                torch.set_default_dtype(old)
+        with torch.device(dev), default_dtype(dtype):
+            self.model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
         if src.kind == "dummy":
             # Not the target's seed: a random draft of the target's own preset would equal it.
             loader.init_dummy_weights(self.model, config.seed + 1)

@@ -1,0 +1,51 @@
+"""Where and in what dtype the model runs, and the device time of its steps."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    from kvserve import envs
+    name = envs.get(envs.KVSERVE_DEVICE) or name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class GpuTimer:
+    """Device time of each step's forward + sampling, from CUDA events (for benchmarks: set
+    ``runner.gpu_timer = GpuTimer()``). ``seconds`` over the wall time says how much of a run the
+    GPU was busy; the rest is host overhead the GPU waited for."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.steps = 0
+        self._ev: list = []  # (start, end) per launched step, oldest first (async scheduling: two)
+
+    def start(self):
+        self._ev.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self._ev[-1][0].record()
+
+    def stop(self):
+        self._ev[-1][1].record()
+
+    def collect(self):
+        if self._ev:
+            start, end = self._ev.pop(0)
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+            self.steps += 1
