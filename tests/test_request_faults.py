@@ -59,8 +59,8 @@ def _assert_only_bad_failed(done, failed, alone, cause_text):
     assert done == alone  # the others got exactly their tokens of a solo run
 
 
-def test_sampling_fault_aborts_only_its_request(llm, monkeypatch):
-    alone = _alone(llm)
+def _inject_penalty_fault(monkeypatch):
+    """Penalties raise for any batch holding the bad request's row; returns the real function."""
     real = sampler_mod.apply_penalties
 
     def penalties(logits, rows):
@@ -68,6 +68,12 @@ def test_sampling_fault_aborts_only_its_request(llm, monkeypatch):
             raise ValueError("injected penalty fault")
         real(logits, rows)
     monkeypatch.setattr(sampler_mod, "apply_penalties", penalties)
+    return real
+
+
+def test_sampling_fault_aborts_only_its_request(llm, monkeypatch):
+    alone = _alone(llm)
+    real = _inject_penalty_fault(monkeypatch)
     done, failed = _run_with_bad(llm)
     _assert_only_bad_failed(done, failed, alone, "injected penalty fault")
     # The engine serves on, the penalties included.
@@ -104,13 +110,7 @@ def test_detokenizer_fault_aborts_only_its_request(llm, monkeypatch):
 
 
 def test_offline_generate_raises_and_leaves_nothing_running(llm, monkeypatch):
-    real = sampler_mod.apply_penalties
-
-    def penalties(logits, rows):
-        if any(r.presence_penalty == BAD_PENALTY for r in rows):
-            raise ValueError("injected penalty fault")
-        real(logits, rows)
-    monkeypatch.setattr(sampler_mod, "apply_penalties", penalties)
+    _inject_penalty_fault(monkeypatch)
     free0 = llm.engine.kv.pool.num_free_blocks
     prompts = [{"prompt_token_ids": p} for _, p, _ in GOOD] + [{"prompt_token_ids": [4, 4]}]
     with pytest.raises(RequestFailedError, match="injected penalty fault"):

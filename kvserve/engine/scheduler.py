@@ -282,14 +282,13 @@ class Scheduler:
         """End-of-text and stop tokens (once ``min_tokens`` are out), then the length. Stop
         strings need the text: the output processor finds those."""
         p = r.params
-        n_out = len(r.output_token_ids)
-        if n_out >= p.min_tokens:
+        if len(r.output_token_ids) >= p.min_tokens:
             if not p.ignore_eos and tok in r.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if p.stop_token_ids and tok in p.stop_token_ids:
                 r.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= r.max_tokens:  # Request.length_reached, without the property calls
+        if r.length_reached:
             return RequestStatus.FINISHED_LENGTH
         return None
 
