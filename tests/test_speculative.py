@@ -95,8 +95,8 @@ def test_preempted_speculative_requests_resume_identically(plain):
     prompts = _prompts(2, 8)
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    # 48 blocks of 16 tokens: the eight requests cannot all hold their KV at once.
-    llm = _tiny(NGRAM, kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4)
+    # 48 blocks of 16 fp32 tokens: the eight requests cannot all hold their KV at once.
+    llm = _tiny(NGRAM, dtype="float32", kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4)
     assert llm.engine.num_kv_blocks == 48
     assert _stepwise(llm, prompts, params) == want
     assert llm.engine.scheduler.num_preemptions > 0 and llm.stats.spec.spec_decode_num_accepted_tokens > 0
