@@ -38,6 +38,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     check_session_id,
 )
+from kvserve.server.responses_memory import ServerMemory
 from kvserve.server.state import AUTHORIZED, OUTCOME, TENANT, ServerConfig, ServerState, tenant_of
 from kvserve.tokenizer import check_text
 
@@ -277,6 +278,6 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         return {"prompt": tokenizer().decode(req.tokens)}
 
     dashboard.register(app, state)
-    responses_api.register(app, state, ResponseStore(responses_db), None)
+    responses_api.register(app, state, ResponseStore(responses_db), ServerMemory(responses_db))
     app.add_middleware(_Gate, state=state)
     return app
