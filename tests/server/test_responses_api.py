@@ -240,3 +240,24 @@ def test_chain_survives_a_restart_and_loads_its_kv_from_disk(tmp_path, tok_dir):
         assert r2.output_text == ref.json()["choices"][0]["message"]["content"]
     finally:
         second.stop()
+
+
+def test_memory_keeps_the_prompt_in_budget_and_reports_what_it_found(served):
+    a = _client(served)
+    kw = dict(model=MODEL, max_output_tokens=4, temperature=0)
+    r = a.responses.create(input="Hello. My sister is called Ingrid.", **kw)
+    for i in range(5):
+        r = a.responses.create(input=f"Tell me about the ocean, part {i}. " * 3, previous_response_id=r.id, **kw)
+    ask = dict(input="What is my sister's name?", previous_response_id=r.id, **kw)
+    naive = a.responses.create(**ask)
+    mem = a.responses.create(**ask, instructions="Be brief.", extra_body={"memory": {"budget_tokens": 80}})
+    report = mem.model_extra["memory"]
+    assert report["used_tokens"] <= 80 and mem.usage.input_tokens < naive.usage.input_tokens
+    assert any(x["kind"] == "fact" and "Ingrid" in x["text"] and x["why"] for x in report["retrieved"])
+    assert a.responses.retrieve(mem.id).model_extra["memory"] == report
+    b = _client(served, B).responses.create(input="What is my sister's name?",
+                                            extra_body={"memory": {"budget_tokens": 80}}, **kw)
+    assert b.model_extra["memory"]["retrieved"] == []  # tenant A's memory is not B's
+    with pytest.raises(openai.BadRequestError) as e:
+        a.responses.create(**ask, instructions="Be brief. " * 40, extra_body={"memory": {"budget_tokens": 20}})
+    assert e.value.body["param"] == "memory.budget_tokens"
