@@ -177,7 +177,7 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(60)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"agent_memory_{platform.node() or 'cpu'}.json")
+    path = os.path.join(args.out, "agent_memory_cpu.json")
     with open(path, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "machine": platform.platform(),
                    "cpus": os.cpu_count(), "retrieval_recall": recall, "turns": results}, f, indent=1)
