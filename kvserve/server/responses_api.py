@@ -132,6 +132,9 @@ async def create(state: ServerState, store: ResponseStore, memory, req: Response
     state.check_model(req.model)
     state.check_capacity()
     tenant = raw.scope.get(TENANT)
+    tok = state.engine.engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise InvalidRequestError("model", "this model has no chat template; use /v1/completions")
     items = req.items()
     chain, root = _conversation(store, req, tenant)
     history = [it for _, ins, outs in chain for it in ins + outs]
