@@ -9,7 +9,8 @@
 Filled in that order of priority: instructions and input must fit (else the budget is refused),
 then recent turns, newest first, then retrieved facts, then retrieved turns, each while the total
 stays within the budget. The report says what was kept, what was retrieved and why, and what the
-budget left out, so a client can see why the model knew (or did not know) something.
+budget left out, so a client can see why the model knew (or did not know) something. The budget
+counts the tokens of the texts themselves; the chat template adds its few tokens per message.
 """
 from __future__ import annotations
 

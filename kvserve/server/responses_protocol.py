@@ -28,9 +28,10 @@ MAX_INPUT_ITEMS = 2048
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys <= 64 characters, values <= 512
 ROLES = ("user", "system", "developer", "assistant")
 ITEM_TYPES = ("message", "function_call", "function_call_output")
-_MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
+# Output items a client sends back as input may carry these (OpenAI's output fields); they are ignored.
+_MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
 _PART_KEYS = {"type", "text", "annotations", "logprobs"}
-_CALL_KEYS = {"type", "call_id", "name", "arguments", "id", "status"}
+_CALL_KEYS = {"type", "call_id", "name", "arguments", "id", "status", "namespace", "caller", "async"}
 _OUTPUT_KEYS = {"type", "call_id", "output", "id", "status"}
 
 

@@ -147,10 +147,8 @@ def test_function_tool_round_trip(served, stream):
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature_c": 21}'}], **kw)
     alone = cl.responses.create(input="Weather in Paris?", tool_choice="none", **kw)
     assert done.output[0].type == "message" and done.usage.input_tokens > alone.usage.input_tokens
-    # the same turn sent as explicit items instead of a chain
-    items = [{"role": "user", "content": "Weather in Paris?"},
-             {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
-              "arguments": calls[0].arguments},
+    # the same turn sent as explicit items instead of a chain: the output items as the client returns them
+    items = [{"role": "user", "content": "Weather in Paris?"}, *r.output,
              {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature_c": 21}'}]
     again = cl.responses.create(input=items, tool_choice="none", **kw)
     assert again.usage.input_tokens == done.usage.input_tokens
