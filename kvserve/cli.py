@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls (auto: from its chat template)")
     s.add_argument("--embedding-pooling", default="mean", choices=["mean", "last"],
                    help="/v1/embeddings: average the final hidden states or take the last token's")
+    s.add_argument("--responses-db", default=":memory:", metavar="PATH",
+                   help="SQLite file of stored responses (/v1/responses) and agent memory; kept across restarts "
+                   "(default :memory:, lost when the server stops)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
     k = sub.add_parser("calibrate-kv", help="calibrate fp8/int8 KV scales per layer and head on a text; "

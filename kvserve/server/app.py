@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
-from kvserve.server import chat, completions, dashboard, embeddings
+from kvserve.memory.responses_db import ResponseStore
+from kvserve.server import chat, completions, dashboard, embeddings, responses_api
 from kvserve.server.errors import APIError, error_response, install_handlers
 from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
@@ -37,13 +38,14 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     check_session_id,
 )
+from kvserve.server.responses_memory import ServerMemory
 from kvserve.server.state import AUTHORIZED, OUTCOME, TENANT, ServerConfig, ServerState, tenant_of
 from kvserve.tokenizer import check_text
 
 DISCONNECTED = 499  # nginx's "client closed request": the client left before the response ended
 # Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
-              "/v1/embeddings": "embeddings",
+              "/v1/embeddings": "embeddings", "/v1/responses": "responses",
               "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize"}
 
 
@@ -132,7 +134,8 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
               api_key: str | Sequence[str] | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
               on_load_error: Callable[[BaseException], None] | None = None, prefix_cache_isolation: str = "none",
               metrics_public: bool = False, on_engine_dead: Callable[[BaseException], None] | None = None,
-              tool_call_parser: str = "auto", embedding_pooling: str = "mean") -> FastAPI:
+              tool_call_parser: str = "auto", embedding_pooling: str = "mean",
+              responses_db: str = ":memory:") -> FastAPI:
     """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
     on a thread at startup. `served_model_name`: one name or several (the first is the one responses
     carry); None: the engine's (state.default_names). `api_key`: one key or several (each its own
@@ -140,7 +143,8 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
     `on_engine_dead` if the engine later fails for good (a device fault: see engine/faults.py); the
     launcher then shuts the server down and exits non-zero. `prefix_cache_isolation`: none, key or
     request (state.py). `tool_call_parser`: a name in tool_parsers.PARSERS, or "auto" (from the chat
-    template); `embedding_pooling`: mean or last."""
+    template); `embedding_pooling`: mean or last. `responses_db`: the SQLite file of stored responses
+    and agent memory (":memory:": kept only while the process runs)."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     cfg = ServerConfig(tuple(dict.fromkeys(names)), tuple(dict.fromkeys(keys)), max_request_bytes, max_waiting,
@@ -274,5 +278,6 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         return {"prompt": tokenizer().decode(req.tokens)}
 
     dashboard.register(app, state)
+    responses_api.register(app, state, ResponseStore(responses_db), ServerMemory(responses_db))
     app.add_middleware(_Gate, state=state)
     return app
