@@ -29,7 +29,7 @@ def _steps(rng, num_blocks, block_size):
     blocks = rng.permutation(num_blocks).tolist()
     seqs = []
     for _ in range(int(rng.integers(1, 6))):
-        ctx, q = int(rng.integers(1, 60)), int(rng.integers(1, decode_rows.MAX_TOKENS + 1))
+        ctx, q = int(rng.integers(1, 60)), int(rng.integers(1, 10))
         need = -(-(ctx + q) // block_size)
         seqs.append((ctx, q, [blocks.pop() for _ in range(need)]))
     return seqs

@@ -22,7 +22,10 @@ unchanged. So the step can replay a decode CUDA graph captured by rows.
 
 The price is KV reads: each row reads its sequence's context again, q_i times in all, where the
 prefill kernel reads it once. At small batches the step is bound by weights and launches, not
-by KV, so that is cheap; ``MAX_TOKENS`` bounds it.
+by KV, so that is cheap; the speculation policy gives a sequence many drafts only at small
+batches (``B * (k + 1)`` within ``verify_token_budget``), and ``MAX_TOKENS`` admits every verify
+step. At long contexts and large batches the extra reads can outweigh the launches the graph
+saves: ``benchmarks/speculative.py --verify-cost --context N`` measures both shapes.
 
 KIVI caches keep the prefill shape: a token that fills a block seals it from the residual row
 (``kv_cache.py``) before the step's tokens are written there, which one row cannot see of the
@@ -32,7 +35,11 @@ from __future__ import annotations
 
 import numpy as np
 
-MAX_TOKENS = 8  # the most tokens a sequence may bring for its step to run as decode rows
+from kvserve.config import MAX_SPECULATIVE_TOKENS
+
+# The most tokens a sequence may bring for its step to run as decode rows: a verify step's
+# last known token and its drafts.
+MAX_TOKENS = MAX_SPECULATIVE_TOKENS + 1
 
 
 def eligible(seqs: list[tuple[int, int, list[int]]]) -> bool:
