@@ -14,6 +14,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import KernelConfig
 from kvserve.engine import decode_rows
+from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 DRAFT = {"method": "draft_model", "model": "dummy:tiny-draft", "num_speculative_tokens": 3}
@@ -62,17 +63,22 @@ def test_eligible_steps():
     assert not decode_rows.eligible([(5, decode_rows.MAX_TOKENS + 1, [0])])
 
 
-@pytest.mark.parametrize("model, kv_dtype", [("dummy:tiny", "auto"), ("dummy:tiny-gemma3", "auto"),
-                                             ("dummy:tiny", "int8")], ids=["gqa", "gemma3-window", "int8-kv"])
-def test_rows_logits_match_the_prefill_shape(model, kv_dtype):
+@pytest.mark.parametrize("model, kv_dtype, backend", [
+    ("dummy:tiny", "auto", "torch"),
+    ("dummy:tiny-gemma3", "auto", "torch"),
+    ("dummy:tiny", "int8", "torch"),
+    # the Triton decode kernel (in its interpreter without a GPU) against its prefill kernel
+    pytest.param("dummy:tiny-gemma3", "auto", "triton", marks=pytest.mark.slow),
+], ids=["gqa", "gemma3-window", "int8-kv", "gemma3-window-triton"])
+def test_rows_logits_match_the_prefill_shape(model, kv_dtype, backend):
     """The same random step both ways over the same cache: every token's logits agree. Contexts
     of up to 60 tokens cross the gemma3 layer's 8-token window."""
-    llm = _llm(model, kv_cache_dtype=kv_dtype, dtype="float32")
+    llm = _llm(model, kv_cache_dtype=kv_dtype, dtype="float32", attention_backend=backend)
     rt = llm.engine.runner
     rng = np.random.default_rng(1)
     vocab = rt.arch.vocab_size
     with torch.inference_mode():
-        for _ in range(5):
+        for _ in range(5 if backend == "torch" else 2):
             seqs = _steps(rng, llm.engine.num_kv_blocks, rt.block_size)
             # The context first (prefill-shaped), then the step of a few tokens, both ways.
             rt._forward(rng.integers(1, vocab, sum(c for c, _, _ in seqs)).tolist(),
@@ -145,3 +151,44 @@ def test_speculative_greedy_identical_through_rows(model, spec, kw, row_steps):
     assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
     if "kv_cache_memory" in kw:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+class EagerGraphs:
+    """Stands in for ``DecodeGraphs`` on the CPU: runs the decode rows it is handed eagerly, as
+    a replay of the captured graph computes them, so the runner's graph branch is tested here."""
+
+    def __init__(self, rt, max_batch: int):
+        self.rt, self.max_batch, self.replays = rt, max_batch, []
+
+    def fits(self, batch: int, width: int) -> bool:
+        return batch <= self.max_batch
+
+    def run(self, ids, positions, slots, seq_lens, tables, res=None, patch=None):
+        rt, n = self.rt, len(ids)
+        self.replays.append(n)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
+                                 seq_lens=seq_lens.tolist(), query_lens=[1] * n, query_start=list(range(n + 1)),
+                                 block_size=rt.block_size)
+        rt.backend.prepare(meta, rt.device)
+        with forward_context(ForwardContext(meta, rt.kv_cache.layers, rt.backend)):
+            return rt.model(torch.from_numpy(ids), torch.from_numpy(positions))
+
+
+@pytest.mark.parametrize("spec, graph_rows", [(NGRAM, 16), (DRAFT, 12)], ids=["ngram", "draft_model"])
+def test_verify_steps_take_the_graph_branch(spec, graph_rows):
+    """The default choice ("graphs"): verify steps whose rows fit a graph replay it, as rows;
+    larger ones run prefill-shaped. Greedy output is the same as without drafts."""
+    prompts = _prompts(5, 4)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(mode="never").generate(prompts, params, use_tqdm=False)]
+    llm = _llm(mode="graphs", spec=spec)
+    rt = llm.engine.runner
+    rt.graphs = EagerGraphs(rt, graph_rows)  # four requests: some verify steps fit, some not
+    verifies = []
+    forward = rt._forward
+    rt._forward = lambda ids, seqs, *a, **kw: (decode_rows.eligible(seqs) and verifies.append(len(ids))
+                                               or forward(ids, seqs, *a, **kw))
+    assert _run(llm, prompts, params) == want
+    assert any(n > len(prompts) for n in rt.graphs.replays)  # verify steps as rows
+    assert max(verifies) > graph_rows  # and larger ones, prefill-shaped
+    assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
