@@ -21,8 +21,10 @@ DRAFT = {"method": "draft_model", "model": "dummy:tiny-draft", "num_speculative_
 
 
 def _llm(model="dummy:tiny", mode="always", spec=None, **kw):
+    """On the CPU on every machine (test_cuda.py has the CUDA graphs' test)."""
     kw.setdefault("kv_cache_memory", "16MiB")
-    return LLM(model, show_progress=False, speculative_config=spec, kernel=KernelConfig(decode_rows=mode), **kw)
+    return LLM(model, device="cpu", show_progress=False, speculative_config=spec,
+               kernel=KernelConfig(decode_rows=mode), **kw)
 
 
 def _steps(rng, num_blocks, block_size):
@@ -157,27 +159,31 @@ class EagerGraphs:
     """Stands in for ``DecodeGraphs`` on the CPU: runs the decode rows it is handed eagerly, as
     a replay of the captured graph computes them, so the runner's graph branch is tested here."""
 
-    def __init__(self, rt, max_batch: int):
+    def __init__(self, rt, max_batch: int, model=None, kv_layers=None):
         self.rt, self.max_batch, self.replays = rt, max_batch, []
+        self.model, self.kv_layers = model or rt.model, kv_layers or rt.kv_cache.layers
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.max_batch
 
-    def run(self, ids, positions, slots, seq_lens, tables, res=None, patch=None):
+    def run(self, ids, positions, slots, seq_lens, tables, res=None, patch=None, rows=False):
         rt, n = self.rt, len(ids)
-        self.replays.append(n)
+        self.replays.append((n, rows))
+        # rows of one sequence share its table; only steps with such rows are flagged
+        assert rows == (len({tuple(t) for t in tables.tolist()}) < n)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
                                  seq_lens=seq_lens.tolist(), query_lens=[1] * n, query_start=list(range(n + 1)),
-                                 block_size=rt.block_size)
+                                 block_size=rt.block_size, decode_rows=rows)
         rt.backend.prepare(meta, rt.device)
-        with forward_context(ForwardContext(meta, rt.kv_cache.layers, rt.backend)):
-            return rt.model(torch.from_numpy(ids), torch.from_numpy(positions))
+        with forward_context(ForwardContext(meta, self.kv_layers, rt.backend)):
+            return self.model(torch.from_numpy(ids), torch.from_numpy(positions))
 
 
 @pytest.mark.parametrize("spec, graph_rows", [(NGRAM, 16), (DRAFT, 12)], ids=["ngram", "draft_model"])
 def test_verify_steps_take_the_graph_branch(spec, graph_rows):
     """The default choice ("graphs"): verify steps whose rows fit a graph replay it, as rows;
-    larger ones run prefill-shaped. Greedy output is the same as without drafts."""
+    larger ones run prefill-shaped; the draft model's steps replay its own graphs. Greedy output
+    is the same as without drafts."""
     prompts = _prompts(5, 4)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in _llm(mode="never").generate(prompts, params, use_tqdm=False)]
@@ -188,7 +194,13 @@ def test_verify_steps_take_the_graph_branch(spec, graph_rows):
     forward = rt._forward
     rt._forward = lambda ids, seqs, *a, **kw: (decode_rows.eligible(seqs) and verifies.append(len(ids))
                                                or forward(ids, seqs, *a, **kw))
+    draft = llm.engine.speculator.draft
+    if draft is not None:
+        draft.graphs = EagerGraphs(rt, graph_rows, draft.model, draft.kv.layers)
     assert _run(llm, prompts, params) == want
-    assert any(n > len(prompts) for n in rt.graphs.replays)  # verify steps as rows
+    assert any(rows and n > len(prompts) for n, rows in rt.graphs.replays)  # verify steps as rows
+    if draft is not None:  # drafting steps, and catching up after a verify step as rows
+        assert (len(prompts), False) in draft.graphs.replays
+        assert any(rows and n > len(prompts) for n, rows in draft.graphs.replays)
     assert max(verifies) > graph_rows  # and larger ones, prefill-shaped
     assert llm.stats.spec.spec_decode_num_accepted_tokens > 0

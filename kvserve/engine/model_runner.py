@@ -164,9 +164,11 @@ class ModelRunner:
                                    max_blocks, self.block_size, self.arch.num_kv_heads,
                                    kivi=self.kv_format.kivi,
                                    kv_format=self.kv_format,
-                                   async_copies=self.config.async_scheduling)
+                                   async_copies=self.config.async_scheduling,
+                                   rows=spec is not None and self.config.kernel.decode_rows != "never")
         self.graphs.capture()
-        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch} captured in "
+        rows = " (and for verify rows)" if len(self.graphs.row_variants) > 1 else ""
+        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch}{rows} captured in "
                f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
         log.info(msg)
         if self.config.show_progress:
@@ -222,6 +224,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             seq_lens=seq_lens.tolist(), query_lens=np.diff(query_start).tolist(),
             query_start=query_start.tolist(), block_size=self.block_size)
+        meta.decode_rows = rows
         if res_slots is not None:
             res_map, meta.max_seal = self._residual_metadata(positions, seq_lens, query_start, res_slots)
             meta.res_slots = res_slots
@@ -416,14 +419,16 @@ class ModelRunner:
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 rows: bool | None = None) -> tuple[torch.Tensor, list[int]]:
+                 rows: bool | None = None, model=None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
         else eagerly. A step of a few tokens per sequence (a verify step) runs as a decode step
         of one row per token (``decode_rows.py``) where ``KernelConfig.decode_rows`` says so;
         ``rows`` overrides that choice (True: as rows where the cache format allows it).
-        ``patch``: (rows, ids) on the device replacing pending input tokens. Returns hidden
-        states [T, hidden], one per token in order either way, and the sequences' query offsets."""
-        g = self.graphs
+        ``patch``: (rows, ids) on the device replacing pending input tokens. ``model``: (model,
+        KV layers, graphs or None) run instead of the target's, on its device and backend (the
+        draft model's steps). Returns hidden states [T, hidden], one per token in order either
+        way, and the sequences' query offsets."""
+        net, kv_layers, g = model if model is not None else (self.model, self.kv_cache.layers, self.graphs)
         width = max(len(t) for _, _, t in seqs)
         mode = self.config.kernel.decode_rows
         as_rows = (res_slots is None and (mode != "never" if rows is None else rows)
@@ -437,7 +442,8 @@ class ModelRunner:
             if res_slots is not None:
                 res = (np.asarray(res_slots, dtype=np.int64),
                        self._residual_metadata(positions, seq_lens, query_start, res_slots)[0])
-            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch)
+            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch,
+                           rows=as_rows)
             return hidden, query_start.tolist()
         # Eagerly as rows only where asked for (rows or "always"): past the graphs' sizes the
         # prefill kernel, which reads each context once, is the better choice.
@@ -446,8 +452,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
-        with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend)):
-            hidden = self.model(input_ids, positions)
+        with forward_context(ForwardContext(meta, kv_layers, self.backend)):
+            hidden = net(input_ids, positions)
         if as_rows:
             return hidden, np.cumsum([0] + [n for _, n, _ in seqs]).tolist()
         return hidden, meta.query_start
