@@ -96,7 +96,8 @@ def batch1(args) -> dict:
 def verify_cost(args) -> dict:
     llm = LLM(args.model, show_progress=False, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(args.batches) * 9, max_model_len=args.context + 16,
-              cuda_graph_max_batch=args.graph_rows)
+              cuda_graph_max_batch=args.graph_rows,  # speculation on: graphs for verify rows too
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8})
     rt = llm.engine.runner
     bs = llm.engine.block_size
     per = -(-(args.context + 9) // bs)
@@ -123,7 +124,7 @@ def verify_cost(args) -> dict:
         g = rt.graphs
         rows = q == 1 or (rt.config.kernel.decode_rows != "never" and not rt.kv_format.kivi
                           and decode_rows.eligible([(args.context, q, [])]))
-        return "graph" if g is not None and rows and g.fits(B * q, per) else "eager"
+        return "graph" if g is not None and rows and g.fits(B * q, per, q > 1) else "eager"
 
     out = {}
     for B in args.batches:

@@ -163,7 +163,7 @@ class EagerGraphs:
         self.rt, self.max_batch, self.replays = rt, max_batch, []
         self.model, self.kv_layers = model or rt.model, kv_layers or rt.kv_cache.layers
 
-    def fits(self, batch: int, width: int) -> bool:
+    def fits(self, batch: int, width: int, rows: bool = False) -> bool:
         return batch <= self.max_batch
 
     def run(self, ids, positions, slots, seq_lens, tables, res=None, patch=None, rows=False):

@@ -68,6 +68,7 @@ class DecodeGraphs:
         self._table_stages: list[torch.Tensor] = []  # allocated on first use (async scheduling only)
         self._turn = 0
         self._stage_dev = torch.zeros(rows, max_batch, dtype=torch.long, device=device)
+        self.rows = rows
         kernel = getattr(backend, "kernel", None)
         # (bucket, rows) -> graph; rows is False for every bucket where one graph serves both
         self.row_variants = (False, True) if rows and not kivi and getattr(kernel, "fused_rope_decode", False) \
@@ -111,8 +112,10 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
 
-    def fits(self, batch: int, width: int) -> bool:
-        return batch <= self.max_batch and width <= self.max_blocks
+    def fits(self, batch: int, width: int, rows: bool = False) -> bool:
+        """Whether a step of ``batch`` rows over tables ``width`` blocks wide replays a graph;
+        ``rows``: several rows per sequence, only where captured for them."""
+        return batch <= self.max_batch and width <= self.max_blocks and (self.rows or not rows)
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: np.ndarray, res: tuple[np.ndarray, np.ndarray] | None = None,

@@ -433,7 +433,7 @@ class ModelRunner:
         mode = self.config.kernel.decode_rows
         as_rows = (res_slots is None and (mode != "never" if rows is None else rows)
                    and decode_rows.eligible(seqs))
-        if g is not None and (len(ids) == len(seqs) or as_rows) and g.fits(len(ids), width):
+        if g is not None and (len(ids) == len(seqs) or as_rows) and g.fits(len(ids), width, as_rows):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
             row_lens, row_tables = seq_lens, tables
             if as_rows:
