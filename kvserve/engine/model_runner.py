@@ -167,8 +167,8 @@ class ModelRunner:
                                    async_copies=self.config.async_scheduling,
                                    rows=spec is not None and self.config.kernel.decode_rows != "never")
         self.graphs.capture()
-        rows = " (and for verify rows)" if len(self.graphs.row_variants) > 1 else ""
-        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch}{rows} captured in "
+        also = " (and for verify rows)" if len(self.graphs.row_variants) > 1 else ""
+        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch}{also} captured in "
                f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
         log.info(msg)
         if self.config.show_progress:
