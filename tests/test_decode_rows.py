@@ -150,6 +150,11 @@ def test_speculative_greedy_identical_through_rows(model, spec, kw, row_steps):
     llm = _llm(model, "always", spec, **kw)
     assert _run(llm, prompts, params) == want
     assert row_steps and all(rows > n for rows, n in row_steps)  # verify steps ran as rows
+    # the graphs are captured up to the policy's largest verify step: none is larger
+    cfg = llm.engine.runner.config
+    limit = decode_rows.max_verify_rows(cfg.speculative, cfg.scheduler.max_num_seqs,
+                                        cfg.scheduler.max_num_batched_tokens)
+    assert max(rows for rows, _ in row_steps) <= limit
     assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
     if "kv_cache_memory" in kw:
         assert llm.engine.scheduler.num_preemptions > 0

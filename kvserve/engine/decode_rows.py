@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvserve.config import MAX_SPECULATIVE_TOKENS
+from kvserve.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from kvserve.engine.spec.policy import SpecPolicy
 
 # The most tokens a sequence may bring for its step to run as decode rows: a verify step's
 # last known token and its drafts.
@@ -56,3 +57,11 @@ def expand(positions: np.ndarray, query_start: np.ndarray,
     seq_lens, query_start and block tables. Positions and slots stay as they are, per token."""
     qlens = np.diff(query_start)
     return positions + 1, np.arange(len(positions) + 1, dtype=np.int64), np.repeat(tables, qlens, axis=0)
+
+
+def max_verify_rows(spec: SpeculativeConfig, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most rows a verify step can bring: B decoding requests with up to the policy's k
+    drafts each (``SpecPolicy.k_for_batch``), within the step's token budget."""
+    policy = SpecPolicy(spec)
+    return max((min(b * (policy.k_for_batch(b) + 1), max_num_batched_tokens)
+                for b in range(1, min(spec.max_batch, max_num_seqs) + 1)), default=0)

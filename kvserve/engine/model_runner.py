@@ -152,12 +152,8 @@ class ModelRunner:
         sched, spec = self.config.scheduler, self.config.speculative
         rows = sched.max_num_seqs
         if spec is not None and self.config.kernel.decode_rows != "never":
-            # Verify steps replay these graphs by rows (decode_rows.py): room for the largest,
-            # B * (k + 1) tokens within verify_token_budget but one draft each up to max_batch
-            # decoding requests (SpecPolicy.k_for_batch).
-            b = min(spec.max_batch, sched.max_num_seqs)
-            rows = max(rows, min(max(spec.verify_token_budget, 2 * b), b * (spec.num_speculative_tokens + 1),
-                                 sched.max_num_batched_tokens))
+            # Verify steps replay these graphs by rows (decode_rows.py): room for the largest.
+            rows = max(rows, decode_rows.max_verify_rows(spec, sched.max_num_seqs, sched.max_num_batched_tokens))
         max_batch = self.config.cuda_graph_max_batch or min(512, rows)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
