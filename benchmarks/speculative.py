@@ -9,9 +9,13 @@ Prints output tokens/s of both sides, the speedup and the mean acceptance length
 verify step emits: accepted drafts + 1).
 
 ``--verify-cost`` (for a GPU, e.g. ``--model dummy:llama-3-8b``): the time of one verify step of
-``k + 1`` tokens per sequence against a 1-token decode step (CUDA graph where the engine uses
-one), for k = 1..8 at batch 1, 8, 32, 128 and a context of ``--context`` tokens. The ratio is
-what a step of k drafts must beat in accepted tokens; it sets ``verify_token_budget``.
+``k + 1`` tokens per sequence against a 1-token decode step, for k = 1..8 at batch 1, 8, 32, 128
+and a context of ``--context`` tokens, both run as the engine runs them: the decode step and a
+verify step whose ``B * (k + 1)`` rows fit a captured CUDA graph replay it (decode rows,
+``kvserve/engine/decode_rows.py``; graphs up to ``--graph-rows``), a larger verify step runs
+eagerly through the prefill kernel. The peer in the same run is the prefill-shaped verify step
+(eager) at every size. The ratio is what a step of k drafts must beat in accepted tokens; it
+sets ``verify_token_budget``.
 
     python benchmarks/speculative.py                                   # CPU, default model
     python benchmarks/speculative.py --verify-cost --model dummy:llama-3-8b --out $OUT   # GPU
@@ -31,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.engine import decode_rows  # noqa: E402
 
 FRUIT = "apples, pears, plums, cherries, grapes, lemons, limes, peaches, figs, dates, kiwis, mangoes"
 EDITING = [
@@ -90,7 +95,9 @@ def batch1(args) -> dict:
 @torch.inference_mode()
 def verify_cost(args) -> dict:
     llm = LLM(args.model, show_progress=False, max_num_seqs=max(args.batches),
-              max_num_batched_tokens=max(args.batches) * 9, max_model_len=args.context + 16)
+              max_num_batched_tokens=max(args.batches) * 9, max_model_len=args.context + 16,
+              cuda_graph_max_batch=args.graph_rows,  # speculation on: graphs for verify rows too
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8})
     rt = llm.engine.runner
     bs = llm.engine.block_size
     per = -(-(args.context + 9) // bs)
@@ -98,29 +105,41 @@ def verify_cost(args) -> dict:
         raise SystemExit(f"the KV pool holds {llm.engine.num_kv_blocks} blocks; lower --context")
     sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
 
-    def step_time(B: int, q: int) -> float:
+    def step_time(B: int, q: int, rows: bool | None = None) -> float:
         seqs = [(args.context, q, list(range(i * per, (i + 1) * per))) for i in range(B)]
         ids = [1] * (B * q)
         best = float("inf")
-        rt._forward(ids, seqs)  # warm-up: first calls at a shape pay for allocation and tuning
+        rt._forward(ids, seqs, rows=rows)  # warm-up: first calls at a shape pay for allocation and tuning
         for _ in range(args.iters):
             sync()
             t0 = time.perf_counter()
-            hidden, _ = rt._forward(ids, seqs)
+            hidden, _ = rt._forward(ids, seqs, rows=rows)
             rt._logits(hidden)  # every position's logits: what verification reads
             sync()
             best = min(best, time.perf_counter() - t0)
         return best
 
+    def path(B: int, q: int) -> str:
+        """Whether the engine replays a graph for the step (``ModelRunner._forward``'s rule)."""
+        g = rt.graphs
+        rows = q == 1 or (rt.config.kernel.decode_rows != "never" and not rt.kv_format.kivi
+                          and decode_rows.eligible([(args.context, q, [])]))
+        return "graph" if g is not None and rows and g.fits(B * q, per, q > 1) else "eager"
+
     out = {}
     for B in args.batches:
         base = step_time(B, 1)
-        row = {"decode_ms": base * 1e3}
+        row = {"decode_ms": base * 1e3, "decode_path": path(B, 1)}
         for k in range(1, 9):
             row[f"k{k}"] = step_time(B, k + 1) / base
+            row[f"k{k}_path"] = path(B, k + 1)
+            row[f"k{k}_prefill_shaped"] = step_time(B, k + 1, rows=False) / base
         out[str(B)] = row
-        print(f"batch {B:4d}: 1-token step {base * 1e3:7.2f} ms | verify/decode time, k=1..8: "
-              + " ".join(f"{row[f'k{k}']:.2f}" for k in range(1, 9)), flush=True)
+        print(f"batch {B:4d}: 1-token step {base * 1e3:7.2f} ms ({row['decode_path']}) | verify/decode time, "
+              "k=1..8: " + " ".join(f"{row[f'k{k}']:.2f}{'g' if row[f'k{k}_path'] == 'graph' else 'e'}"
+                                    for k in range(1, 9))
+              + " | prefill-shaped: " + " ".join(f"{row[f'k{k}_prefill_shaped']:.2f}" for k in range(1, 9)),
+              flush=True)
     return out
 
 
@@ -134,6 +153,8 @@ def main() -> None:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, default=512, help="--verify-cost: tokens already in each sequence")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--graph-rows", type=int, default=512,
+                    help="--verify-cost: the most rows a decode CUDA graph holds (cuda_graph_max_batch)")
     ap.add_argument("--out", default=None, help="directory for speculative.json")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)

@@ -156,8 +156,15 @@ class KernelConfig:
     # (0: none), and programs per SM in its one wave.
     kivi_l2_ahead: int = 2
     kivi_wave: int = 8
+    # Steps where every sequence brings a few tokens after cached context (speculative verify
+    # steps) run as decode steps of one row per token (``kvserve/engine/decode_rows.py``):
+    # "graphs" where a captured CUDA graph holds the rows, else through the prefill path;
+    # "always" eagerly too; "never" always through the prefill path.
+    decode_rows: str = "graphs"
 
     def __post_init__(self):
+        if self.decode_rows not in ("graphs", "always", "never"):
+            raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
         for name in ("pdl", "fused_rope_decode", "kivi_gluon"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
@@ -262,8 +269,9 @@ class EngineConfig:
     show_progress: bool = True
     # auto: Triton kernels on CUDA, the PyTorch reference elsewhere.
     attention_backend: str = "auto"
-    # CUDA graphs for decode steps of up to this many sequences (None: max_num_seqs, capped
-    # at 512); enforce_eager turns them off.
+    # CUDA graphs for decode steps of up to this many rows (None: max_num_seqs, or with
+    # speculative decoding the tokens of its largest verify step if more, capped at 512);
+    # enforce_eager turns them off.
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
     # Schedule and launch each step before the previous step's tokens reach the host, so the

@@ -108,3 +108,47 @@ def test_cuda_kv_sized_from_free_memory():
     outs = llm.generate([{"prompt_token_ids": list(range(1, 100))}] * 4,
                         SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+@pytest.mark.parametrize("model", ["dummy:tiny", "dummy:tiny-gemma3"], ids=["gqa", "gemma3-window"])
+def test_verify_steps_replay_decode_graphs(model):
+    """Speculative verify steps run as decode rows replaying the decode CUDA graphs
+    (``engine/decode_rows.py``): their logits match the eager prefill-shaped step's, and greedy
+    n-gram speculation through them is token-identical to the prefill-shaped verify's."""
+    import numpy as np
+    torch.backends.cuda.matmul.allow_tf32 = False
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(model, device="cuda", dtype="float32", show_progress=False, kv_cache_memory="256MiB",
+              speculative_config=spec)
+    rt = llm.engine.runner
+    assert rt.graphs is not None and rt.graphs.max_batch >= 128  # the policy's largest verify step
+    replays = []
+    run = rt.graphs.run
+    rt.graphs.run = lambda ids, *a, **kw: replays.append(len(ids)) or run(ids, *a, **kw)
+    rng = np.random.default_rng(0)
+    blocks = rng.permutation(llm.engine.num_kv_blocks).tolist()
+    with torch.inference_mode():
+        for B, q in ((1, 2), (1, 5), (3, 4), (8, 5), (30, 4)):
+            seqs = []
+            for _ in range(B):
+                ctx = int(rng.integers(1, 300))
+                seqs.append((ctx, q, [blocks.pop() for _ in range(-(-(ctx + q) // rt.block_size))]))
+            rt._forward(rng.integers(1, 500, sum(c for c, _, _ in seqs)).tolist(), [(0, c, t) for c, _, t in seqs])
+            ids = rng.integers(1, 500, B * q).tolist()
+            want = rt._logits(rt._forward(ids, seqs, rows=False)[0]).clone()
+            n = len(replays)
+            got = rt._logits(rt._forward(ids, seqs)[0])
+            assert replays[n:] == [B * q], "the verify step did not replay a graph"
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            blocks.extend(b for _, _, t in seqs for b in t)
+    prompts = [[int(x) for x in rng.integers(1, 500, 12)] * 3 for _ in range(6)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    outs = {}
+    for mode in ("graphs", "never"):
+        llm = LLM(model, device="cuda", dtype="float32", show_progress=False, kv_cache_memory="256MiB",
+                  speculative_config=spec, kernel=KernelConfig(decode_rows=mode))
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
+        assert llm.engine.kv.pool.num_used_blocks == 0
+        del llm
+    assert outs["graphs"] == outs["never"]

@@ -10,6 +10,11 @@ zeros), and their outputs are ignored.
 The attention split count is a function of the bucket size, so one graph serves every context
 length up to the table width it was captured with (``max_model_len``). Steps that do not fit
 (a bigger batch, prefill) run eagerly.
+
+Decode rows (``engine/decode_rows.py``: a verify step, several rows per sequence) replay graphs
+of their own where the decode graphs fuse the RoPE + KV write into the attention kernel, which
+stores only its own row's key before reading the others: the rows' graphs write first. They
+share the buffers and the memory pool of the decode graphs.
 """
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, kv_layers, backend, device: torch.device, max_batch: int, max_blocks: int,
                  block_size: int, num_kv_heads: int, kivi: bool = False, kv_format=None,
-                 async_copies: bool = False):
+                 async_copies: bool = False, rows: bool = False):
+        """``rows``: decode rows replay these graphs too (graphs of their own where the
+        backend would fuse the KV write into the decode kernel)."""
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.device, self.block_size, self.num_kv_heads = device, block_size, num_kv_heads
         self.buckets = batch_buckets(max_batch)
@@ -61,15 +68,20 @@ class DecodeGraphs:
         self._table_stages: list[torch.Tensor] = []  # allocated on first use (async scheduling only)
         self._turn = 0
         self._stage_dev = torch.zeros(rows, max_batch, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.rows = rows
+        kernel = getattr(backend, "kernel", None)
+        # (bucket, rows) -> graph; rows is False for every bucket where one graph serves both
+        self.row_variants = (False, True) if rows and not kivi and getattr(kernel, "fused_rope_decode", False) \
+            else (False,)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, rows: bool = False) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=self.slots[:bs], block_tables=self.tables[:bs],
                                  seq_lens=[0] * bs, query_lens=[1] * bs, query_start=list(range(bs + 1)),
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, decode_rows=rows)
         meta.seq_lens_t, meta.cu_q = self.seq_lens[:bs], self.cu_q[:bs + 1]
         meta.max_query_len = 1
         meta.num_splits = decode_splits(self.kv_format, bs, self.num_kv_heads, self.device)
@@ -77,8 +89,8 @@ class DecodeGraphs:
             meta.res_slots_t, meta.res_mapping, meta.max_seal = self.res_slots[:bs], self.res_mapping[:bs], 1
         return meta
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        with forward_context(ForwardContext(self._meta(bs), self.kv_layers, self.backend)):
+    def _forward(self, bs: int, rows: bool = False) -> torch.Tensor:
+        with forward_context(ForwardContext(self._meta(bs, rows), self.kv_layers, self.backend)):
             return self.model(self.input_ids[:bs], self.positions[:bs])
 
     @torch.inference_mode()
@@ -88,26 +100,30 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(self.device)
         pool = None
         for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
-            self._forward(bs)  # compile the kernels and warm the allocator outside the capture
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._forward(bs)
-            pool = g.pool()
-            self.graphs[bs], self.outputs[bs] = g, out
+            for rows in self.row_variants:
+                self._forward(bs, rows)  # compile the kernels and warm the allocator outside the capture
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._forward(bs, rows)
+                pool = g.pool()
+                self.graphs[bs, rows], self.outputs[bs, rows] = g, out
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
 
-    def fits(self, batch: int, width: int) -> bool:
-        return batch <= self.max_batch and width <= self.max_blocks
+    def fits(self, batch: int, width: int, rows: bool = False) -> bool:
+        """Whether a step of ``batch`` rows over tables ``width`` blocks wide replays a graph;
+        ``rows``: several rows per sequence, only where captured for them."""
+        return batch <= self.max_batch and width <= self.max_blocks and (self.rows or not rows)
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: np.ndarray, res: tuple[np.ndarray, np.ndarray] | None = None,
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None, rows: bool = False) -> torch.Tensor:
         """Replay the graph for ``len(ids)`` decode rows; returns their hidden states (a view of
         the graph's output buffer, valid until the next replay). ``patch``: (rows, ids) on the
-        device that replace those rows' input ids (tokens not known on the host yet)."""
+        device that replace those rows' input ids (tokens not known on the host yet); ``rows``:
+        some sequences have several rows (``engine/decode_rows.py``)."""
         n = len(ids)
         bs = next(b for b in self.buckets if b >= n)
         self._turn ^= 1
@@ -140,5 +156,6 @@ class DecodeGraphs:
             self.tables[:n, :w].copy_(host, non_blocking=True)
         else:
             self.tables[:n, :w].copy_(torch.from_numpy(tables), non_blocking=False)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        key = (bs, rows and True in self.row_variants)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]

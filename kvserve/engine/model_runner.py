@@ -11,7 +11,7 @@ import torch
 
 from kvserve import kernels, structured
 from kvserve.config import EngineConfig
-from kvserve.engine import kv_plan
+from kvserve.engine import decode_rows, kv_plan
 from kvserve.engine.device import DTYPES, GpuTimer, default_dtype, resolve_device
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.kv_cache import KVCache
@@ -149,15 +149,22 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         from kvserve.engine.cuda_graphs import DecodeGraphs
-        max_batch = self.config.cuda_graph_max_batch or min(512, self.config.scheduler.max_num_seqs)
+        sched, spec = self.config.scheduler, self.config.speculative
+        rows = sched.max_num_seqs
+        if spec is not None and self.config.kernel.decode_rows != "never":
+            # Verify steps replay these graphs by rows (decode_rows.py): room for the largest.
+            rows = max(rows, decode_rows.max_verify_rows(spec, sched.max_num_seqs, sched.max_num_batched_tokens))
+        max_batch = self.config.cuda_graph_max_batch or min(512, rows)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
                                    max_blocks, self.block_size, self.arch.num_kv_heads,
                                    kivi=self.kv_format.kivi,
                                    kv_format=self.kv_format,
-                                   async_copies=self.config.async_scheduling)
+                                   async_copies=self.config.async_scheduling,
+                                   rows=spec is not None and self.config.kernel.decode_rows != "never")
         self.graphs.capture()
-        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch} captured in "
+        also = " (and for verify rows)" if len(self.graphs.row_variants) > 1 else ""
+        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch}{also} captured in "
                f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
         log.info(msg)
         if self.config.show_progress:
@@ -200,14 +207,20 @@ class ModelRunner:
         parent's residual row."""
         self.kv_cache.fork(parent_id, child_id)
 
-    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None):
+    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None,
+                        rows: bool = False):
+        """The step's attention metadata and positions on the device; ``rows``: as a decode step
+        of one row per token (``decode_rows.py``; not for KIVI caches)."""
         positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
+        if rows:
+            seq_lens, query_start, tables = decode_rows.expand(positions, query_start, tables)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            seq_lens=seq_lens.tolist(), query_lens=[n for _, n, _ in seqs],
+            seq_lens=seq_lens.tolist(), query_lens=np.diff(query_start).tolist(),
             query_start=query_start.tolist(), block_size=self.block_size)
+        meta.decode_rows = rows
         if res_slots is not None:
             res_map, meta.max_seal = self._residual_metadata(positions, seq_lens, query_start, res_slots)
             meta.res_slots = res_slots
@@ -401,25 +414,44 @@ class ModelRunner:
         return toks, [rejection.logprob_entry(raw[j], t, n_lp) for j, t in enumerate(toks)]
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
-                 patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
+                 patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 rows: bool | None = None, model=None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
-        else eagerly. ``patch``: (rows, ids) on the device replacing pending input tokens.
-        Returns hidden states [T, hidden] and the query offsets."""
-        g = self.graphs
-        if g is not None and len(ids) == len(seqs) and g.fits(len(seqs), max(len(t) for _, _, t in seqs)):
+        else eagerly. A step of a few tokens per sequence (a verify step) runs as a decode step
+        of one row per token (``decode_rows.py``) where ``KernelConfig.decode_rows`` says so;
+        ``rows`` overrides that choice (True: as rows where the cache format allows it).
+        ``patch``: (rows, ids) on the device replacing pending input tokens. ``model``: (model,
+        KV layers, graphs or None) run instead of the target's, on its device and backend (the
+        draft model's steps). Returns hidden states [T, hidden], one per token in order either
+        way, and the sequences' query offsets."""
+        net, kv_layers, g = model if model is not None else (self.model, self.kv_cache.layers, self.graphs)
+        width = max(len(t) for _, _, t in seqs)
+        mode = self.config.kernel.decode_rows
+        as_rows = (res_slots is None and (mode != "never" if rows is None else rows)
+                   and decode_rows.eligible(seqs))
+        if g is not None and (len(ids) == len(seqs) or as_rows) and g.fits(len(ids), width, as_rows):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
+            row_lens, row_tables = seq_lens, tables
+            if as_rows:
+                row_lens, _, row_tables = decode_rows.expand(positions, query_start, tables)
             res = None
             if res_slots is not None:
                 res = (np.asarray(res_slots, dtype=np.int64),
                        self._residual_metadata(positions, seq_lens, query_start, res_slots)[0])
-            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, seq_lens, tables, res, patch)
+            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch,
+                           rows=as_rows)
             return hidden, query_start.tolist()
-        meta, positions = self._build_metadata(seqs, res_slots)
+        # Eagerly as rows only where asked for (rows or "always"): past the graphs' sizes the
+        # prefill kernel, which reads each context once, is the better choice.
+        as_rows = as_rows and (rows is True or (rows is None and mode == "always"))
+        meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
-        with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend)):
-            hidden = self.model(input_ids, positions)
+        with forward_context(ForwardContext(meta, kv_layers, self.backend)):
+            hidden = net(input_ids, positions)
+        if as_rows:
+            return hidden, np.cumsum([0] + [n for _, n, _ in seqs]).tolist()
         return hidden, meta.query_start
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

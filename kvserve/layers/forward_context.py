@@ -48,6 +48,10 @@ class AttentionMetadata:
     # ``kivi_decode.SplitPlan``), made by the first layer and read by the rest: the lengths and
     # block tables are every layer's.
     decode_plan: Any = None
+    # Decode rows of one sequence (``engine/decode_rows.py``): a row reads keys that other rows
+    # write in the same step, so every row's K/V is written before the attention kernel runs
+    # (no RoPE + KV write fused into it, which stores only its own row's).
+    decode_rows: bool = False
 
 
 @dataclass

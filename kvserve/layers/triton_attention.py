@@ -189,7 +189,7 @@ class TritonPagedAttention:
         if kind == "kivi4" and window is not None:
             kind = "kivi"
         route = ROUTES[phase, kind]
-        fused = route.fuses_write and self.kernel.fused_rope_decode
+        fused = route.fuses_write and self.kernel.fused_rope_decode and not meta.decode_rows
         call = _Call(positions, q, k, v, rope, k_cache, v_cache, meta, scale, self.kernel, self.counters, phase,
                      window)
         route.write(call, fused)

@@ -33,4 +33,10 @@ DUMMY_PRESETS: dict[str, dict] = {
              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
              "max_position_embeddings": 2048, "tie_word_embeddings": True, "eos_token_id": 0},
+    # Gemma 3 in small: a local layer with an 8-token window, then a global one (window tests).
+    "tiny-gemma3": {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6, "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 2048,
+                    "eos_token_id": 0},
 }

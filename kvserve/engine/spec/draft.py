@@ -58,6 +58,13 @@ class DraftModel:
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.graphs = None  # the draft's decode CUDA graphs, as many rows as the target's
+        if runner.graphs is not None:
+            from kvserve.engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv.layers, runner.backend, dev, runner.graphs.max_batch,
+                                       runner.graphs.max_blocks, self.block_size, src.arch.num_kv_heads,
+                                       rows=True)
+            self.graphs.capture()
 
     def drop(self, rid: str) -> None:
         self.pool.free(self.tables.pop(rid, [])[::-1])
@@ -115,13 +122,12 @@ class DraftModel:
             r.spec_draft_probs = torch.stack(q) if q else None
 
     def _forward(self, ids: list[int], seqs) -> torch.Tensor:
-        """Logits at the last fed position of each sequence."""
+        """Logits at the last fed position of each sequence. Drafting steps are decode steps (one
+        token each) and the catch-up after a verify step a few tokens each: both replay the
+        draft's CUDA graphs where the target's runner has graphs (``engine/decode_rows.py``)."""
         rt = self.runner
-        meta, positions = rt._build_metadata(seqs)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(rt.device, non_blocking=True)
-        with forward_context(ForwardContext(meta, self.kv.layers, rt.backend)):
-            hidden = self.model(input_ids, positions)
-        last = torch.tensor(meta.query_start[1:], device=rt.device) - 1
+        hidden, query_start = rt._forward(ids, seqs, model=(self.model, self.kv.layers, self.graphs))
+        last = torch.tensor(query_start[1:], device=rt.device) - 1
         with forward_context(ForwardContext(None, [], rt.backend)):
             return self.model.compute_logits(hidden[last]).float()
 
