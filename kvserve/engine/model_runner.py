@@ -72,6 +72,7 @@ class ModelRunner:
         self.backend = get_backend(name, config.kernel)
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
+        self.kv_groups = None  # kv_groups.KVGroups of the cache, set with it
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
@@ -131,10 +132,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
         self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
-                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales)
+                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales,
+                                groups=plan.groups)
+        self.kv_groups = plan.groups
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_sdpa()
-            if not self.config.enforce_eager:
+            # The captured graphs hold one block table per sequence: several groups run eagerly.
+            if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
                 self.capture_graphs()
 
     def _warm_sdpa(self) -> None:
@@ -175,6 +179,8 @@ class ModelRunner:
         tables = np.zeros((B, width), dtype=np.int32)
         for i, (_, _, t) in enumerate(seqs):
             tables[i, :len(t)] = t
+        # NULL entries (blocks freed out of a window) are never read: any valid id will do.
+        np.maximum(tables, 0, out=tables)
         query_start = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(qlens, out=query_start[1:])
         row = np.repeat(np.arange(B), qlens)
@@ -262,10 +268,14 @@ class ModelRunner:
             src = torch.tensor(pending_src).to(self.device, non_blocking=True)
             patch = (torch.tensor(pending_rows).to(self.device, non_blocking=True), tokens[src])
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
+        group_seqs = None
+        if self.kv_groups is not None and self.kv_groups.num_groups > 1:
+            group_seqs = [[(c, n, s.group_tables[g]) for (c, n, _), s in zip(seqs, sched)]
+                          for g in range(1, self.kv_groups.num_groups)]
         if self.gpu_timer is not None:
             self.gpu_timer.start()
         res_slots = kv.residual_rows([s.request.request_id for s in sched]) if self.kv_format.kivi else None
-        hidden, query_start = self._forward(ids, seqs, res_slots, patch)
+        hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -401,12 +411,15 @@ class ModelRunner:
         return toks, [rejection.logprob_entry(raw[j], t, n_lp) for j, t in enumerate(toks)]
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
-                 patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
+                 patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 group_seqs: list | None = None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
-        else eagerly. ``patch``: (rows, ids) on the device replacing pending input tokens.
-        Returns hidden states [T, hidden] and the query offsets."""
+        else eagerly. ``patch``: (rows, ids) on the device replacing pending input tokens;
+        ``group_seqs``: ``seqs`` with the tables of KV groups 1, 2, ... Returns hidden states
+        [T, hidden] and the query offsets."""
         g = self.graphs
-        if g is not None and len(ids) == len(seqs) and g.fits(len(seqs), max(len(t) for _, _, t in seqs)):
+        if (g is not None and group_seqs is None and len(ids) == len(seqs)
+                and g.fits(len(seqs), max(len(t) for _, _, t in seqs))):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
             res = None
             if res_slots is not None:
@@ -418,7 +431,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
-        with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend)):
+        layer_attn = None
+        if group_seqs:
+            metas = [meta] + [self._build_metadata(gs)[0] for gs in group_seqs]
+            layer_attn = [metas[g] for g in self.kv_groups.layer_group]
+        with forward_context(ForwardContext(meta, self.kv_cache.layers, self.backend, layer_attn)):
             hidden = self.model(input_ids, positions)
         return hidden, meta.query_start
 
