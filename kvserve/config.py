@@ -46,6 +46,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU memory
+    # Sliding-window layers (kvserve/engine/kv_groups.py): "free" gives their blocks wholly out of
+    # every future query's window back to the pool; "keep" keeps every layer's KV of every token.
+    window_kv: str = "free"
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
@@ -75,6 +78,8 @@ class CacheConfig:
             raise ConfigError("kv_group_size", f"must be >= 0 (0: the format's default), got {self.kv_group_size}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
+        if self.window_kv not in ("free", "keep"):
+            raise ConfigError("window_kv", f"must be 'free' or 'keep', got {self.window_kv!r}")
         if self.kv_cache_dtype in ("int4", "int2") and self.preemption_mode == "swap":
             raise ConfigError("preemption_mode", f"'swap' is not supported with kv_cache_dtype "
                               f"{self.kv_cache_dtype} (a sequence's unsealed keys live outside its blocks); "

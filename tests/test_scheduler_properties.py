@@ -7,7 +7,10 @@ runner against a *shadow KV cache*: every slot records which token prefix its KV
 Swap-out, copy-on-write and swap-in are applied in the runner's order, every scheduled token is
 written, and then every position a scheduled request attends to must hold exactly that request's
 prefix. So prefix-cache hits,
-copy on write, swapping and preemption are checked for what they are for: the right KV.
+copy on write, swapping and preemption are checked for what they are for: the right KV. With KV
+groups (``windows``: sliding-window layers) each group's table is written and read the same way,
+a local group's only over the keys its queries see, and every block out of the window must have
+gone back to the pool before the step.
 
 After every operation the bookkeeping invariants are checked too (reference counts, hashes, no
 leaked block, queues consistent), and at the end every request must finish within a bounded
@@ -24,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step import ModelRunnerOutput
@@ -47,13 +51,13 @@ class Sim:
     def __init__(self, *, num_blocks: int, block_size: int, mode: str = "recompute",
                  swap_blocks: int = 0, budget: int = 2048, max_num_seqs: int = 256,
                  chunked: bool = True, caching: bool = True, watermark: float = 0.0,
-                 seed: int = 0, vocab: int = 50):
+                 seed: int = 0, vocab: int = 50, windows: tuple[int | None, ...] = (None,)):
         cache = CacheConfig(block_size=block_size, preemption_mode=mode, watermark=watermark,
                             enable_prefix_caching=caching, swap_space=swap_blocks * 1024)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 enable_chunked_prefill=chunked)
         self.bs = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, caching, hash_extra=b"test")
+        self.kv = KVCacheManager(num_blocks, block_size, caching, hash_extra=b"test", windows=windows)
         self.sched = Scheduler(sched, cache, self.kv, MAX_MODEL_LEN,
                                swap_capacity_blocks=swap_blocks if mode == "swap" else 0)
         self.rng = random.Random(seed)
@@ -139,6 +143,11 @@ class Sim:
             assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
             assert s.block_table == kv.table(r)
             assert len(s.block_table) == kv.blocks_for(r.num_computed_tokens + s.num_new_tokens)
+            assert s.group_tables == (kv.tables_of(r) if len(kv.windows) > 1 else None)
+            for g, w in enumerate(kv.windows):  # out of the window: freed; in it: held
+                t = kv.tables_of(r)[g]
+                lo = 0 if w is None else max(0, r.num_computed_tokens - w + 1) // bs
+                assert all(b == NULL for b in t[:lo]) and NULL not in t[lo:], (r, g, t)
             if r.group_id not in self.first_step:
                 self.first_step[r.group_id] = self.steps
         for rid in out.preempted:
@@ -151,6 +160,7 @@ class Sim:
         # -- the shadow runner: swap out, copy on write, swap in, write, then read -----------
         for rid, blocks in out.swap_out.items():
             self.swapped[rid] = [self.slots[b * bs:(b + 1) * bs] for b in blocks]
+            assert len(self.kv.windows) == 1 and self.kv.windows[0] is None, "swap of a windowed table"
         if out.copies:
             data = [self.slots[s * bs:(s + 1) * bs] for s, _ in out.copies]
             for (_, d), content in zip(out.copies, data):
@@ -162,24 +172,28 @@ class Sim:
                 self.slots[b * bs:(b + 1) * bs] = content
         assert set(self.swapped) == {r.request_id for r in sched.waiting if r.swapped_out}
 
-        writes: dict[int, int] = {}
+        # A slot's KV is (group, prefix key): a group's block holds its own layers' KV.
+        writes: dict[int, tuple[int, int]] = {}
         keys = {}
         for s in out.scheduled:
             r = s.request
             keys[r.request_id] = k = prefix_keys(r.all_token_ids)
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                slot = self.slot(s.block_table, p)
-                assert writes.setdefault(slot, k[p]) == k[p], (
-                    f"two requests write different KV into block {slot // bs} in one step")
+            for g, table in enumerate(kv.tables_of(r)):
+                for p in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
+                    slot = self.slot(table, p)
+                    assert writes.setdefault(slot, (g, k[p])) == (g, k[p]), (
+                        f"two requests write different KV into block {slot // bs} in one step")
         for slot, key in writes.items():
             self.slots[slot] = key
         for s in out.scheduled:
             r = s.request
             k = keys[r.request_id]
-            for p in range(r.num_computed_tokens + s.num_new_tokens):
-                got = self.slots[self.slot(s.block_table, p)]
-                assert got == k[p], (
-                    f"{r.request_id} reads wrong KV at position {p} (block {s.block_table[p // bs]})")
+            for g, (w, table) in enumerate(zip(kv.windows, kv.tables_of(r))):
+                lo = 0 if w is None else max(0, r.num_computed_tokens - w + 1)  # the first key read
+                for p in range(lo, r.num_computed_tokens + s.num_new_tokens):
+                    got = self.slots[self.slot(table, p)]
+                    assert got == (g, k[p]), (
+                        f"{r.request_id} reads wrong KV at position {p} (group {g}, block {table[p // bs]})")
 
         # -- the real Scheduler.update: advance, append, fork, finish ------------------------
         draws = [(1 + s.request.pending_forks) if s.samples else 0 for s in out.scheduled]
@@ -246,11 +260,12 @@ class Sim:
         assert sum(sched.swap_used_blocks.values()) <= sched.swap_capacity_blocks
         assert set(sched.swap_used_blocks) == {r.request_id for r in waiting if r.swapped_out}
         # Every used block is in some table, every table block is used: nothing leaked.
-        distinct = {b for t in kv.tables.values() for b in t}
+        held = kv.held_tables()
+        distinct = {b for t in held.values() for b in t}
         assert pool.num_used_blocks == len(distinct), "leaked (or double-owned) blocks"
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
-        # Within a table a block appears once.
-        for rid, t in kv.tables.items():
+        # Within a request's tables a block appears once.
+        for rid, t in held.items():
             assert len(set(t)) == len(t), rid
         # Running then waiting: arrival order (children right after their group).
         key = [(self.order[r.group_id], r.index) for r in running + waiting]
@@ -259,7 +274,7 @@ class Sim:
     def check_drained(self) -> None:
         assert not self.live and self.sched.num_unfinished == 0
         assert self.kv.pool.num_used_blocks == 0, "blocks leaked after every request finished"
-        assert not self.kv.tables and not self.kv._num_hashed
+        assert not any(self.kv.group_tables) and not self.kv._num_hashed
         assert not self.sched.swap_used_blocks and not self.swapped
         assert not self.kv.pending_copies
         # FCFS: groups were first scheduled in arrival order.
@@ -341,6 +356,32 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.filter_too_much])
+
+
+class WindowedSchedulerMachine(SchedulerMachine):
+    """The same workloads over KV groups of sliding-window layers (a global group and local
+    ones, a lone local one as Mistral's, a local group 0), freeing out-of-window blocks."""
+
+    @initialize(
+        windows=st.sampled_from([(None, 6), (9,), (None, 5, 5), (12, None), (4, None, 17)]),
+        block_size=st.sampled_from([4, 16]),
+        num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 60)),
+        budget=st.sampled_from([7, 16, 64, 2048]),
+        max_num_seqs=st.sampled_from([2, 3, 256]),
+        chunked=st.booleans(),
+        caching=st.sampled_from([True, True, True, False]),
+        vocab=st.sampled_from([2, 50]),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def setup(self, **kw):
+        self.sim = Sim(mode="recompute", **kw)
+        self.prompts = []
+
+
+TestWindowedSchedulerMachine = WindowedSchedulerMachine.TestCase
+TestWindowedSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                                                 suppress_health_check=[HealthCheck.too_slow,
+                                                                        HealthCheck.filter_too_much])
 
 
 # -- run-to-completion over random workloads -----------------------------------------------------

@@ -13,13 +13,16 @@ recomputes from a block boundary), ``fork`` gives a forked child a copy of its p
 share the unsealed last block). Requests hold rows here and blocks in the ``KVCacheManager``.
 
 Either way ``data[:, :, blocks]`` is every layer's KV of those blocks, which is what block
-copies, swapping and the tiers move. Zero-filled, so padded reads of unused slots stay finite
-(a NaN there would poison a masked softmax).
+copies, swapping and the tiers move. With KV groups (``kv_groups.py``) the leading axis is the
+``page_layers`` of one group instead of every layer: layer ``i`` reads ``data[layer_slot[i]]``
+through its group's block table, and a block belongs to one group at a time. Zero-filled, so
+padded reads of unused slots stay finite (a NaN there would poison a masked softmax).
 """
 from __future__ import annotations
 
 import torch
 
+from kvserve.engine.kv_groups import KVGroups
 from kvserve.kv_format import KVFormat
 from kvserve.models.arch import ModelArch
 
@@ -27,24 +30,29 @@ from kvserve.models.arch import ModelArch
 class KVCache:
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, swap_blocks: int = 0, fmt: KVFormat | None = None,
-                 residual_slots: int = 0, scales: torch.Tensor | None = None):
-        """``scales``: calibrated [layers, 2, kv_heads] (static fp8/int8 formats)."""
+                 residual_slots: int = 0, scales: torch.Tensor | None = None, groups: KVGroups | None = None):
+        """``scales``: calibrated [layers, 2, kv_heads] (static fp8/int8 formats); ``groups``:
+        None for one group of every layer."""
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
         self.fmt = fmt or KVFormat("auto", arch.num_kv_heads, arch.head_dim, block_size, dtype)
         self.residual = None
+        n = arch.num_layers
+        page, slot = (n, range(n)) if groups is None else (groups.page_layers, groups.layer_slot)
         if not self.fmt.quantized:
-            self.data = torch.zeros(arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads,
+            self.data = torch.zeros(page, 2, num_blocks, block_size, arch.num_kv_heads,
                                     arch.head_dim, dtype=dtype, device=device)
-            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(arch.num_layers)]
+            self.layers = [(self.data[slot[i], 0], self.data[slot[i], 1]) for i in range(n)]
         else:
-            self.data = torch.zeros(arch.num_layers, 1, num_blocks, self.fmt.block_bytes, dtype=torch.uint8,
+            if self.fmt.kivi and page != n:
+                raise ValueError("KIVI formats keep one group of every layer (their key residual is per sequence)")
+            self.data = torch.zeros(page, 1, num_blocks, self.fmt.block_bytes, dtype=torch.uint8,
                                     device=device)
             if self.fmt.kivi:
-                self.residual = torch.zeros(arch.num_layers, max(1, residual_slots), block_size,
+                self.residual = torch.zeros(n, max(1, residual_slots), block_size,
                                             arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
-            self.layers = [(self.fmt.views(self.data[i, 0], None if self.residual is None else self.residual[i],
+            self.layers = [(self.fmt.views(self.data[slot[i], 0], None if self.residual is None else self.residual[i],
                                            None if scales is None else scales[i]), None)
-                           for i in range(arch.num_layers)]
+                           for i in range(n)]
         self.swap_blocks = swap_blocks
         self.swapped: dict[str, torch.Tensor] = {}
         self._row: dict[str, int] = {}  # request id -> its row of the KIVI key residual

@@ -11,6 +11,14 @@ requests with different salts share no block, in the GPU cache or in the KV tier
 Only full blocks are shared through the cache. A partial block is shared only by a fork
 (``n > 1``); the first sibling to append to it gets a private copy (copy on write), recorded in
 ``pending_copies`` for the runner to perform before the forward pass.
+
+Groups (``kv_groups.py``): a request holds one table per group, all of the same length. Group 0's
+keys are the chain above; group ``g``'s key of a block is its group-0 key tagged with ``g``. A
+sliding-window group frees, before each step, the blocks wholly before the first key any of the
+request's future queries sees (``num_computed_tokens - window + 1``) and marks their entries
+``NULL``; freed blocks keep their hash, so they stay prefix hits until the pool reuses them. A
+prefix of ``N`` blocks is a hit when every global group holds all ``N`` and every local group the
+blocks its first uncomputed query sees; a local group takes references on those only.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import struct
 from math import ceil
 
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import PENDING_TOKEN, Request
 
 
@@ -37,13 +46,23 @@ def salt_root(cache_salt: str | None) -> bytes:
                            person=b"kvserve-salt").digest()
 
 
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """Group ``group``'s key of a block whose group-0 key is ``block_hash``."""
+    if group == 0:
+        return block_hash
+    return hashlib.blake2b(block_hash, digest_size=16, person=b"kvserve-group",
+                           salt=group.to_bytes(16, "little")).digest()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_extra: bytes = b""):
+                 hash_extra: bytes = b"", windows: tuple[int | None, ...] = (None,)):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.hash_extra = hash_extra
-        self.tables: dict[str, list[int]] = {}
+        self.windows = tuple(windows)  # per group (None: global)
+        self.group_tables: list[dict[str, list[int]]] = [{} for _ in self.windows]
+        self.tables = self.group_tables[0]
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table registered in the cache
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write this step
         self.prefix_queries = 0  # prompt tokens looked up
@@ -66,20 +85,60 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else salt_root(req.cache_salt)
             hashes.append(hash_block(parent, self.hash_extra, tokens))
 
+    def _first_needed(self, group: int, num_tokens: int) -> int:
+        """The first block of ``group`` a query after ``num_tokens`` computed tokens may read."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, num_tokens - w + 1) // self.block_size
+
+    def _group_hits(self, req: Request, num_blocks: int) -> list[list[int]] | None:
+        """Per group, the cached blocks of the first ``num_blocks`` (NULL where a local group's
+        window no longer reaches), or None if one it needs is not cached."""
+        out = []
+        for g in range(len(self.windows)):
+            lo = self._first_needed(g, num_blocks * self.block_size)
+            hits = [NULL] * lo
+            for h in req.block_hashes[lo:num_blocks]:
+                bid = self.pool.lookup(group_key(h, g))
+                if bid is None:
+                    return None
+                hits.append(bid)
+            out.append(hits)
+        return out
+
     def get_computed_blocks(self, req: Request) -> list[int]:
-        """The longest run of cached blocks holding this request's leading tokens. At least one
-        token is always left to compute, so the step produces logits to sample from."""
+        """The longest run of cached blocks holding this request's leading tokens (group 0's; a
+        local group's entries out of the window are NULL). At least one token is always left to
+        compute, so the step produces logits to sample from."""
         if not self.enable_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req)
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hits = []
-        for h in req.block_hashes[:max_blocks]:
-            bid = self.pool.lookup(h)
-            if bid is None:
-                break
-            hits.append(bid)
-        return hits
+        keys = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+        n = len(keys)
+        found: list[list[int | None]] = []  # per group, the cached block of each key (or None)
+        for g, w in enumerate(self.windows):
+            ids = []
+            for h in keys[:n]:
+                bid = self.pool.lookup(group_key(h, g))
+                if bid is None and w is None:
+                    break
+                ids.append(bid)
+            if w is None:
+                n = len(ids)
+            found.append(ids)
+        # The longest prefix every local group holds the window of: a block one misses caps it.
+        changed = True
+        while n and changed:
+            changed = False
+            for g, w in enumerate(self.windows):
+                if w is None:
+                    continue
+                missing = [i for i in range(self._first_needed(g, n * self.block_size), n) if found[g][i] is None]
+                if missing:
+                    n, changed = missing[-1], True
+        if not n:
+            return []
+        lo = self._first_needed(0, n * self.block_size)
+        return [NULL] * lo + found[0][lo:n]
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -87,46 +146,80 @@ class KVCacheManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[int] = (),
                      reserve_blocks: int = 0) -> bool:
-        return self._blocks_needed(req, num_new_tokens, computed) + reserve_blocks <= (
-            self.pool.num_free_blocks - sum(1 for b in computed if self.pool.blocks[b].ref_cnt == 0))
+        hits = self._hits_of(req, computed)
+        revived = sum(1 for gh in hits for b in set(gh) if b != NULL and self.pool.blocks[b].ref_cnt == 0)
+        return self._blocks_needed(req, num_new_tokens, hits) + reserve_blocks <= self.pool.num_free_blocks - revived
 
-    def _tokens_after(self, req: Request, num_new_tokens: int, computed: list[int]) -> int:
-        """Tokens the request's table must hold after this step (cached blocks count as computed)."""
-        start = len(computed) * self.block_size if computed else req.num_computed_tokens
+    def _hits_of(self, req: Request, computed: list[int]) -> list[list[int]]:
+        if not computed:
+            return [[] for _ in self.windows]
+        hits = self._group_hits(req, len(computed))
+        assert hits is not None and hits[0] == list(computed), "prefix hits went stale before allocation"
+        return hits
+
+    def _tokens_after(self, req: Request, num_new_tokens: int, hits: list[list[int]]) -> int:
+        """Tokens the request's tables must hold after this step (cached blocks count as computed)."""
+        start = len(hits[0]) * self.block_size if hits[0] else req.num_computed_tokens
         return start + num_new_tokens
 
-    def _blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int]) -> int:
-        table = self.tables.get(req.request_id, ())
-        need = self.blocks_for(self._tokens_after(req, num_new_tokens, computed)) - len(table) - len(computed)
-        if self._needs_cow(req, table):
-            need += 1
-        return max(need, 0)
+    def _blocks_needed(self, req: Request, num_new_tokens: int, hits: list[list[int]]) -> int:
+        total = self.blocks_for(self._tokens_after(req, num_new_tokens, hits))
+        need = 0
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(req.request_id, ())
+            need += max(0, total - len(table) - len(hits[g]) + (1 if self._needs_cow(req, table) else 0))
+        return need
 
     def _needs_cow(self, req: Request, table) -> bool:
         return (bool(table) and req.num_computed_tokens % self.block_size != 0
-                and self.pool.blocks[table[-1]].ref_cnt > 1)
+                and table[-1] != NULL and self.pool.blocks[table[-1]].ref_cnt > 1)
+
+    def free_out_of_window(self, req: Request) -> int:
+        """Give back the blocks of ``req``'s local tables that no future query reads (before
+        ``num_computed_tokens - window + 1``). Returns how many references were dropped."""
+        freed = []
+        for g, w in enumerate(self.windows):
+            table = self.group_tables[g].get(req.request_id)
+            if w is None or not table:
+                continue
+            stop = min(self._first_needed(g, req.num_computed_tokens), len(table))
+            for i in range(stop - 1, -1, -1):  # tail first, as ``free`` does; NULLs are a prefix
+                if table[i] == NULL:
+                    break
+                freed.append(table[i])
+                table[i] = NULL
+        self.pool.free(freed)
+        return len(freed)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] = (),
                        reserve_blocks: int = 0) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (after ``computed`` cached
-        blocks, for a request being admitted). False, changing nothing, if the pool is short."""
+        blocks, for a request being admitted). False, changing nothing but freeing blocks out of
+        the windows, if the pool is short."""
+        self.free_out_of_window(req)
         if not self.can_allocate(req, num_new_tokens, computed, reserve_blocks):
             return False
-        table = self.tables.setdefault(req.request_id, [])
-        self._num_hashed.setdefault(req.request_id, 0)
-        if computed:
-            self.pool.touch(computed)
-            table.extend(computed)
-            self._num_hashed[req.request_id] = len(table)
-        if self._needs_cow(req, table):
-            (new,) = self.pool.allocate(1)
-            self.pending_copies.append((table[-1], new))
-            self.pool.free([table[-1]])
-            table[-1] = new
-        total = self._tokens_after(req, num_new_tokens, computed)
-        extra = self.blocks_for(total) - len(table)
-        if extra > 0:
-            table.extend(self.pool.allocate(extra))
+        hits = self._hits_of(req, computed)
+        rid = req.request_id
+        total = self._tokens_after(req, num_new_tokens, hits)
+        self._num_hashed.setdefault(rid, 0)
+        for g, tables in enumerate(self.group_tables):  # every hit first: allocations may evict
+            table = tables.setdefault(rid, [])
+            if hits[g]:
+                self.pool.touch([b for b in hits[g] if b != NULL])
+                table.extend(hits[g])
+        for tables in self.group_tables:
+            table = tables[rid]
+            if self._needs_cow(req, table):
+                (new,) = self.pool.allocate(1)
+                self.pending_copies.append((table[-1], new))
+                self.pool.free([table[-1]])
+                table[-1] = new
+            extra = self.blocks_for(total) - len(table)
+            if extra > 0:
+                table.extend(self.pool.allocate(extra))
+        if hits[0]:
+            self._num_hashed[rid] = len(hits[0])
         self._cache_full_blocks(req, total)
         return True
 
@@ -140,35 +233,54 @@ class KVCacheManager:
             return
         self._update_hashes(req)
         num_full = min(num_full, len(req.block_hashes))  # (a block with a pending token waits)
-        table = self.tables[req.request_id]
-        for i in range(done, num_full):
-            self.pool.cache_block(table[i], req.block_hashes[i])
-        self._num_hashed[req.request_id] = num_full
+        for g, tables in enumerate(self.group_tables):
+            table = tables[req.request_id]
+            for i in range(done, num_full):
+                if table[i] != NULL:
+                    self.pool.cache_block(table[i], group_key(req.block_hashes[i], g))
+        self._num_hashed[req.request_id] = max(done, num_full)
 
     def fork(self, parent: Request, child: Request) -> None:
-        table = self.tables[parent.request_id]
-        self.pool.touch(table)
-        self.tables[child.request_id] = list(table)
+        for tables in self.group_tables:
+            table = tables[parent.request_id]
+            self.pool.touch([b for b in table if b != NULL])
+            tables[child.request_id] = list(table)
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
 
     def free(self, req: Request) -> list[int]:
-        table = self.tables.pop(req.request_id, [])
+        """Give back every block of ``req``; returns its group-0 table."""
+        out = []
+        for tables in reversed(self.group_tables):
+            out = tables.pop(req.request_id, [])
+            self.pool.free([b for b in reversed(out) if b != NULL])
         self._num_hashed.pop(req.request_id, None)
-        self.pool.free(table[::-1])
-        return table
+        return out
 
     def trim(self, req: Request) -> None:
         """Free the blocks past ``req.num_computed_tokens`` (rejected drafts' slots). None of
         them is hash-registered: registered blocks hold only known tokens, all computed."""
-        table = self.tables.get(req.request_id)
         keep = self.blocks_for(req.num_computed_tokens)
-        if table is not None and len(table) > keep:
-            extra = table[keep:]
-            del table[keep:]
-            self.pool.free(extra[::-1])
+        for tables in self.group_tables:
+            table = tables.get(req.request_id)
+            if table is not None and len(table) > keep:
+                extra = table[keep:]
+                del table[keep:]
+                self.pool.free([b for b in reversed(extra) if b != NULL])
 
     def table(self, req: Request) -> list[int]:
         return self.tables[req.request_id]
+
+    def tables_of(self, req: Request) -> list[list[int]]:
+        """``req``'s table in every group (NULL: freed out of a window)."""
+        return [tables[req.request_id] for tables in self.group_tables]
+
+    def held_tables(self) -> dict[str, list[int]]:
+        """Per request, every block it holds in any group."""
+        out: dict[str, list[int]] = {}
+        for tables in self.group_tables:
+            for rid, table in tables.items():
+                out.setdefault(rid, []).extend(b for b in table if b != NULL)
+        return out
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         out, self.pending_copies = self.pending_copies, []
@@ -180,39 +292,53 @@ class KVCacheManager:
         bs = self.block_size
         filled: dict[int, int] = {}
         tails = []
-        for req in requests:  # called every step: full blocks go in at C speed, tails after
-            table = self.tables.get(req.request_id)
-            if not table:
-                continue
-            n = min(req.num_tokens, len(table) * bs)
-            full = n // bs
-            filled.update(dict.fromkeys(table[:full], bs))
-            if full < len(table):
-                tails.append((table[full], n - full * bs))
-                tails.extend((bid, 0) for bid in table[full + 1:])
+        for tables in self.group_tables:
+            for req in requests:  # called every step: full blocks go in at C speed, tails after
+                table = tables.get(req.request_id)
+                if not table:
+                    continue
+                n = min(req.num_tokens, len(table) * bs)
+                full = n // bs
+                filled.update(dict.fromkeys(table[:full], bs))
+                if full < len(table):
+                    tails.append((table[full], n - full * bs))
+                    tails.extend((bid, 0) for bid in table[full + 1:])
+        filled.pop(NULL, None)
         for bid, f in tails:  # a block shared with another table may be fuller there
             if f > filled.get(bid, -1):
                 filled[bid] = f
         return len(filled) * bs, sum(filled.values())
 
     def check_invariants(self, live: list[Request]) -> None:
-        """Reference counts equal the number of tables holding each block; hashes match tokens."""
+        """Reference counts equal the number of tables holding each block; hashes match tokens;
+        a local table's NULL entries are a prefix before its window."""
         self.pool.check_invariants()
         counts: dict[int, int] = {}
-        for table in self.tables.values():
-            for bid in table:
-                counts[bid] = counts.get(bid, 0) + 1
+        for tables in self.group_tables:
+            for table in tables.values():
+                for bid in table:
+                    counts[bid] = counts.get(bid, 0) + 1
+        counts.pop(NULL, None)
         for blk in self.pool.blocks:
             assert blk.ref_cnt == counts.get(blk.block_id, 0), (blk, counts.get(blk.block_id))
         by_id = {r.request_id: r for r in live}
         assert set(self.tables) <= set(by_id), set(self.tables) - set(by_id)
-        for rid, table in self.tables.items():
-            req = by_id[rid]
-            for i in range(self._num_hashed[rid]):
-                blk = self.pool.blocks[table[i]]
-                want = req.block_hashes[i]
-                if blk.block_hash is not None:
-                    assert blk.block_hash == want, (rid, i)
-                parent = req.block_hashes[i - 1] if i else salt_root(req.cache_salt)
-                toks = req.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-                assert want == hash_block(parent, self.hash_extra, toks), (rid, i)
+        for g, tables in enumerate(self.group_tables):
+            assert set(tables) == set(self.tables)
+            for rid, table in tables.items():
+                req = by_id[rid]
+                assert len(table) == len(self.tables[rid]), (rid, g)
+                nulls = sum(1 for b in table if b == NULL)
+                assert all(b == NULL for b in table[:nulls]), (rid, g, table)
+                if nulls:
+                    assert self.windows[g] is not None, (rid, g)
+                    assert nulls <= self._first_needed(g, req.num_computed_tokens), (rid, g, nulls)
+                for i in range(self._num_hashed[rid]):
+                    want = req.block_hashes[i]
+                    if table[i] != NULL and self.pool.blocks[table[i]].block_hash is not None:
+                        assert self.pool.blocks[table[i]].block_hash == group_key(want, g), (rid, g, i)
+                    if g:
+                        continue
+                    parent = req.block_hashes[i - 1] if i else salt_root(req.cache_salt)
+                    toks = req.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+                    assert want == hash_block(parent, self.hash_extra, toks), (rid, i)

@@ -52,7 +52,7 @@ def take(engine: LLMEngine) -> KVMap:
     """Copy what the map needs from the engine. Engine thread only; O(blocks held) at C speed."""
     kv = engine.kv
     return KVMap(time=time.time(), num_blocks=kv.pool.num_blocks, block_size=kv.block_size,
-                 tables={rid: t.copy() for rid, t in kv.tables.items()},
+                 tables=kv.held_tables(),
                  running=tuple(r.request_id for r in engine.scheduler.running),
                  cached=list(kv.pool.cached.values()))
 

@@ -1,6 +1,7 @@
 """The KV cache's plan: its format and scales, how its memory splits, and the key of its contents.
 
-    KV memory  =  num_blocks x block_bytes          (paged blocks, scales included)
+    KV memory  =  num_blocks x block_bytes          (paged blocks, scales included; a block holds
+                                                     the layers of one KV group's page)
                +  residual_rows x residual_bytes    (KIVI formats: one full-precision key block per
                                                      running sequence, at most a quarter of the memory)
     cache key  =  model | layers | dtype | weights fingerprint | format | scales
@@ -20,6 +21,7 @@ import os
 import torch
 
 from kvserve.config import CacheConfig, EngineConfig
+from kvserve.engine.kv_groups import KVGroups, plan_groups
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kv_format import FP8_MAX, INT8_MAX, KVFormat
 from kvserve.models import loader
@@ -31,11 +33,12 @@ log = logging.getLogger(__name__)
 class KVPlan:
     fmt: KVFormat
     scales: torch.Tensor | None  # calibrated fp8/int8 scales [layers, 2, kv_heads], or None
-    num_layers: int
+    num_layers: int  # layers one block holds (a KV group's page)
     num_blocks: int
     swap_blocks: int  # CPU swap space for preempted requests, in blocks
     residual_rows: int  # KIVI: rows of the key residual (running sequences + 1); else 0
     max_num_seqs: int  # the scheduler's limit, lowered where the residual does not fit more
+    groups: KVGroups | None = None  # None: one group of every layer
 
     @property
     def block_bytes(self) -> int:
@@ -87,6 +90,24 @@ def make_format(cache: CacheConfig, arch, dtype: torch.dtype, device: torch.devi
     return fmt
 
 
+def groups_for(config: EngineConfig, arch, fmt: KVFormat) -> KVGroups:
+    """The model's KV groups under ``window_kv``. Freeing out-of-window blocks leaves holes in
+    the block tables, which the KIVI key residual, a draft model reading the target's tables,
+    CPU swap and the tiers (their chunks hold every layer of a block) do not follow: KIVI and
+    speculative decoding keep one group, swap and the tiers are refused with ``window_kv=free``."""
+    cache = config.cache
+    free = cache.window_kv == "free" and not fmt.kivi and config.speculative is None
+    groups = plan_groups(arch.layer_windows, arch.num_layers, free)
+    if groups.windowed:
+        if cache.preemption_mode == "swap":
+            raise ConfigError("preemption_mode", "'swap' is not supported with window_kv 'free' on a model "
+                              "with sliding-window layers; use 'recompute' or window_kv 'keep'")
+        if cache.tiers_enabled:
+            raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url", "the KV tiers are not supported with "
+                              "window_kv 'free' on a model with sliding-window layers; use window_kv 'keep'")
+    return groups
+
+
 def plan(fmt: KVFormat, scales: torch.Tensor | None, num_layers: int, kv_bytes: int, cache: CacheConfig,
          max_num_seqs: int, residual_share: float = 0.25) -> KVPlan:
     """Split ``kv_bytes`` between the blocks and, for KIVI formats, the key residual (one row per
@@ -111,10 +132,12 @@ def plan(fmt: KVFormat, scales: torch.Tensor | None, num_layers: int, kv_bytes: 
 
 
 def cache_key(src: loader.ModelSource, dtype: torch.dtype, seed: int, fmt: KVFormat,
-              scales: torch.Tensor | None) -> bytes:
+              scales: torch.Tensor | None, groups: KVGroups | None = None) -> bytes:
     """The prefix cache's and the tiers' key extra (see the module docstring)."""
+    # A block of a group's page holds other layers than a block of every layer.
+    groups_tag = "" if groups is None or groups.num_groups == 1 else f"|groups={groups.num_groups}x{groups.page_layers}"
     sid = ("dynamic" if scales is None
            else hashlib.blake2b(scales.float().cpu().numpy().tobytes(), digest_size=8).hexdigest())
     return (f"{src.name}|{src.arch.num_layers}|{dtype}|{loader.fingerprint(src, seed)}"
-            f"|kv={fmt.name}/{fmt.group}/{fmt.block_size}/{fmt.layout + '/' if fmt.layout else ''}"
+            f"{groups_tag}|kv={fmt.name}/{fmt.group}/{fmt.block_size}/{fmt.layout + '/' if fmt.layout else ''}"
             f"{sid}").encode()

@@ -59,15 +59,18 @@ class LLMEngine:
         self.runner = ModelRunner(config, src, self.max_model_len)
         self.config = config = self.runner.config  # with the device's defaults resolved
         rt = self.runner
-        self.kv_plan = plan = kv_plan.plan(rt.kv_format, rt.kv_scales, src.arch.num_layers, rt.determine_kv_memory(),
-                                           config.cache, config.scheduler.max_num_seqs)
+        groups = kv_plan.groups_for(config, src.arch, rt.kv_format)
+        plan = kv_plan.plan(rt.kv_format, rt.kv_scales, groups.page_layers, rt.determine_kv_memory(),
+                            config.cache, config.scheduler.max_num_seqs)
+        self.kv_plan = plan = dataclasses.replace(plan, groups=groups)
         if plan.max_num_seqs != config.scheduler.max_num_seqs:
             config = dataclasses.replace(config, scheduler=dataclasses.replace(
                 config.scheduler, max_num_seqs=plan.max_num_seqs))
             self.config = rt.config = config
         rt.allocate_kv_cache(plan)
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales))
+                                 kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
+                                 groups.windows)
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.tiers = self._connector(self.store) if self.store is not None else None
         self.runner.tiers = self.tiers

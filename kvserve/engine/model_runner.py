@@ -72,6 +72,7 @@ class ModelRunner:
         self.backend = get_backend(name, config.kernel)
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
+        self.kv_groups = None  # kv_groups.KVGroups of the cache, set with it
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
@@ -131,10 +132,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
         self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
-                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales)
+                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales,
+                                groups=plan.groups)
+        self.kv_groups = plan.groups
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_sdpa()
-            if not self.config.enforce_eager:
+            # The captured graphs hold one block table per sequence: several groups run eagerly.
+            if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
                 self.capture_graphs()
 
     def _warm_sdpa(self) -> None:
@@ -182,6 +186,8 @@ class ModelRunner:
         tables = np.zeros((B, width), dtype=np.int32)
         for i, (_, _, t) in enumerate(seqs):
             tables[i, :len(t)] = t
+        # NULL entries (blocks freed out of a window) are never read: any valid id will do.
+        np.maximum(tables, 0, out=tables)
         query_start = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(qlens, out=query_start[1:])
         row = np.repeat(np.arange(B), qlens)
@@ -275,10 +281,14 @@ class ModelRunner:
             src = torch.tensor(pending_src).to(self.device, non_blocking=True)
             patch = (torch.tensor(pending_rows).to(self.device, non_blocking=True), tokens[src])
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
+        group_seqs = None
+        if self.kv_groups is not None and self.kv_groups.num_groups > 1:
+            group_seqs = [[(c, n, s.group_tables[g]) for (c, n, _), s in zip(seqs, sched)]
+                          for g in range(1, self.kv_groups.num_groups)]
         if self.gpu_timer is not None:
             self.gpu_timer.start()
         res_slots = kv.residual_rows([s.request.request_id for s in sched]) if self.kv_format.kivi else None
-        hidden, query_start = self._forward(ids, seqs, res_slots, patch)
+        hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs=group_seqs)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -415,21 +425,24 @@ class ModelRunner:
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 rows: bool | None = None, model=None) -> tuple[torch.Tensor, list[int]]:
+                 rows: bool | None = None, model=None,
+                 group_seqs: list | None = None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
         else eagerly. A step of a few tokens per sequence (a verify step) runs as a decode step
         of one row per token (``decode_rows.py``) where ``KernelConfig.decode_rows`` says so;
         ``rows`` overrides that choice (True: as rows where the cache format allows it).
         ``patch``: (rows, ids) on the device replacing pending input tokens. ``model``: (model,
         KV layers, graphs or None) run instead of the target's, on its device and backend (the
-        draft model's steps). Returns hidden states [T, hidden], one per token in order either
-        way, and the sequences' query offsets."""
+        draft model's steps). ``group_seqs``: ``seqs`` with the tables of KV groups 1, 2, ...
+        (sliding-window models; always eager, never as rows). Returns hidden states [T, hidden],
+        one per token in order either way, and the sequences' query offsets."""
         net, kv_layers, g = model if model is not None else (self.model, self.kv_cache.layers, self.graphs)
         width = max(len(t) for _, _, t in seqs)
         mode = self.config.kernel.decode_rows
-        as_rows = (res_slots is None and (mode != "never" if rows is None else rows)
+        as_rows = (res_slots is None and not group_seqs and (mode != "never" if rows is None else rows)
                    and decode_rows.eligible(seqs))
-        if g is not None and (len(ids) == len(seqs) or as_rows) and g.fits(len(ids), width, as_rows):
+        if (g is not None and not group_seqs and (len(ids) == len(seqs) or as_rows)
+                and g.fits(len(ids), width, as_rows)):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
             row_lens, row_tables = seq_lens, tables
             if as_rows:
@@ -448,7 +461,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
-        with forward_context(ForwardContext(meta, kv_layers, self.backend)):
+        layer_attn = None
+        if group_seqs:
+            metas = [meta] + [self._build_metadata(gs)[0] for gs in group_seqs]
+            layer_attn = [metas[i] for i in self.kv_groups.layer_group]
+        with forward_context(ForwardContext(meta, kv_layers, self.backend, layer_attn)):
             hidden = net(input_ids, positions)
         if as_rows:
             return hidden, np.cumsum([0] + [n for _, n, _ in seqs]).tolist()

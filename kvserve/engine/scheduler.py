@@ -65,10 +65,16 @@ class Scheduler:
         return reqs
 
     def blocks_to_finish(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
-        """Blocks a request needs at its largest: its prompt plus n completions."""
+        """Blocks a request needs at its largest: its prompt plus n completions, in every KV
+        group; a sliding-window group holds at most its window and the largest step's tokens."""
         full_prompt_blocks = num_prompt_tokens // self.kv.block_size
         per_child = self.kv.blocks_for(num_prompt_tokens + max_tokens) - full_prompt_blocks
-        return self.kv.blocks_for(num_prompt_tokens) + n * per_child
+        full = self.kv.blocks_for(num_prompt_tokens) + n * per_child
+        step = self.config.max_num_batched_tokens  # a prompt over it runs whole only unchunked
+        if not self.config.enable_chunked_prefill:
+            step = max(step, num_prompt_tokens)
+        return sum(full if w is None else min(full, n * (self.kv.blocks_for(w - 1 + step) + 1))
+                   for w in self.kv.windows)
 
     @property
     def num_unfinished(self) -> int:
@@ -99,7 +105,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, self.kv.table(req), draft_token_ids=drafts))
+                scheduled.append(ScheduledRequest(req, n, self.kv.table(req), draft_token_ids=drafts,
+                                                  group_tables=self._group_tables(req)))
                 budget -= n
                 i += 1
                 continue
@@ -155,7 +162,7 @@ class Scheduler:
                     self.kv.record_prefix_lookup(req.num_prompt_tokens, len(computed) * self.kv.block_size)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, n, self.kv.table(req)))
+            scheduled.append(ScheduledRequest(req, n, self.kv.table(req), group_tables=self._group_tables(req)))
             budget -= n
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -166,6 +173,9 @@ class Scheduler:
             sealed, self.kv.pool.sealed = self.kv.pool.sealed, []
             out.writes = self.tiers.to_write(sealed)
         return out
+
+    def _group_tables(self, req: Request) -> list[list[int]] | None:
+        return self.kv.tables_of(req) if len(self.kv.windows) > 1 else None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

@@ -31,6 +31,9 @@ class ScheduledRequest:
     # Speculative decoding: the last ``len(draft_token_ids)`` of the step's tokens are drafts
     # after the known tokens, verified by the runner (``kvserve.engine.spec``).
     draft_token_ids: list[int] = field(default_factory=list)
+    # With several KV groups (``kv_groups.py``): the request's table in each (``block_table`` is
+    # group 0's); else None.
+    group_tables: list[list[int]] | None = None
 
     def __post_init__(self):
         r = self.request

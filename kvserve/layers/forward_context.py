@@ -60,6 +60,12 @@ class ForwardContext:
     # per layer (K, V): [blocks, bs, kvh, d]; a compressed cache: (KVViews, None)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor] | tuple[KVViews, None]]
     backend: Any  # the attention backend of this step (``layers.attention.get_backend``)
+    # KV groups (``engine/kv_groups.py``): layer i's metadata (its group's block tables and
+    # slots); None: ``attn`` for every layer.
+    layer_attn: list[AttentionMetadata] | None = None
+
+    def attn_of(self, layer_idx: int) -> AttentionMetadata | None:
+        return self.attn if self.layer_attn is None else self.layer_attn[layer_idx]
 
     @property
     def kernel(self) -> KernelConfig:

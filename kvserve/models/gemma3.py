@@ -15,23 +15,12 @@ Gemma's RMSNorm multiplies by ``1 + weight``: the 1 is added once at load (the s
 is ``1 + w``), so the shared ``RMSNorm`` and its fused CUDA kernel serve unchanged. The residual
 add after each post-norm is fused into the next pre-norm, as in the Llama blocks.
 
-KV memory and the window. A block of kvserve's pool holds its tokens' K/V for every layer, under
-one block table per request (``engine/block_pool.py``). Two designs were weighed:
-
-  separate tables per layer group (local, global), as vLLM's hybrid allocator: a local group's
-      blocks wholly before every future query's window go back to the pool as decoding
-      advances, so a long context costs about (1/6 + 5/6 * window / context) of the KV. It
-      needs a pool per group (or pages sized so both share one), a prefix-cache hit that counts
-      only where both groups still hold the prefix, and tiers, swap and preemption per group.
-  one table, windows only in the attention (what kvserve does): every layer keeps every block,
-      so KV per token is that of a model without windows (2 * layers * kv_heads * head_dim
-      values), and the windows save reads and arithmetic: a local layer reads only the key
-      tiles of its last ``window`` keys (both backends skip the rest).
-
-The second keeps the block pool, prefix cache (a local layer's K/V of a token is a function of
-the tokens before it, as a global layer's is, so blocks are shared by the same keys), tiers,
-swap and CUDA graphs unchanged and correct; the first is the step to take for contexts many
-windows long.
+KV memory and the window. Each layer reads its KV through its KV group's block table
+(``engine/kv_groups.py``; ``ForwardContext.attn_of``): with ``window_kv="free"`` (the default)
+the local layers' blocks wholly before every future query's window go back to the pool as
+decoding advances, so a long context holds about (1/6 + 5/6 * window / context) of the KV of the
+same model with every layer global; ``"keep"`` gives every layer one shared table. Either way a
+local layer reads only the key tiles of its last ``window`` keys (both backends skip the rest).
 """
 from __future__ import annotations
 
@@ -72,8 +61,8 @@ class Gemma3Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache, ctx.attn, self.scale,
-                                window=self.window)
+        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache, ctx.attn_of(self.layer_idx),
+                                self.scale, window=self.window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

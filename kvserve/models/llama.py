@@ -43,7 +43,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache, ctx.attn, self.scale)
+        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache,
+                                ctx.attn_of(self.layer_idx), self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -24,6 +24,27 @@ DUMMY_PRESETS: dict[str, dict] = {
                      "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
                      "max_position_embeddings": 8192, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2},
+    # Gemma 3: five sliding-window layers to one global (the default pattern).
+    "gemma-3-270m": {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 640,
+                     "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+                     "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6,
+                     "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                     "bos_token_id": 2, "eos_token_id": 1},
+    "gemma-3-27b": {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 262208, "hidden_size": 5376,
+                    "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+                    "num_key_value_heads": 16, "head_dim": 128, "sliding_window": 1024, "rms_norm_eps": 1e-6,
+                    "query_pre_attn_scalar": 168, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 131072,
+                    "final_logit_softcapping": None, "tie_word_embeddings": True,
+                    "bos_token_id": 2, "eos_token_id": 1},
+    # Gemma-3-270M's KV (layers, KV heads, head size, window) on a tiny body: the pool's accounting
+    # of long contexts on the CPU.
+    "gemma-3-270m-kv": {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+                        "intermediate_size": 64, "num_hidden_layers": 18, "num_attention_heads": 1,
+                        "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6,
+                        "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                        "max_position_embeddings": 32768, "tie_word_embeddings": True, "eos_token_id": 1},
     # A draft for "tiny" (same vocabulary, a quarter of its width): speculative decoding tests.
     "tiny-draft": {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 32,
                    "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
