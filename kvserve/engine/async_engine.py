@@ -195,15 +195,17 @@ class AsyncEngine:
         eng = self.engine
         while not self._stop.is_set():
             block = not eng.has_unfinished_requests()
+            if block:  # checked on every pass: commands (an /is_sleeping poll) keep the drain busy
+                self._sleep_if_idle()
             if not self._drain(block):
                 if block:  # idle: sessions may have gone quiet long enough to leave the GPU
                     try:
                         eng.offload_idle_sessions()
-                        self._sleep_if_idle()
                     except Exception:  # noqa: BLE001 - housekeeping must not kill the engine
-                        log.exception("idle-session offload or idle sleep failed")
+                        log.exception("idle-session offload failed")
                 continue
-            self._last_busy = self._clock()
+            if eng.has_unfinished_requests():  # commands alone (/is_sleeping polls) are not activity
+                self._last_busy = self._clock()
             try:
                 outputs = eng.step() if eng.has_unfinished_requests() else []
             except BaseException as e:  # noqa: BLE001 - any fault ends the engine; streams must hear
@@ -225,7 +227,11 @@ class AsyncEngine:
         if (self.idle_sleep is not None and not eng.is_sleeping() and not eng.has_unfinished_requests()
                 and self._clock() - self._last_busy >= self.idle_sleep):
             log.info("no requests for %.0f s: sleeping (level 1)", self.idle_sleep)
-            eng.sleep(1)
+            try:
+                eng.sleep(1)
+            except Exception:  # noqa: BLE001 - housekeeping must not kill the engine; retried next idle pass
+                log.exception("idle sleep failed")
+                self._last_busy = self._clock()
             self._take_snapshot()
 
     def _drain(self, block: bool) -> bool:

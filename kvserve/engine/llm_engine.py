@@ -181,7 +181,8 @@ class LLMEngine:
         if self.store is None:
             return 0
         moves = [(bid, h) for h, bid in list(self.kv.pool.cached.items())]
-        self.tiers.offload(self.runner.kv_cache.data, moves, wait=True)
+        if self.runner.kv_cache is not None:  # asleep: the prefix cache went to the tiers at sleep
+            self.tiers.offload(self.runner.kv_cache.data, moves, wait=True)
         self.store.flush()
         return len(moves)
 

@@ -127,13 +127,15 @@ def write(engine, out_dir: str) -> dict:
             size = 0
         shards[-1][name] = p.detach()
         size += n
-    files = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i:05d}.safetensors"
-        save_file({k: v.contiguous().cpu() for k, v in shard.items()}, os.path.join(tmp, fname),
-                  metadata={"format": "pt", "kvserve_snapshot": str(FORMAT_VERSION)})
-        files[fname] = {"sha256": _sha256(os.path.join(tmp, fname)),
-                        "bytes": os.path.getsize(os.path.join(tmp, fname))}
+    names = [f"model-{i:05d}.safetensors" for i in range(len(shards))]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+        digests = []
+        for fname, shard in zip(names, shards):
+            save_file({k: v.contiguous().cpu() for k, v in shard.items()}, os.path.join(tmp, fname),
+                      metadata={"format": "pt", "kvserve_snapshot": str(FORMAT_VERSION)})
+            digests.append(pool.submit(_sha256, os.path.join(tmp, fname)))  # beside the next shard's write
+        files = {f: {"sha256": d.result(), "bytes": os.path.getsize(os.path.join(tmp, f))}
+                 for f, d in zip(names, digests)}
     if engine.tokenizer is not None:
         engine.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
     manifest = {
