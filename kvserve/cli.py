@@ -195,6 +195,7 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     from kvserve.server.launcher import serve
+    args.model = args.model_path or args.model
     if args.idle_sleep is not None:  # refused before the model loads
         if not args.enable_sleep_mode:
             raise ConfigError("idle_sleep", "needs --enable-sleep-mode")
@@ -333,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file, Hugging Face directory, snapshot directory or dummy:<preset> (or --model)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvserve.cli import main
+import kvserve
+from kvserve.cli import build_parser, main
 from kvserve.errors import ModelLoadError
 from kvserve.llm import LLM
 from kvserve.models import snapshot
@@ -120,6 +121,8 @@ def test_cli_writes_a_snapshot_the_server_args_load(tmp_path, capsys):
     assert main(["snapshot", "dummy:tiny", "--out", out, "--kv-cache-memory", "16MiB"]) == 0
     assert "snapshot of dummy:tiny written" in capsys.readouterr().out
     assert snapshot.is_snapshot(out)
+    assert json.load(open(os.path.join(out, snapshot.MANIFEST)))["kvserve_version"] == kvserve.__version__
+    assert build_parser().parse_args(["serve", out]).model_path == out
     assert main(["snapshot", "dummy:tiny", "--out", out, "--kv-cache-memory", "16MiB"]) == 2  # not empty
     assert "not an empty directory" in capsys.readouterr().err
 

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -49,8 +50,11 @@ def kvserve_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("kvserve")
-    except PackageNotFoundError:
-        return "unknown"
+    except PackageNotFoundError:  # run from a source tree (PYTHONPATH): the version line of its root
+        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py")
+        with open(root) as f:
+            found = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
+        return found.group(1) if found else "unknown"
 
 
 def is_snapshot(path: str) -> bool:
