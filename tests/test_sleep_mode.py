@@ -35,6 +35,7 @@ def smol():
     return LLM(kv_cache_memory="64MiB", show_progress=False, enable_sleep_mode=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", [1, 2])
 def test_default_model_same_output_and_pool_after_wake(smol, level):
     """Level 2 reloads from the GGUF file. The prefix cache held these prompts before the sleep:
