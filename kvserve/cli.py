@@ -1,6 +1,7 @@
 """Command line: ``kvserve generate`` (offline batch), ``kvserve chat`` (interactive, streamed) and
-``kvserve serve`` (the OpenAI-compatible server) and ``kvserve bench serve`` (a load generator
-for any OpenAI-compatible server)."""
+``kvserve serve`` (the OpenAI-compatible server), ``kvserve snapshot`` (the model in the engine's
+layout, for fast starts) and ``kvserve bench serve`` (a load generator for any OpenAI-compatible
+server)."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="allow sleep/wake_up: an idle engine gives its GPU memory back (server: POST /sleep)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
@@ -121,7 +124,8 @@ def _make_llm(args):
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
                max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
-               kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt)
+               kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
+               enable_sleep_mode=args.enable_sleep_mode)
 
 
 def _params(args, n: int = 1):
@@ -194,6 +198,12 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     from kvserve.server.launcher import serve
+    args.model = args.model_path or args.model
+    if args.idle_sleep is not None:  # refused before the model loads
+        if not args.enable_sleep_mode:
+            raise ConfigError("idle_sleep", "needs --enable-sleep-mode")
+        if not 0 < args.idle_sleep < 1e9:
+            raise ConfigError("idle_sleep", f"must be a number of seconds in (0, 1e9), got {args.idle_sleep}")
     return serve(args, lambda a: _make_llm(a).engine)
 
 
@@ -279,6 +289,22 @@ def _bench_args(sub) -> None:
     c.set_defaults(func=cmd_bench_compare)
 
 
+def cmd_snapshot(args) -> int:
+    import time
+
+    from kvserve.models import snapshot
+    args.model = args.model_path or args.model
+    t0 = time.perf_counter()
+    llm = _make_llm(args)
+    manifest = snapshot.write(llm.engine, args.out)
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"snapshot of {llm.engine.model_name} written to {args.out}: {len(manifest['files'])} files, "
+          f"{size / 2**30:.2f} GiB of {manifest['dtype']} weights for {manifest['device']['kind']}"
+          f"{' ' + manifest['device']['arch'] if 'arch' in manifest['device'] else ''}, KV cache dtype "
+          f"{manifest['kv_cache_dtype']}, in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_calibrate_kv(args) -> int:
     from kvserve.calibrate import calibrate
     if args.num_tokens < 16:
@@ -311,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file, Hugging Face directory, snapshot directory or dummy:<preset> (or --model)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
@@ -337,8 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-db", default=":memory:", metavar="PATH",
                    help="SQLite file of stored responses (/v1/responses) and agent memory; kept across restarts "
                    "(default :memory:, lost when the server stops)")
+    s.add_argument("--idle-sleep", type=float, default=None, metavar="SECONDS",
+                   help="with --enable-sleep-mode: sleep (level 1) after this many seconds without requests; "
+                   "the next request wakes the engine")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
+    n = sub.add_parser("snapshot", help="write a model in the engine's own layout (fused, in the dtype it runs) "
+                       "for fast starts: kvserve serve --model DIR")
+    n.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file, Hugging Face directory or dummy:<preset> (or --model)")
+    n.add_argument("--out", required=True, help="the snapshot directory to create (new or empty)")
+    _engine_args(n)
+    n.set_defaults(func=cmd_snapshot)
     k = sub.add_parser("calibrate-kv", help="calibrate fp8/int8 KV scales per layer and head on a text; "
                        "saved beside the model and loaded with it")
     k.add_argument("--text-file", default=None, help="calibration text (default: documentation shipped with Python)")

@@ -284,6 +284,8 @@ class EngineConfig:
     # as synchronous on an H200), off on the CPU, whose steps compute before they return.
     async_scheduling: bool | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding, off by default
+    # LLM.sleep / wake_up (engine/sleep_mode.py): the GPU memory of an idle engine is given back.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self):
         spec = self.speculative
@@ -301,6 +303,11 @@ class EngineConfig:
             if self.cache.tiers_enabled:
                 raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url",
                                   "the KV tiers are not supported with speculative decoding")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise ConfigError("enable_sleep_mode", f"must be True or False, got {self.enable_sleep_mode!r}")
+        if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":
+            raise ConfigError("enable_sleep_mode", "is not supported with a draft model (its weights would stay "
+                              "on the GPU); use speculative method ngram or no speculative decoding")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("attention_backend",
                               f"must be one of auto, torch, triton; got {self.attention_backend!r}")

@@ -20,3 +20,12 @@ class ConfigError(ValueError):
     def __init__(self, option: str, message: str):
         super().__init__(f"{option}: {message}")
         self.option = option
+
+
+class EngineBusyError(RuntimeError):
+    """An engine operation that needs no request in flight (sleep) was asked while some run."""
+
+
+class WakeUpError(RuntimeError):
+    """The engine could not wake from sleep (weights or KV pool not restored); it stays asleep
+    and a later wake_up may succeed."""

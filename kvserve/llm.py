@@ -31,7 +31,8 @@ class LLM:
                  kv_tier_secret: str | None = None, kv_tier_encrypt: bool = False,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
-                 chat_template: str | None = None, speculative_config: dict | SpeculativeConfig | None = None):
+                 chat_template: str | None = None, speculative_config: dict | SpeculativeConfig | None = None,
+                 enable_sleep_mode: bool = False):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -49,7 +50,7 @@ class LLM:
                                    cache=cache, scheduler=sched, show_progress=show_progress,
                                    attention_backend=attention_backend, enforce_eager=enforce_eager,
                                    cuda_graph_max_batch=cuda_graph_max_batch, async_scheduling=async_scheduling,
-                                   kernel=kernel or KernelConfig(),
+                                   kernel=kernel or KernelConfig(), enable_sleep_mode=enable_sleep_mode,
                                    speculative=(speculative_config
                                                 if isinstance(speculative_config, (SpeculativeConfig, type(None)))
                                                 else SpeculativeConfig.from_dict(speculative_config)))
@@ -78,6 +79,21 @@ class LLM:
         self._shut_down = True
         atexit.unregister(self._at_exit)
         self.engine.flush_kv_to_tiers()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the GPU memory back (needs ``enable_sleep_mode=True``): level 1 keeps the
+        weights in pinned host memory, level 2 drops them (waking reloads them from the model
+        or snapshot). The KV cache is discarded, after the KV tiers (if on) have taken it.
+        Refused while requests run; a no-op while asleep."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore ``tags`` of ["weights", "kv_cache"] (None: both); a no-op while awake.
+        ``generate`` wakes a sleeping engine by itself."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
 
     def __enter__(self) -> LLM:
         return self

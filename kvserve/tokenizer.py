@@ -36,6 +36,9 @@ def load_tokenizer(kind: str, path: str, tokenizer: str | None = None):
         return AutoTokenizer.from_pretrained(tokenizer)
     if kind == "gguf":
         return _from_gguf(path)
+    if kind == "snapshot":
+        path = os.path.join(path, "tokenizer")
+        return AutoTokenizer.from_pretrained(path) if os.path.isdir(path) else None
     if kind == "hf":
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if any(os.path.exists(os.path.join(path, n)) for n in names):

@@ -1,5 +1,5 @@
 """The same engine on CUDA (skipped without a GPU): parity with transformers on random small
-models in float32, and KV sizing by profiling free memory in bfloat16."""
+models in float32, KV sizing by profiling free memory in bfloat16, snapshots and sleep mode."""
 from __future__ import annotations
 
 import pytest
@@ -152,3 +152,31 @@ def test_verify_steps_replay_decode_graphs(model):
         assert llm.engine.kv.pool.num_used_blocks == 0
         del llm
     assert outs["graphs"] == outs["never"]
+
+
+def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path):
+    """A bf16 snapshot (pinned staging, async copies) gives the HF directory's tokens, with CUDA
+    graphs; sleep at both levels gives the memory of the weights, KV pool and graphs back to the
+    driver (mem_get_info, not the allocator's count) and the same tokens after the wake."""
+    from kvserve.models import snapshot
+    _, path = _random_model(tmp_path, "llama")
+    kw = dict(dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=8, show_progress=False)
+    prompts = [[5, 77, 300, 12, 9, 41], list(range(100, 140))]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    src = LLM(path, **kw)
+    ref = [o.outputs[0].token_ids for o in src.generate(prompts, sp, use_tqdm=False)]
+    snapshot.write(src.engine, str(tmp_path / "snap"))
+    del src
+    torch.cuda.empty_cache()
+    llm = LLM(str(tmp_path / "snap"), enable_sleep_mode=True, **kw)
+    assert llm.engine.runner.graphs is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
+    torch.cuda.synchronize()
+    used_awake = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    for level in (1, 2, 1, 2):
+        llm.sleep(level)
+        used_asleep = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+        assert used_awake - used_asleep >= 2**30  # at least the KV pool, whatever else shares the GPU
+        assert torch.cuda.memory_reserved() < 64 * 2**20
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref

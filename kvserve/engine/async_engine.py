@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.engine.stats import SpecDecodingStats
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -95,7 +95,18 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, idle_sleep: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """``idle_sleep``: seconds without requests after which the engine sleeps (level 1;
+        needs sleep mode); a request arriving while it sleeps wakes it (LLMEngine.add_request)."""
+        if idle_sleep is not None:
+            if not engine.config.enable_sleep_mode:
+                raise ConfigError("idle_sleep", "needs sleep mode on (--enable-sleep-mode)")
+            if isinstance(idle_sleep, bool) or not isinstance(idle_sleep, int | float) or not 0 < idle_sleep < 1e9:
+                raise ConfigError("idle_sleep", f"must be a number of seconds in (0, 1e9), got {idle_sleep!r}")
+        self.idle_sleep = idle_sleep
+        self._clock = clock
+        self._last_busy = clock()
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
@@ -184,6 +195,8 @@ class AsyncEngine:
         eng = self.engine
         while not self._stop.is_set():
             block = not eng.has_unfinished_requests()
+            if block:  # checked on every pass: commands (an /is_sleeping poll) keep the drain busy
+                self._sleep_if_idle()
             if not self._drain(block):
                 if block:  # idle: sessions may have gone quiet long enough to leave the GPU
                     try:
@@ -191,6 +204,8 @@ class AsyncEngine:
                     except Exception:  # noqa: BLE001 - housekeeping must not kill the engine
                         log.exception("idle-session offload failed")
                 continue
+            if eng.has_unfinished_requests():  # commands alone (/is_sleeping polls) are not activity
+                self._last_busy = self._clock()
             try:
                 outputs = eng.step() if eng.has_unfinished_requests() else []
             except BaseException as e:  # noqa: BLE001 - any fault ends the engine; streams must hear
@@ -206,6 +221,18 @@ class AsyncEngine:
         for rid in list(eng.scheduler.groups):
             eng.abort_request(rid)
         self._take_snapshot()
+
+    def _sleep_if_idle(self) -> None:
+        eng = self.engine
+        if (self.idle_sleep is not None and not eng.is_sleeping() and not eng.has_unfinished_requests()
+                and self._clock() - self._last_busy >= self.idle_sleep):
+            log.info("no requests for %.0f s: sleeping (level 1)", self.idle_sleep)
+            try:
+                eng.sleep(1)
+            except Exception:  # noqa: BLE001 - housekeeping must not kill the engine; retried next idle pass
+                log.exception("idle sleep failed")
+                self._last_busy = self._clock()
+            self._take_snapshot()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; block briefly for the first one when idle. False: nothing to do."""

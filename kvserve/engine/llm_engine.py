@@ -24,9 +24,10 @@ from kvserve.engine.pooling import POOLINGS, pool
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sessions import Sessions
+from kvserve.engine.sleep_mode import PARTS
 from kvserve.engine.stats import EngineStats, StepStats
 from kvserve.engine.step import EngineCoreOutputs, SchedulerOutput
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, EngineBusyError, InvalidRequestError, WakeUpError
 from kvserve.models import loader
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -43,10 +44,23 @@ def check_cache_salt(cache_salt) -> None:
         raise InvalidRequestError("cache_salt", f"must be a non-empty string, got {cache_salt!r}")
 
 
+def _snapshot_defaults(config: EngineConfig, manifest: dict) -> EngineConfig:
+    """A snapshot's KV-cache dtype is the default of the engines it starts (an explicit one wins)."""
+    kv = manifest.get("kv_cache_dtype", "auto")
+    cache = config.cache
+    if cache.kv_cache_dtype != "auto" or kv == "auto":
+        return config
+    from kvserve.kv_format import default_block_size
+    block = None if cache.block_size == default_block_size("auto") else cache.block_size
+    return dataclasses.replace(config, cache=dataclasses.replace(cache, kv_cache_dtype=kv, block_size=block))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         src = loader.resolve(config.model)
+        if src.kind == "snapshot":
+            config = _snapshot_defaults(config, src.handle)
         self.model_name = src.name
         self.arch = src.arch
         self.tokenizer = load_tokenizer(src.kind, src.path, config.tokenizer)
@@ -170,9 +184,65 @@ class LLMEngine:
         if self.store is None:
             return 0
         moves = [(bid, h) for h, bid in list(self.kv.pool.cached.items())]
-        self.tiers.offload(self.runner.kv_cache.data, moves, wait=True)
+        if self.runner.kv_cache is not None:  # asleep: the prefix cache went to the tiers at sleep
+            self.tiers.offload(self.runner.kv_cache.data, moves, wait=True)
         self.store.flush()
         return len(moves)
+
+    # -- sleep mode (engine/sleep_mode.py) ----------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back: level 1 keeps the weights in host memory, level 2 drops
+        them (waking reloads them from the model's source). The KV pool is discarded either
+        way, after the KV tiers (if on) have taken the prefix cache. Refused while requests
+        are in flight (they are not waited for: the caller decides when the engine is idle).
+        Asleep already: nothing changes, at whichever level it sleeps."""
+        mode = self._sleep_mode()
+        if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
+            raise InvalidRequestError("level", f"must be 1 or 2, got {level!r:.50}")
+        if mode.asleep:
+            return
+        if self.has_unfinished_requests():
+            raise EngineBusyError(f"cannot sleep with {self.scheduler.num_unfinished} requests in flight; "
+                                  "sleep once they have finished (or abort them)")
+        self.flush_kv_to_tiers()
+        self.kv.pool.reset_prefix_cache()  # the blocks' KV is about to be gone
+        mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> None:
+        """Bring back ``tags`` of ("weights", "kv_cache"), None: both. Awake already: nothing
+        happens. A failure raises WakeUpError and leaves that part asleep, to retry."""
+        mode = self._sleep_mode()
+        if tags is None:
+            tags = PARTS
+        if not isinstance(tags, (list, tuple)) or not tags or any(t not in PARTS for t in tags):
+            raise InvalidRequestError("tags", f"must be a non-empty list of {', '.join(PARTS)}, got {tags!r:.100}")
+        try:
+            mode.wake_up(tuple(tags))
+        except Exception as e:  # noqa: BLE001 - any cause: the engine stays asleep, a retry may work
+            log.exception("waking up failed")
+            raise WakeUpError(f"waking up failed ({type(e).__name__}: {e}); the engine sleeps on "
+                              f"({', '.join(sorted(mode.asleep))} asleep); retry wake_up") from e
+
+    def is_sleeping(self) -> bool:
+        mode = self.runner.sleep_mode
+        return mode is not None and bool(mode.asleep)
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level of the current sleep."""
+        mode = self.runner.sleep_mode
+        return 0 if mode is None else mode.level
+
+    def _sleep_mode(self):
+        if self.runner.sleep_mode is None:
+            raise ConfigError("enable_sleep_mode", "sleep mode is off; start the engine with "
+                              "LLM(..., enable_sleep_mode=True) or kvserve serve --enable-sleep-mode")
+        return self.runner.sleep_mode
+
+    def _wake_for_work(self) -> None:
+        """A request or embedding that arrives while the engine sleeps wakes it and is served."""
+        if self.is_sleeping():
+            self.wake_up()
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.arch.eos_token_ids)
@@ -221,6 +291,7 @@ class LLMEngine:
             raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise InvalidRequestError(field, f"has {len(ids)} tokens; at most max_model_len ({self.max_model_len}) fit")
+        self._wake_for_work()
         return pool(self.runner.hidden_states(ids), pooling).tolist(), len(ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -274,6 +345,7 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params)
+        self._wake_for_work()
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id

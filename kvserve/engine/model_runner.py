@@ -18,10 +18,11 @@ from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import PENDING_TOKEN
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sample_one_by_one, sampling_row
+from kvserve.engine.sleep_mode import SleepMode
 from kvserve.engine.spec import rejection
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
-from kvserve.models import loader
+from kvserve.models import loader, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,14 @@ class ModelRunner:
             config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda"
                                          and config.speculative is None)
         self.config = config
-        if config.dtype == "auto":
+        if src.kind == "snapshot":  # runs in the dtype it was written in, on the device it was written for
+            snapshot.check_compatible(src.handle, src.path, config.dtype, self.device)
+            self.dtype = DTYPES[src.handle["dtype"]]
+        elif config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = DTYPES[config.dtype]
+        self.src = src
         self.arch = src.arch
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -52,16 +57,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = loader.build_model(src.arch, max_positions=max_model_len)
-        if src.kind == "dummy":
-            loader.init_dummy_weights(self.model, config.seed)
-        else:
-            weights = loader.iter_weights(src)
-            if config.show_progress:
-                from tqdm import tqdm
-                weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",
-                               unit="tensor", leave=False)
-            with torch.no_grad():
-                self.model.load_weights(weights)
+        self.load_weights()
         self.model.eval()
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
@@ -80,6 +76,30 @@ class ModelRunner:
         self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
         # Draws of unseeded requests' draft verification (seeded ones use their own generators).
         self._spec_generator = torch.Generator().manual_seed(config.seed)
+        # The CUDA profiling run's result (see _profile_cuda_kv_memory); a snapshot keeps it.
+        self.kv_profile: dict | None = None
+        self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
+
+    def load_weights(self) -> None:
+        """Fill the model's parameters from the source (at start-up, and on waking from sleep
+        level 2)."""
+        src, config = self.src, self.config
+        if src.kind == "dummy":
+            loader.init_dummy_weights(self.model, config.seed)
+        elif src.kind == "snapshot":
+            snapshot.load_into(self.model, src.path, src.handle, self.device, config.show_progress)
+        else:
+            weights = loader.iter_weights(src)
+            if config.show_progress:
+                from tqdm import tqdm
+                weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",
+                               unit="tensor", leave=False)
+            with torch.no_grad():
+                self.model.load_weights(weights)
+
+    @property
+    def source_fingerprint(self) -> str:
+        return loader.fingerprint(self.src, self.config.seed)
 
     # -- KV cache ----------------------------------------------------------------------------
     def determine_kv_memory(self) -> int:
@@ -92,11 +112,31 @@ class ModelRunner:
 
     def _profile_cuda_kv_memory(self) -> int:
         """Free memory after a forward at the largest batch the scheduler can form, times the
-        utilisation fraction, minus what the profiling run showed is needed besides KV."""
+        utilisation fraction, minus what the profiling run showed is needed besides KV. A
+        snapshot written with the same step shape and backend keeps that run's peak, so the
+        forward is skipped and only today's free memory is read."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
         n_tokens = self.config.scheduler.max_num_batched_tokens
         n_seqs = min(self.config.scheduler.max_num_seqs, n_tokens)
+        key = {"max_num_batched_tokens": n_tokens, "max_num_seqs": n_seqs, "backend": self.backend_name,
+               "kv_cache_dtype": self.config.cache.kv_cache_dtype, "block_size": self.block_size}
+        stored = self.src.handle.get("profile") if self.src.kind == "snapshot" else None
+        if stored is not None and stored.get("key") == key:
+            peak = stored["peak_bytes"]
+        else:
+            peak = self._profile_peak(n_tokens, n_seqs)
+        self.kv_profile = {"key": key, "peak_bytes": peak}
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
+        if budget <= self.arch.num_layers * self.kv_format.block_bytes:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.2f} GiB, "
+                               f"total {total / 2**30:.2f} GiB); lower max_num_batched_tokens or set kv_cache_memory")
+        return int(budget)
+
+    def _profile_peak(self, n_tokens: int, n_seqs: int) -> int:
+        """Peak allocated bytes of a forward over ``n_tokens`` tokens in ``n_seqs`` sequences."""
+        torch.cuda.reset_peak_memory_stats(self.device)
         sizes = [n_tokens // n_seqs + (1 if i < n_tokens % n_seqs else 0) for i in range(n_seqs)]
         per = -(-(max(sizes) + 1) // self.block_size)
         tmp = KVCache(self.arch, n_seqs * per, self.block_size, self.dtype, self.device)
@@ -110,13 +150,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         del tmp
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
-        if budget <= self.arch.num_layers * self.kv_format.block_bytes:
-            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.2f} GiB, "
-                               f"total {total / 2**30:.2f} GiB); lower max_num_batched_tokens or set kv_cache_memory")
-        return int(budget)
+        return peak
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
@@ -131,15 +165,32 @@ class ModelRunner:
             return self.model(ids, positions)
 
     def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
+        self._kv_plan = plan
         self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
                                 plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales,
                                 groups=plan.groups)
         self.kv_groups = plan.groups
+        if self.sleep_mode is None or self.sleep_mode.weights_awake:
+            self.prepare_device()
+
+    def prepare_device(self) -> None:
+        """CUDA: cuDNN's first call and the decode graphs, once weights and KV pool are in place."""
+        plan = self._kv_plan
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_sdpa()
             # The captured graphs hold one block table per sequence: several groups run eagerly.
             if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
                 self.capture_graphs()
+
+    def release_kv_cache(self) -> None:
+        """Sleep: the KV pool and the graphs that read it go (their memory with them)."""
+        self.graphs = None
+        self.kv_cache = None
+        self._sampled = None
+
+    def restore_kv_cache(self) -> None:
+        """Wake: the pool of the same plan again, so the block manager's accounting holds."""
+        self.allocate_kv_cache(self._kv_plan)
 
     def _warm_sdpa(self) -> None:
         """The first SDPA call initialises cuDNN (measured 1.7 s on an H200): pay it at start-up,

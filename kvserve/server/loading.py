@@ -24,13 +24,18 @@ log = logging.getLogger(__name__)
 
 def start_loading(state: ServerState, make_engine: Callable[[], LLMEngine],
                   on_error: Callable[[BaseException], None] | None = None,
-                  on_dead: Callable[[BaseException], None] | None = None) -> threading.Thread:
+                  on_dead: Callable[[BaseException], None] | None = None,
+                  idle_sleep: float | None = None) -> threading.Thread:
     """Build the engine on a daemon thread; call from inside the running event loop. ``on_dead``
-    becomes the engine's ``AsyncEngine.on_dead``."""
+    becomes the engine's ``AsyncEngine.on_dead``; ``idle_sleep`` its ``idle_sleep``."""
     loop = asyncio.get_running_loop()
 
     def install(engine: LLMEngine) -> None:
-        ae = AsyncEngine(engine)
+        try:
+            ae = AsyncEngine(engine, idle_sleep=idle_sleep)
+        except Exception as e:  # noqa: BLE001 - a bad option fails the start like a bad model
+            fail(e)
+            return
         ae.on_dead = on_dead
         ae.start()
         state.set_engine(ae)

@@ -1,0 +1,118 @@
+"""Sleep mode: an idle engine gives its device memory back and takes it again on wake (vLLM's names).
+
+    level 1   weights -> one host copy (pinned on CUDA, kept across cycles so a second sleep
+              allocates nothing); KV pool, CUDA graphs and their memory pool freed
+    level 2   weights dropped; waking reloads them from the model's source (snapshot, HF
+              directory, GGUF file or the dummy seed)
+    wake_up   "weights" back into one device buffer (one host->device copy at full bandwidth),
+              then "kv_cache": the pool of the same plan, zeroed, and the graphs recaptured
+
+States (``asleep`` is the set of parts not on the device):
+    awake: {}  --sleep-->  {"weights", "kv_cache"}  --wake_up(tags)-->  parts in tags leave the set
+A failed wake leaves the part asleep, its memory freed again, so a later wake_up can retry.
+While a part sleeps its parameters are empty tensors: a forward by mistake fails loudly.
+
+On the CPU the "device" is host memory: level 1 moves the weights to a side copy and back, so
+the state machine, the copies and the reload path all run in the CPU tests.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+_ALIGN = 256  # bytes: each parameter's view in the flat buffers starts aligned for vector loads
+
+PARTS = ("weights", "kv_cache")
+
+
+class SleepMode:
+    def __init__(self, runner):
+        self.runner = runner
+        self.level = 0
+        self.asleep: set[str] = set()
+        self._host: torch.Tensor | None = None  # flat copy of every parameter (level 1)
+        self._layout: list[tuple[torch.nn.Parameter, int, int, torch.Size]] | None = None
+
+    def _params_layout(self) -> tuple[list, int]:
+        if self._layout is None:
+            layout, off = [], 0
+            for p in self.runner.model.parameters():  # a tied weight is listed once
+                n = p.numel() * p.element_size()
+                layout.append((p, off, n, p.shape))
+                off += -(-n // _ALIGN) * _ALIGN
+            self._layout = layout
+            self._total = off
+        return self._layout, self._total
+
+    def sleep(self, level: int) -> None:
+        rt = self.runner
+        layout, total = self._params_layout()
+        dev = rt.device
+        if level == 1:
+            if self._host is None:
+                self._host = torch.empty(total, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+            for p, off, n, _ in layout:
+                self._host[off:off + n].copy_(p.data.reshape(-1).view(torch.uint8), non_blocking=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        else:
+            self._host = None
+        self._drop_weights()
+        rt.release_kv_cache()
+        self.level = level
+        self.asleep = set(PARTS)
+        self._release()
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Bring back the parts in ``tags`` (weights before the KV pool, whatever the order)."""
+        rt = self.runner
+        if "weights" in tags and "weights" in self.asleep:
+            try:
+                self._wake_weights()
+            except BaseException:
+                self._drop_weights()
+                self._release()
+                raise
+            self.asleep.discard("weights")
+            if "kv_cache" not in self.asleep:
+                rt.prepare_device()  # the graphs were left for the weights
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            try:
+                rt.restore_kv_cache()
+            except BaseException:
+                rt.release_kv_cache()
+                self._release()
+                raise
+            self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self.level = 0
+
+    @property
+    def weights_awake(self) -> bool:
+        return "weights" not in self.asleep
+
+    def _wake_weights(self) -> None:
+        rt = self.runner
+        layout, total = self._params_layout()
+        flat = torch.empty(total, dtype=torch.uint8, device=rt.device)
+        for p, off, n, shape in layout:
+            p.data = flat[off:off + n].view(p.dtype).view(shape)
+        if self._host is not None:
+            flat.copy_(self._host, non_blocking=True)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+        else:
+            rt.load_weights()
+
+    def _drop_weights(self) -> None:
+        layout, _ = self._params_layout()
+        for p, _, _, _ in layout:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _release(self) -> None:
+        gc.collect()  # CUDA graphs and views found only through reference cycles
+        dev = self.runner.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()  # back to the driver, not only to the caching allocator

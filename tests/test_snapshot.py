@@ -1,0 +1,186 @@
+"""Snapshots: written from the default model and dummies, read back by safetensors and hashlib,
+loaded into engines that give the same greedy tokens and log-probs; every refusal."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kvserve
+from kvserve.cli import build_parser, main
+from kvserve.errors import ModelLoadError
+from kvserve.llm import LLM
+from kvserve.models import snapshot
+from kvserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+TINY_PROMPTS = [[7, 3, 99, 250, 11], [400, 2, 2, 5, 17, 300, 41]]
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def _outputs(llm: LLM, prompts) -> list[tuple[list[int], list]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _tiny(model: str = "dummy:tiny", **kw) -> LLM:
+    return LLM(model, kv_cache_memory="16MiB", show_progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_snapshot(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("snap") / "tiny")
+    llm = _tiny()
+    snapshot.write(llm.engine, out)
+    return out, _outputs(llm, TINY_PROMPTS), llm
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """The default model (GGUF, Q4_1 dequantized to float32), its snapshot and their outputs."""
+    out = str(tmp_path_factory.mktemp("snap") / "smol")
+    llm = LLM(kv_cache_memory="64MiB", show_progress=False)
+    prompts = [{"prompt_token_ids": llm.apply_chat_template(CHAT)}, "The quick brown fox"]
+    snapshot.write(llm.engine, out)
+    return out, prompts, llm
+
+
+@pytest.mark.slow
+def test_default_model_round_trip(smol, hf_model):
+    out, prompts, orig = smol
+    snap = LLM(out, kv_cache_memory="64MiB", show_progress=False)
+    assert _outputs(snap, prompts) == _outputs(orig, prompts)
+    tok, ref_tok = snap.get_tokenizer(), orig.get_tokenizer()
+    assert tok.chat_template == ref_tok.chat_template
+    assert snap.apply_chat_template(CHAT) == orig.apply_chat_template(CHAT)
+    assert tok.encode("Snapshots keep the tokenizer.") == ref_tok.encode("Snapshots keep the tokenizer.")
+    # The fused matrices are transformers' own q/k/v and gate/up rows, stacked.
+    files = json.load(open(os.path.join(out, snapshot.MANIFEST)))["files"]
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(os.path.join(out, f)))
+    hf = dict(hf_model.named_parameters())
+    for i in (0, 29):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(tensors[f"layers.{i}.self_attn.qkv_proj.weight"], qkv)
+        gate_up = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        assert torch.equal(tensors[f"layers.{i}.mlp.gate_up_proj.weight"], gate_up)
+
+
+def test_manifest_checksums_and_tensors(tiny_snapshot):
+    out, _, llm = tiny_snapshot
+    m = json.load(open(os.path.join(out, snapshot.MANIFEST)))
+    assert m["format_version"] == snapshot.FORMAT_VERSION and m["dtype"] == "float32"
+    assert m["device"] == {"kind": "cpu"} and m["checksum"] == "sha256"
+    params = dict(llm.engine.runner.model.named_parameters())
+    seen = {}
+    for fname, entry in m["files"].items():
+        path = os.path.join(out, fname)
+        with open(path, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == entry["sha256"]
+        assert os.path.getsize(path) == entry["bytes"]
+        seen.update(load_file(path))
+    assert seen.keys() == params.keys()
+    assert all(torch.equal(seen[k], params[k].detach()) for k in params)
+
+
+def test_dummy_round_trip(tiny_snapshot):
+    out, ref, _ = tiny_snapshot
+    assert _outputs(_tiny(out), TINY_PROMPTS) == ref
+
+
+def test_bfloat16_snapshot_runs_in_its_dtype(tmp_path):
+    out = str(tmp_path / "bf16")
+    src = _tiny(dtype="bfloat16")
+    snapshot.write(src.engine, out)
+    snap = _tiny(out)
+    assert snap.engine.runner.dtype == torch.bfloat16
+    assert _outputs(snap, TINY_PROMPTS) == _outputs(src, TINY_PROMPTS)
+    with pytest.raises(ModelLoadError, match="holds bfloat16 weights, dtype float32 was asked for"):
+        _tiny(out, dtype="float32")
+
+
+def test_kv_cache_dtype_is_the_snapshots_default(tmp_path):
+    out = str(tmp_path / "int8kv")
+    src = _tiny(kv_cache_dtype="int8")
+    snapshot.write(src.engine, out)
+    snap = _tiny(out)
+    assert snap.config.cache.kv_cache_dtype == "int8"
+    assert snap.config.cache.block_size == src.config.cache.block_size
+    assert _outputs(snap, TINY_PROMPTS) == _outputs(src, TINY_PROMPTS)
+    assert _tiny(out, kv_cache_dtype="fp8").config.cache.kv_cache_dtype == "fp8"  # an explicit one wins
+
+
+def test_cli_writes_a_snapshot_the_server_args_load(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    assert main(["snapshot", "dummy:tiny", "--out", out, "--kv-cache-memory", "16MiB"]) == 0
+    assert "snapshot of dummy:tiny written" in capsys.readouterr().out
+    assert snapshot.is_snapshot(out)
+    assert json.load(open(os.path.join(out, snapshot.MANIFEST)))["kvserve_version"] == kvserve.__version__
+    assert build_parser().parse_args(["serve", out]).model_path == out
+    assert main(["snapshot", "dummy:tiny", "--out", out, "--kv-cache-memory", "16MiB"]) == 2  # not empty
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def _copy(src: str, dst) -> str:
+    dst = str(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_manifest(path: str, **changes) -> None:
+    mpath = os.path.join(path, snapshot.MANIFEST)
+    m = json.load(open(mpath))
+    for k, v in changes.items():
+        if isinstance(v, dict) and isinstance(m.get(k), dict):
+            m[k].update(v)
+        else:
+            m[k] = v
+    json.dump(m, open(mpath, "w"))
+
+
+def _shard(path: str) -> str:
+    return os.path.join(path, "model-00000.safetensors")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: _edit_manifest(p, format_version=2), "snapshot format version 2"),
+    (lambda p: _edit_manifest(p, format_version=None), "snapshot format version None"),
+    (lambda p: open(os.path.join(p, snapshot.MANIFEST), "w").write("{not json"), "not a readable snapshot manifest"),
+    (lambda p: _edit_manifest(p, device={"kind": "cuda", "arch": "sm_90", "name": "NVIDIA H200"}),
+     "written for cuda sm_90 .NVIDIA H200.; this device is cpu"),
+    (lambda p: _edit_manifest(p, arch={"hidden_size": 96}), "does not match the model its manifest describes"),
+    (lambda p: _edit_manifest(p, arch={"num_layers": 3}), "lacks"),
+    (lambda p: _edit_manifest(p, arch={"family": "falcon", "bogus": 1}), "model description is invalid"),
+    (lambda p: os.remove(_shard(p)), "missing; the snapshot is incomplete"),
+    (lambda p: os.truncate(_shard(p), os.path.getsize(_shard(p)) - 100), "the manifest says"),
+])
+def test_refused_snapshots(tiny_snapshot, tmp_path, damage, message):
+    path = _copy(tiny_snapshot[0], tmp_path / "s")
+    damage(path)
+    with pytest.raises(ModelLoadError, match=message):
+        _tiny(path)
+
+
+def test_changed_bytes_fail_the_checksum(tiny_snapshot, tmp_path):
+    path = _copy(tiny_snapshot[0], tmp_path / "s")
+    size = os.path.getsize(_shard(path))
+    with open(_shard(path), "r+b") as f:  # one byte of a weight, past the header: same size, valid file
+        f.seek(size - 5)
+        b = f.read(1)
+        f.seek(size - 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(ModelLoadError, match="sha256 does not match the manifest"):
+        _tiny(path)
+
+
+def test_write_refuses_a_non_empty_directory(tiny_snapshot, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ModelLoadError, match="not an empty directory"):
+        snapshot.write(tiny_snapshot[2].engine, str(tmp_path))
+    assert (tmp_path / "keep.txt").read_text() == "mine"
