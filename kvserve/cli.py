@@ -199,12 +199,12 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     if args.replicas is not None or args.max_replicas is not None or args.ray_address is not None:
         from kvserve.cluster.launch import serve_replicas
-        return serve_replicas(args, _make_engine)
+        return serve_replicas(args, make_engine)
     from kvserve.server.launcher import serve
-    return serve(args, _make_engine)
+    return serve(args, make_engine)
 
 
-def _make_engine(args):
+def make_engine(args):
     return _make_llm(args).engine
 
 
