@@ -99,6 +99,9 @@ class Ingress:
                 return JSONResponse(error_body(500, "The replica sent no response."), status_code=500)
             except errors as e:
                 log.warning("a replica failed before answering (attempt %d): %r", attempt + 1, e)
+            except BaseException:  # the client left (Ray cancels this call): the replica aborts too
+                gen.cancel()
+                raise
         else:
             return JSONResponse(error_body(503, "No replica could answer; retry shortly.", code="replica_failed"),
                                 status_code=503, headers={"Retry-After": "1"})
@@ -109,13 +112,21 @@ class Ingress:
         return resp
 
     async def _body(self, gen, sse: bool):
+        """The rest of the replica's response; a client that leaves cancels the replica's call,
+        whose app then sees the disconnect and aborts the engine request (its KV is freed)."""
+        done = False
         try:
             async for chunk in gen:
                 yield chunk
+            done = True
         except _ray_errors() as e:
+            done = True
             if not sse:
                 raise  # a plain body cut short: the connection closes, the client sees it incomplete
             log.warning("a replica failed mid-stream: %r", e)
             yield sse_error(APIError(503, "The replica serving this request stopped; retry the request.",
                                      code="replica_failed")).encode()
             yield _DONE
+        finally:
+            if not done:
+                gen.cancel()

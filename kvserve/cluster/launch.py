@@ -16,6 +16,7 @@ import signal
 import threading
 
 from kvserve.config import parse_size
+from kvserve.errors import ConfigError
 from kvserve.kv_format import default_block_size
 
 APP_NAME = "kvserve"
@@ -24,6 +25,26 @@ ROUTERS = {  # --router: how requests pick a replica
     "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "round-robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
 }
+
+
+def _scaling(args) -> dict:
+    """A fixed --replicas, or Ray Serve's autoscaler between --min- and --max-replicas (starting at
+    --replicas if given, else at the minimum)."""
+    if args.max_replicas is None:
+        return {"num_replicas": args.replicas or 1}
+    if not 0 <= args.min_replicas <= args.max_replicas:
+        raise ConfigError("min_replicas", f"must be in [0, --max-replicas = {args.max_replicas}], "
+                          f"got {args.min_replicas}")
+    if args.replicas is not None and not args.min_replicas <= args.replicas <= args.max_replicas:
+        raise ConfigError("replicas", f"with autoscaling, must be in [{args.min_replicas}, {args.max_replicas}], "
+                          f"got {args.replicas}")
+    if not args.target_ongoing_requests > 0:
+        raise ConfigError("target_ongoing_requests", f"must be > 0, got {args.target_ongoing_requests}")
+    auto = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests}
+    if args.replicas is not None:
+        auto["initial_replicas"] = args.replicas
+    return {"autoscaling_config": auto}
 
 
 def application(args, make_engine, router: str = "cache-aware"):
@@ -36,10 +57,8 @@ def application(args, make_engine, router: str = "cache-aware"):
     from kvserve.models import loader
     from kvserve.server.launcher import app_kwargs
 
-    block_size = args.block_size or default_block_size(args.kv_cache_dtype)
-    scaling = ({"autoscaling_config": {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-                                       "target_ongoing_requests": args.target_ongoing_requests}}
-               if args.max_replicas is not None else {"num_replicas": args.replicas or 1})
+    block_size = args.block_size or default_block_size(args.kv_cache_dtype)  # the router's, as the engine's
+    scaling = _scaling(args)
     replicas = serve.deployment(EngineReplica).options(
         name="EngineReplica",
         ray_actor_options={"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica},
@@ -61,6 +80,7 @@ def serve_replicas(args, make_engine) -> int:
     import ray
     from ray import serve
 
+    _scaling(args)  # bad options fail before Ray starts
     local = args.ray_address is None
     if local:  # a small footprint: no dashboard, a small object store (requests and tokens only)
         store = parse_size(args.ray_object_store_memory, "ray_object_store_memory")
