@@ -354,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-replicas", type=_positive_int, default=None, help="autoscale up to this many replicas")
     r.add_argument("--target-ongoing-requests", type=float, default=16.0,
                    help="autoscaling: ongoing requests per replica to aim for")
+    r.add_argument("--scale-down-delay", type=float, default=600.0,
+                   help="autoscaling: seconds of low load before replicas are removed")
     r.add_argument("--router", default="cache-aware", choices=["cache-aware", "power-of-two", "round-robin"],
                    help="cache-aware: the replica holding the longest prefix, weighed against its load; the "
                    "others are Ray Serve's routers")

@@ -40,8 +40,10 @@ def _scaling(args) -> dict:
                           f"got {args.replicas}")
     if not args.target_ongoing_requests > 0:
         raise ConfigError("target_ongoing_requests", f"must be > 0, got {args.target_ongoing_requests}")
+    if not 0 <= args.scale_down_delay < float("inf"):
+        raise ConfigError("scale_down_delay", f"must be a number of seconds >= 0, got {args.scale_down_delay}")
     auto = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-            "target_ongoing_requests": args.target_ongoing_requests}
+            "target_ongoing_requests": args.target_ongoing_requests, "downscale_delay_s": args.scale_down_delay}
     if args.replicas is not None:
         auto["initial_replicas"] = args.replicas
     return {"autoscaling_config": auto}

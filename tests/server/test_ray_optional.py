@@ -26,6 +26,8 @@ def test_single_process_server_does_not_import_ray():
     (["--replicas", "5", "--max-replicas", "2"], "replicas"),
     (["--max-replicas", "2", "--target-ongoing-requests", "nan"], "target_ongoing_requests"),
     (["--max-replicas", "2", "--target-ongoing-requests", "0"], "target_ongoing_requests"),
+    (["--max-replicas", "2", "--scale-down-delay", "-1"], "scale_down_delay"),
+    (["--max-replicas", "2", "--scale-down-delay", "inf"], "scale_down_delay"),
 ])
 def test_autoscaling_options_are_checked_before_ray_starts(argv, field):
     args = build_parser().parse_args(["serve", *argv])
@@ -36,5 +38,5 @@ def test_autoscaling_options_are_checked_before_ray_starts(argv, field):
 def test_autoscaling_options():
     auto = _scaling(build_parser().parse_args(["serve", "--max-replicas", "4", "--replicas", "2"]))
     assert auto == {"autoscaling_config": {"min_replicas": 0, "max_replicas": 4, "target_ongoing_requests": 16.0,
-                                           "initial_replicas": 2}}
+                                           "downscale_delay_s": 600.0, "initial_replicas": 2}}
     assert _scaling(build_parser().parse_args(["serve", "--replicas", "3"])) == {"num_replicas": 3}

@@ -7,15 +7,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 
-import httpx
 import openai
 import pytest
-from server_proc import REPO, free_port
+from ray_proc import ray_server, replica_pids
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install kvserve[ray])")
 
@@ -26,33 +22,9 @@ REPLICA_HEADER = "x-kvserve-replica"
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # a pipe could fill and block Ray
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--replicas", "2", "--cpus-per-replica",
-                             "0.5", "--port", str(port), "--served-model-name", MODEL, "--api-key", KEY,
-                             "--kv-cache-memory", "64MiB", "--max-model-len", "2048"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            assert proc.poll() is None, f"the server exited {proc.returncode}:\n{open(log.name).read()}"
-            assert time.monotonic() < deadline, f"not ready in time:\n{open(log.name).read()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with ray_server("--replicas", "2", "--cpus-per-replica", "0.5", "--served-model-name", MODEL, "--api-key", KEY,
+                    "--kv-cache-memory", "64MiB", "--max-model-len", "2048") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the application is deleted and the local Ray stopped
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        os.unlink(log.name)
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +103,9 @@ def test_a_replica_killed_mid_stream(cluster, client):
         next(streams[-1][2])  # the role chunk: streaming has begun
     assert streams[0][0] != streams[1][0]
     before = {r for r, _, _ in streams}
-    pids = subprocess.run(["pgrep", "-f", "ray::ServeReplica:kvserve:EngineReplica"], capture_output=True,
-                          text=True).stdout.split()
+    pids = replica_pids()
     assert len(pids) == 2, pids
-    os.kill(int(pids[0]), signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
     outcomes = []
     for _, s, it in streams:
         try:
