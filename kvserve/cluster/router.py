@@ -4,8 +4,7 @@ Ray calls ``choose_replicas`` with the request's arguments; the ingress passes `
 
     {"hashes": [block hash, ...],  # chained, of the prompt's full blocks (prefix_index.block_hashes)
      "num_tokens": int,            # the prompt's length
-     "session": str | None,        # the caller's session (keyed by its API key), sticky
-     "avoid": [replica id, ...]}   # replicas that just failed this request
+     "session": str | None}        # the caller's session (keyed by its API key), sticky
 
 and tries the ranks it returns in order (Ray skips a replica whose queue is full and tries the
 next). ``on_request_routed`` records where it went, ``on_request_completed`` ends its count;
@@ -28,15 +27,13 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         route = (pending_request.kwargs.get("route") if pending_request is not None else None) or {}
-        avoid = set(route.get("avoid", ()))
-        cands = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
         loads = {}
-        for r in cands:
+        for r in candidate_replicas:
             stats = r.routing_stats or {}
             if "kv_blocks" in stats:
                 self.index.set_capacity(r.replica_id, int(stats["kv_blocks"]))
             loads[r.replica_id] = Load(self.in_flight.get(r.replica_id, 0), float(stats.get("kv_free", 1.0)))
-        by_id = {r.replica_id: r for r in cands}
+        by_id = {r.replica_id: r for r in candidate_replicas}
         ranked = self.index.choose(list(by_id), route.get("hashes", ()), route.get("num_tokens", 0), loads,
                                    route.get("session"))
         if pending_request is not None:
