@@ -102,6 +102,13 @@ def _json_object(value: str) -> dict:
     return v
 
 
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _served_name(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError(f"a model name must be non-empty, got {value!r}")
@@ -197,14 +204,21 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kvserve.server.launcher import serve
     args.model = args.model_path or args.model
     if args.idle_sleep is not None:  # refused before the model loads
         if not args.enable_sleep_mode:
             raise ConfigError("idle_sleep", "needs --enable-sleep-mode")
         if not 0 < args.idle_sleep < 1e9:
             raise ConfigError("idle_sleep", f"must be a number of seconds in (0, 1e9), got {args.idle_sleep}")
-    return serve(args, lambda a: _make_llm(a).engine)
+    if args.replicas is not None or args.max_replicas is not None or args.ray_address is not None:
+        from kvserve.cluster.launch import serve_replicas
+        return serve_replicas(args, make_engine)
+    from kvserve.server.launcher import serve
+    return serve(args, make_engine)
+
+
+def make_engine(args):
+    return _make_llm(args).engine
 
 
 def cmd_bench_serve(args) -> int:
@@ -368,6 +382,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--idle-sleep", type=float, default=None, metavar="SECONDS",
                    help="with --enable-sleep-mode: sleep (level 1) after this many seconds without requests; "
                    "the next request wakes the engine")
+    r = s.add_argument_group("replicas on Ray Serve (pip install kvserve[ray]; without these: one process, no Ray)")
+    r.add_argument("--replicas", type=_positive_int, default=None, help="engine replicas behind one front end")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto, ray://head:10001); "
+                   "default: start a local Ray instance and stop it on exit")
+    r.add_argument("--min-replicas", type=int, default=0, help="with --max-replicas: autoscale down to this "
+                   "many (0: to zero; a request then waits for a replica to start)")
+    r.add_argument("--max-replicas", type=_positive_int, default=None, help="autoscale up to this many replicas")
+    r.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                   help="autoscaling: ongoing requests per replica to aim for")
+    r.add_argument("--scale-down-delay", type=float, default=600.0,
+                   help="autoscaling: seconds of low load before replicas are removed")
+    r.add_argument("--router", default="cache-aware", choices=["cache-aware", "power-of-two", "round-robin"],
+                   help="cache-aware: the replica holding the longest prefix, weighed against its load; the "
+                   "others are Ray Serve's routers")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves "
+                   "(fractions allowed)")
+    r.add_argument("--gpus-per-replica", type=float, default=0.0, help="Ray GPUs each replica reserves")
+    r.add_argument("--ray-object-store-memory", default="128MiB", help="a local Ray instance's object store")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
     n = sub.add_parser("snapshot", help="write a model in the engine's own layout (fused, in the dtype it runs) "

@@ -44,13 +44,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def app_kwargs(args) -> dict:
+    """build_app's options from `kvserve serve`'s arguments (also each replica's, cluster/replica.py)."""
+    keys = args.api_key if args.api_key is not None else [envs.get(envs.KVSERVE_API_KEY)]
+    raw = str(args.max_request_bytes)
+    max_bytes = int(raw) if raw.isdigit() else parse_size(raw, "max_request_bytes")  # bare number: bytes
+    return dict(served_model_name=args.served_model_name, api_key=[k for k in keys if k] or None,
+                max_request_bytes=max_bytes, max_waiting=args.max_waiting,
+                prefix_cache_isolation=args.prefix_cache_isolation, metrics_public=args.metrics_public,
+                tool_call_parser=args.tool_call_parser, embedding_pooling=args.embedding_pooling,
+                responses_db=args.responses_db, idle_sleep=args.idle_sleep)
+
+
 def serve(args, make_engine) -> int:
     from kvserve.server.app import build_app
 
-    keys = args.api_key if args.api_key is not None else [envs.get(envs.KVSERVE_API_KEY)]
-    api_key = [k for k in keys if k]
-    raw = str(args.max_request_bytes)
-    max_bytes = int(raw) if raw.isdigit() else parse_size(raw, "max_request_bytes")  # bare number: bytes
+    options = app_kwargs(args)
+    api_key = options["api_key"]
     failed: list[BaseException] = []
     dead: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -72,12 +82,7 @@ def serve(args, make_engine) -> int:
         dead.append(e)
         server.should_exit = True
 
-    app = build_app(load, args.served_model_name, api_key=api_key or None, max_request_bytes=max_bytes,
-                    max_waiting=args.max_waiting, on_load_error=on_load_error,
-                    prefix_cache_isolation=args.prefix_cache_isolation, metrics_public=args.metrics_public,
-                    on_engine_dead=on_engine_dead, tool_call_parser=args.tool_call_parser,
-                    embedding_pooling=args.embedding_pooling, responses_db=args.responses_db,
-                    idle_sleep=args.idle_sleep)
+    app = build_app(load, on_load_error=on_load_error, on_engine_dead=on_engine_dead, **options)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + _UVICORN_GRACE_S, lifespan="on")
     try:

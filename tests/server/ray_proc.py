@@ -1,0 +1,56 @@
+"""`kvserve serve` with replicas on a local Ray instance, in a subprocess, for the Ray tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+from server_proc import REPO, free_port
+
+REPLICA_PROCESS = "ray::ServeReplica:kvserve:EngineReplica"  # Ray's title for a replica's process
+
+
+def replica_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@contextlib.contextmanager
+def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
+    """Yields the base URL once the application is up (and, with ``wait_healthy``, once /health
+    is 200: a probe goes to a replica, so at zero replicas it would start one). On exit: SIGTERM,
+    which deletes the application and stops the local Ray instance."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # a pipe could fill and block Ray
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), *args],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert proc.poll() is None, f"the server exited {proc.returncode}:\n{open(log.name).read()}"
+            assert time.monotonic() < deadline, f"not ready in time:\n{open(log.name).read()}"
+            if not wait_healthy:
+                if "kvserve: listening" in open(log.name).read():
+                    break
+            else:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        os.unlink(log.name)
