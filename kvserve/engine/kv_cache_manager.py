@@ -110,6 +110,13 @@ class KVCacheManager:
                        reserve_blocks: int = 0) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (after ``computed`` cached
         blocks, for a request being admitted). False, changing nothing, if the pool is short."""
+        table = self.tables.get(req.request_id)
+        if table and not computed and not reserve_blocks:
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(table) * self.block_size and not self._needs_cow(req, table):
+                # Most decode steps: the tokens fit in the blocks it holds, none of them shared.
+                self._cache_full_blocks(req, total)
+                return True
         if not self.can_allocate(req, num_new_tokens, computed, reserve_blocks):
             return False
         table = self.tables.setdefault(req.request_id, [])
@@ -178,22 +185,25 @@ class KVCacheManager:
     def kv_waste(self, requests: list[Request]) -> tuple[int, int]:
         """(slots allocated to requests, slots of those holding a token or one being written)."""
         bs = self.block_size
-        filled: dict[int, int] = {}
+        full: set[int] = set()  # blocks some table fills
         tails = []
         for req in requests:  # called every step: full blocks go in at C speed, tails after
             table = self.tables.get(req.request_id)
             if not table:
                 continue
             n = min(req.num_tokens, len(table) * bs)
-            full = n // bs
-            filled.update(dict.fromkeys(table[:full], bs))
-            if full < len(table):
-                tails.append((table[full], n - full * bs))
-                tails.extend((bid, 0) for bid in table[full + 1:])
+            n_full = n // bs
+            if n_full == len(table):
+                full.update(table)
+                continue
+            full.update(table[:n_full])
+            tails.append((table[n_full], n - n_full * bs))
+            tails.extend((bid, 0) for bid in table[n_full + 1:])
+        partial: dict[int, int] = {}
         for bid, f in tails:  # a block shared with another table may be fuller there
-            if f > filled.get(bid, -1):
-                filled[bid] = f
-        return len(filled) * bs, sum(filled.values())
+            if bid not in full and f > partial.get(bid, -1):
+                partial[bid] = f
+        return (len(full) + len(partial)) * bs, len(full) * bs + sum(partial.values())
 
     def check_invariants(self, live: list[Request]) -> None:
         """Reference counts equal the number of tables holding each block; hashes match tokens."""
