@@ -55,3 +55,11 @@ def test_a_fork_samples_with_its_own_tokens_and_generator():
     assert sampling_row(r, 0) is parent_row and parent_row.generator is r.generators[0]
     a, b = (torch.empty(4).exponential_(generator=row.generator) for row in (parent_row, child_row))
     assert not torch.equal(a, b)
+
+
+def test_a_replaced_generator_is_read_again():
+    r = _request(seed=2)
+    first = sampling_row(r, 0)
+    r.generators = [torch.Generator().manual_seed(4)]
+    row = sampling_row(r, 0)
+    assert row is not first and row.generator is r.generators[0]

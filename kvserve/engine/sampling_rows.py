@@ -20,8 +20,8 @@ def sampling_row(r: Request, draw: int, drafted: list[int] = ()) -> SamplingRow:
     """``drafted``: draft tokens before the position sampled (verification), counted as output.
 
     A request's own row (draw 0, no drafts, nothing banned) is the same object from step to
-    step: it reads the parameters, the request's first generator and its token lists (which
-    grow in place), none of which change. It is made once and kept on the request."""
+    step: it reads the parameters and the request's token lists (which grow in place), and its
+    first generator, which is checked. It is made once and kept on the request."""
     p = r.params
     banned = ()
     # Under a grammar, the grammar decides where the output ends: banning its stop token
@@ -29,9 +29,10 @@ def sampling_row(r: Request, draw: int, drafted: list[int] = ()) -> SamplingRow:
     if r.num_output_tokens + len(drafted) < p.min_tokens and r.grammar is None:
         banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
     elif draw == 0 and not drafted:
-        if r.own_row is None:
-            r.own_row = _row(r, 0, (), ())
-        return r.own_row
+        row, gens = r.own_row, r.generators
+        if row is None or row.generator is not (None if gens is None else gens[0]):
+            row = r.own_row = _row(r, 0, (), ())
+        return row
     return _row(r, draw, drafted, banned)
 
 
