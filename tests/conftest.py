@@ -30,8 +30,8 @@ if not torch.cuda.is_available():
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "kernels", "e2e")
-UNIT_FILES = {"test_block_pool.py", "test_sampler.py", "test_scheduler_properties.py", "test_stop_strings.py",
-              "kvtier/test_chunk.py", "kvtier/test_tier_lru_properties.py"}
+UNIT_FILES = {"test_block_pool.py", "test_sampler.py", "test_sampling_rows.py", "test_scheduler_properties.py",
+              "test_stop_strings.py", "kvtier/test_chunk.py", "kvtier/test_tier_lru_properties.py"}
 GPU_FILES = {"test_cuda.py"}
 # "file::test" (relative to tests/): every parameter set of that test; "file::test[id]": that one;
 # "file::": the whole file.

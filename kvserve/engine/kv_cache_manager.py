@@ -197,6 +197,13 @@ class KVCacheManager:
         blocks, for a request being admitted). False, changing nothing but freeing blocks out of
         the windows, if the pool is short."""
         self.free_out_of_window(req)
+        table = self.tables.get(req.request_id)
+        if table and not computed and not reserve_blocks and len(self.group_tables) == 1:
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(table) * self.block_size and not self._needs_cow(req, table):
+                # Most decode steps: the tokens fit in the blocks it holds, none of them shared.
+                self._cache_full_blocks(req, total)
+                return True
         if not self.can_allocate(req, num_new_tokens, computed, reserve_blocks):
             return False
         hits = self._hits_of(req, computed)
@@ -290,7 +297,7 @@ class KVCacheManager:
     def kv_waste(self, requests: list[Request]) -> tuple[int, int]:
         """(slots allocated to requests, slots of those holding a token or one being written)."""
         bs = self.block_size
-        filled: dict[int, int] = {}
+        full: set[int] = set()  # blocks some table fills
         tails = []
         for tables in self.group_tables:
             for req in requests:  # called every step: full blocks go in at C speed, tails after
@@ -298,16 +305,19 @@ class KVCacheManager:
                 if not table:
                     continue
                 n = min(req.num_tokens, len(table) * bs)
-                full = n // bs
-                filled.update(dict.fromkeys(table[:full], bs))
-                if full < len(table):
-                    tails.append((table[full], n - full * bs))
-                    tails.extend((bid, 0) for bid in table[full + 1:])
-        filled.pop(NULL, None)
+                n_full = n // bs
+                if n_full == len(table):
+                    full.update(table)
+                    continue
+                full.update(table[:n_full])
+                tails.append((table[n_full], n - n_full * bs))
+                tails.extend((bid, 0) for bid in table[n_full + 1:])
+        full.discard(NULL)  # a local group's freed entries (a prefix before its window)
+        partial: dict[int, int] = {}
         for bid, f in tails:  # a block shared with another table may be fuller there
-            if f > filled.get(bid, -1):
-                filled[bid] = f
-        return len(filled) * bs, sum(filled.values())
+            if bid not in full and f > partial.get(bid, -1):
+                partial[bid] = f
+        return (len(full) + len(partial)) * bs, len(full) * bs + sum(partial.values())
 
     def check_invariants(self, live: list[Request]) -> None:
         """Reference counts equal the number of tables holding each block; hashes match tokens;

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -99,6 +100,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         log.info("KV cache: %s", plan.describe())
+        # What start-up left alive (modules, weights, tokenizer tables: most of the heap) stays
+        # for the process's life: out of the collector's reach, a full collection during a run
+        # walks only what requests allocate, not the whole heap. Frozen objects are still freed
+        # by reference counting.
+        gc.collect()
+        gc.freeze()
 
     def _speculator(self, spec, src):
         from kvserve.engine.spec.speculator import Speculator

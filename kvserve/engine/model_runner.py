@@ -312,11 +312,17 @@ class ModelRunner:
         sched = out.scheduled
         ids: list[int] = []
         pending_rows, pending_src = [], []  # async scheduling: input tokens sampled by the step in flight
-        for s in sched:
+        prompt_lp: list[int] = []  # requests whose prompt log-probs this step computes
+        for i, s in enumerate(sched):
             r = s.request
-            n_known = s.num_new_tokens - len(s.draft_token_ids)
-            ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n_known])
-            ids.extend(s.draft_token_ids)
+            c = r.num_computed_tokens
+            if r.wants_prompt_logprobs and c < r.num_prompt_tokens:
+                prompt_lp.append(i)
+            if s.num_new_tokens == 1 and not s.draft_token_ids:
+                ids.append(r.all_token_ids[c])  # a decode step's one token, without a slice
+            else:
+                ids.extend(r.all_token_ids[c:c + s.num_new_tokens - len(s.draft_token_ids)])
+                ids.extend(s.draft_token_ids)
             if ids and ids[-1] == PENDING_TOKEN:
                 pending_rows.append(len(ids) - 1)
                 pending_src.append(r.request_id)
@@ -348,27 +354,34 @@ class ModelRunner:
         seeded: list[tuple[torch.Generator, torch.Tensor]] = []  # states before this step's draws
         grammar_rows, grammars = [], []  # rows under a grammar and their matchers
         verifying: list[int] = []  # requests with drafts: all their k + 1 positions are verified
+        forks = False
         for i, s in enumerate(sched):
-            if s.samples and s.draft_token_ids:
+            if not s.samples:
+                continue
+            r = s.request
+            if s.draft_token_ids:
                 verifying.append(i)
-            elif s.samples:
-                r = s.request
+            else:
                 n_draws = r.pending_forks + 1
+                forks = forks or n_draws > 1
                 try:
                     mine = [sampling_row(r, j) for j in range(n_draws)]
-                    seeded.extend((w.generator, w.generator.get_state()) for w in mine if w.generator is not None)
+                    if r.generators is not None:
+                        seeded.extend((w.generator, w.generator.get_state()) for w in mine if w.generator is not None)
                 except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
                     if is_device_fault(e):
                         raise
                     failed[i] = e
                     mine = [PLACEHOLDER_ROW] * n_draws
+                last = query_start[i + 1] - 1
                 for row in mine:
                     if r.grammar is not None:  # forks draw their first token from the parent's state
                         grammar_rows.append(len(rows))
                         grammars.append(r.grammar)
-                    sample_rows.append(query_start[i + 1] - 1)
+                    sample_rows.append(last)
                     rows.append(row)
                     sample_of.append(i)
+        one_each = not forks and len(sample_of) == len(sched)  # sample_of is 0, 1, 2, ...
         pending = None
         if sample_rows:
             if len(sample_rows) == hidden.shape[0] and sample_rows == list(range(len(sample_rows))):
@@ -403,14 +416,20 @@ class ModelRunner:
 
         @torch.inference_mode()
         def finish() -> ModelRunnerOutput:
-            res = ModelRunnerOutput.empty(len(sched))
-            res.failed = failed
-            if pending is not None:
+            n = len(sched)
+            if pending is not None and one_each and not failed:  # a decode step: one token each
                 so = self.sampler.finish(pending)
-                for k, i in enumerate(sample_of):
-                    if i not in failed:
-                        res.sampled_token_ids[i].append(so.token_ids[k])
-                        res.logprobs[i].append(so.logprobs[k])
+                res = ModelRunnerOutput([[t] for t in so.token_ids], [[lp] for lp in so.logprobs],
+                                        [[] for _ in range(n)])
+            else:
+                res = ModelRunnerOutput.empty(n)
+                if pending is not None:
+                    so = self.sampler.finish(pending)
+                    for k, i in enumerate(sample_of):
+                        if i not in failed:
+                            res.sampled_token_ids[i].append(so.token_ids[k])
+                            res.logprobs[i].append(so.logprobs[k])
+            res.failed = failed
             for i, logits in zip(verifying, verify_logits):
                 try:
                     res.sampled_token_ids[i], res.logprobs[i] = self._verify(sched[i], logits)
@@ -418,11 +437,11 @@ class ModelRunner:
                     if is_device_fault(e):
                         raise
                     failed[i] = e
-            for i, s in enumerate(sched):
-                r = s.request
-                if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens and i not in failed:
+            for i in prompt_lp:
+                if i not in failed:
+                    s = sched[i]
                     try:
-                        res.prompt_logprobs[i] = prompt_logprobs(self._logits, r, s, hidden, query_start[i])
+                        res.prompt_logprobs[i] = prompt_logprobs(self._logits, s.request, s, hidden, query_start[i])
                     except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
                         if is_device_fault(e):
                             raise

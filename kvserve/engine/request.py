@@ -30,11 +30,16 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+# Read once per request per step: a plain int, since looking an enum member up costs far more
+# than comparing with it.
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
 
 
 def _child_seed(seed: int, index: int) -> int:
@@ -90,6 +95,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_acceptance = 0.5
         self.spec_draft_probs = None  # a sampling draft model's q for those drafts, [k, vocab]
+        self.own_row = None  # its sampling row once nothing is banned (sampling_rows.sampling_row)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
 
@@ -104,7 +110,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED
 
     @property
     def length_reached(self) -> bool:
@@ -152,6 +158,7 @@ class Request:
         child.pending_forks = 0
         child.generators = None if self.generators is None else [self.generators[index]]
         child.grammar = None if self.grammar is None else self.grammar.fork()
+        child.own_row = None  # the parent's reads the parent's lists and generator
         child.metrics = RequestMetrics(**vars(self.metrics))
         return child
 

@@ -17,13 +17,27 @@ PLACEHOLDER_ROW = SamplingRow(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, g
 
 
 def sampling_row(r: Request, draw: int, drafted: list[int] = ()) -> SamplingRow:
-    """``drafted``: draft tokens before the position sampled (verification), counted as output."""
+    """``drafted``: draft tokens before the position sampled (verification), counted as output.
+
+    A request's own row (draw 0, no drafts, nothing banned) is the same object from step to
+    step: it reads the parameters and the request's token lists (which grow in place), and its
+    first generator, which is checked. It is made once and kept on the request."""
     p = r.params
     banned = ()
     # Under a grammar, the grammar decides where the output ends: banning its stop token
     # could leave a row with nothing allowed.
     if r.num_output_tokens + len(drafted) < p.min_tokens and r.grammar is None:
         banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else r.eos_token_ids)
+    elif draw == 0 and not drafted:
+        row, gens = r.own_row, r.generators
+        if row is None or row.generator is not (None if gens is None else gens[0]):
+            row = r.own_row = _row(r, 0, (), ())
+        return row
+    return _row(r, draw, drafted, banned)
+
+
+def _row(r: Request, draw: int, drafted: list[int], banned: tuple[int, ...]) -> SamplingRow:
+    p = r.params
     penal = p.needs_penalties
     return SamplingRow(
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,

@@ -91,10 +91,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n_known = req.num_tokens - req.num_computed_tokens
-            drafts, req.spec_token_ids = req.spec_token_ids, []
-            n = min(n_known + len(drafts), budget)
-            drafts = drafts[:max(0, n - n_known)]  # a budget cut drops drafts first
-            if n <= 0 or (req.token_pending and req.length_reached):
+            drafts = req.spec_token_ids  # (replaced, never changed in place: it may go as is)
+            if drafts:
+                req.spec_token_ids = []
+                n = min(n_known + len(drafts), budget)
+                drafts = drafts[:max(0, n - n_known)]  # a budget cut drops drafts first
+            else:
+                n = min(n_known, budget)
+            if n <= 0 or (req.length_reached and req.token_pending):
                 # Nothing to compute; or (async scheduling) the token in flight is its last.
                 i += 1
                 continue
@@ -199,6 +203,7 @@ class Scheduler:
         appended as placeholders when the next step was launched ahead (``lookahead``)."""
         core = EngineCoreOutputs()
         now = time.time()
+        running = RequestStatus.RUNNING  # looked up once: an enum member lookup is slow
         for s, toks, lps, plps in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
                                       result.prompt_logprobs):
             req = s.request
@@ -239,7 +244,7 @@ class Scheduler:
                 m.num_generation_tokens += 1
                 core.outputs.append(EngineCoreOutput(
                     req.request_id, req.group_id, req.index, toks, lps, plps, start,
-                    status if status is not None else RequestStatus.RUNNING, req.stop_reason, m,
+                    status if status is not None else running, req.stop_reason, m,
                     len(req.output_token_ids)))
                 continue
             if req.pending_forks:
@@ -268,7 +273,7 @@ class Scheduler:
                 core.outputs.append(EngineCoreOutput(
                     r.request_id, r.group_id, r.index, ts[:n] if n < len(ts) else ts,
                     ls[:n] if n < len(ls) else ls, plps if r is req else [], start,
-                    status if status is not None else RequestStatus.RUNNING, r.stop_reason, r.metrics,
+                    status if status is not None else running, r.stop_reason, r.metrics,
                     r.num_output_tokens))
         return core
 

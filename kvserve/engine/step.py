@@ -22,7 +22,7 @@ RawLogprob = tuple[float, int, list[tuple[int, float]]]
 RawPromptLogprob = tuple[int, float, int, list[tuple[int, float]]]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
