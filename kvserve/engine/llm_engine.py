@@ -330,10 +330,14 @@ class LLMEngine:
             # keeping it "in flight" would keep has_unfinished_requests() true for a call.
             self._inflight = nxt if nxt is not None and not nxt.out.is_empty else None
         try:
-            return self._complete(cur, only_finished, t_call)
+            outputs = self._complete(cur, only_finished, t_call)
+            # The step launched ahead may hold its grammar rows' sampling until this step's
+            # tokens reached their matchers (its mask is filled meanwhile): launch it now.
+            self.runner.launch_sampling()
         except BaseException:
             self._drop_inflight()  # it was built on this step's tokens
             raise
+        return outputs
 
     def _drop_inflight(self) -> None:
         """Discard the step launched ahead, as a failed step: wait for its work (its buffers),
@@ -399,6 +403,7 @@ class LLMEngine:
                     self._fail_request(req.group_id, e)
         core = (self.scheduler.update(out, result, cur.advanced) if result is not None
                 else EngineCoreOutputs())
+        self.runner.start_mask_fill()  # the matchers have this step's tokens: off the critical path
         if self.speculator is not None and result is not None:
             self.speculator.observe(out, result)
         for parent, child in core.forks:
