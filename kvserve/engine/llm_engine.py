@@ -330,14 +330,10 @@ class LLMEngine:
             # keeping it "in flight" would keep has_unfinished_requests() true for a call.
             self._inflight = nxt if nxt is not None and not nxt.out.is_empty else None
         try:
-            outputs = self._complete(cur, only_finished, t_call)
-            # The step launched ahead may hold its grammar rows' sampling until this step's
-            # tokens reached their matchers (its mask is filled meanwhile): launch it now.
-            self.runner.launch_sampling()
+            return self._complete(cur, only_finished, t_call)
         except BaseException:
             self._drop_inflight()  # it was built on this step's tokens
             raise
-        return outputs
 
     def _drop_inflight(self) -> None:
         """Discard the step launched ahead, as a failed step: wait for its work (its buffers),

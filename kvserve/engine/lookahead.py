@@ -16,14 +16,16 @@ Invariants:
 - A step that forks, samples with penalties (they read the tokens on the host), wants prompt
   log-probs (read from its hidden states) or moves KV to or from the tiers (their copies run
   beside the compute stream) is never looked past (``can_look_ahead``).
-- Grammar rows are looked past: the step launched ahead queues its forward and LM head, and
-  holds its sampling until this step's tokens have reached the matchers (``update``); its mask
-  is filled on the host while the device runs that forward, and applied before its sampling
-  (``ModelRunner.start_mask_fill``, ``ModelRunner.launch_sampling``). The sampling is launched
-  before any later step, whose inputs are its tokens.
+- Grammar rows are looked past: the step launched ahead queues its forward and LM head and
+  holds its sampling until this step's tokens have reached the matchers (``update``). Its mask
+  is then filled on a worker thread while the host folds this step in and schedules the next,
+  and the device runs that forward; the sampling, mask applied, is launched when the step after
+  it is (its inputs are these tokens) or when its own results are asked for
+  (``ModelRunner.start_mask_fill``, ``ModelRunner.launch_sampling``).
 
-    host:   launch N+1 fwd ─► wait N's ids ─► update N (matchers) ─► fill N+1's mask ─► sample N+1
-    device: [ N sample ][ N+1 forward + LM head ...................................][ N+1 sample ]
+    host:   launch N+1 ─► N's ids ─► update N ─► outputs N, advance, schedule N+2 ─► sample N+1, launch N+2
+    worker:                                  └─ fill N+1's mask ───────────────┘
+    device: [N sample][N+1 forward + LM head ............................][N+1 sample][N+2 forward ...
 """
 from __future__ import annotations
 

@@ -236,6 +236,10 @@ class ModelRunner:
         """Queue the step's GPU work and return a callable that waits for it and returns its
         ``ModelRunnerOutput``. Between the two the host is free (the engine does its
         bookkeeping there while the device computes)."""
+        # A step launched before this one and holding its sampling (grammar rows) samples now: this
+        # step's inputs are its tokens, read on the device. Held until here, its mask's fill ran
+        # beside the host's bookkeeping and this step's scheduling.
+        self.launch_sampling()
         kv = self.kv_cache
         if self.tiers is not None:
             # Before the step writes anything: evicted blocks leave first (a load or a new
@@ -274,7 +278,6 @@ class ModelRunner:
             src = torch.tensor(pending_src).to(self.device, non_blocking=True)
             patch = (torch.tensor(pending_rows).to(self.device, non_blocking=True), tokens[src])
         seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_table) for s in sched]
-        assert self._deferred is None, "the sampling of the step launched ahead must be launched first"
         grammar_rows, grammar_reqs, n_rows = self._grammar_rows(sched)
         mask_job = None
         if grammar_rows and not any(r.token_pending for r in grammar_reqs):
@@ -358,7 +361,7 @@ class ModelRunner:
             res = ModelRunnerOutput.empty(len(sched))
             res.failed = failed
             if self._deferred is not None and self._deferred.sample is sample:
-                self.launch_sampling()  # never released by the engine (a failed step): sample now
+                self.launch_sampling()  # no step was launched after it: it samples now
             if pending is not None:
                 so = self.sampler.finish(pending)
                 for k, i in enumerate(sample_of):
@@ -437,8 +440,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_sampling(self) -> None:
-        """Launch the sampling of the step launched ahead, its mask applied: called before the
-        next step is launched (that step's inputs are these tokens, read on the device)."""
+        """Launch the held sampling of the step launched ahead, its mask applied (waiting for
+        the fill). ``launch`` of the next step and the step's own result call it."""
         d, self._deferred = self._deferred, None
         if d is not None:
             d.sample(d.mask_job if d.mask_job is not None else d.fill())
