@@ -167,3 +167,44 @@ def test_filler_matches_xgrammar_row_by_row(tok_dir):
             assert torch.equal(mask[row], ref[0])
         assert not torch.equal(mask[0], mask[2]) and not torch.equal(mask[2], mask[6])
         a.accept(enc("c"))  # a moves: the next fill must see it
+
+
+def test_a_failed_step_leaves_the_matchers_with_the_kept_tokens(tok_dir):
+    """A step fails while the next is launched ahead holding its sampling: the failed step's
+    tokens never reach the matchers, the step ahead is dropped, and stepping on gives exactly
+    the tokens of an engine that never failed."""
+    params = [SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=so)
+              for so in (S(json=SCHEMA), S(regex=REGEX), S(grammar=GRAMMAR))]
+    prompts = ["fault a", "fault b", "fault c"]
+    ref = [o.outputs[0].token_ids for o in _tiny(tok_dir, async_scheduling=False).generate(prompts, params)]
+    llm = _tiny(tok_dir, async_scheduling=True)
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, sp)
+    done = {}
+
+    def step():
+        for o in eng.step():
+            if o.finished:
+                done[int(o.request_id)] = o.outputs[0]
+    for _ in range(6):
+        step()
+    real = eng.runner.launch
+
+    def boom(out):
+        real(out)
+
+        def fail():
+            raise RuntimeError("injected fault")
+        return fail
+    eng.runner.launch = boom
+    with pytest.raises(RuntimeError, match="injected fault"):
+        for _ in range(2):
+            step()
+    eng.runner.launch = real
+    while eng.has_unfinished_requests():
+        step()
+    assert [done[i].token_ids for i in range(3)] == ref
+    for kind, i in (("json", 0), ("regex", 1), ("grammar", 2)):
+        _check(kind, done[i].text)
+    _no_leak(llm)
