@@ -9,7 +9,8 @@ Three measurements in one run:
   constrained batch also spends steps with fewer rows, which lowers its tokens/s but not its
   step time;
 - the host time to fill one step's token bitmask for a batch's matchers (what the device's
-  forward has to hide);
+  forward has to hide), and the median time a constrained step's host path waited for its
+  mask (what was not hidden);
 - grammar compile time per schema, cold (a fresh compiler) and cached.
 
     python benchmarks/structured.py                                   # default model, CPU
@@ -96,6 +97,38 @@ def borrowed_tokenizer(model: str | None) -> str | None:
 
 
 _ids = iter(range(1 << 62))
+MASK_WAITS: list[float] = []  # seconds each step's host path waited for its token mask
+
+
+def record_mask_waits() -> None:
+    """Time what a step waits for its mask: the whole fill where it runs in line (builds before
+    ``BitmaskFiller.start``), else the wait for the fill running beside the forward."""
+    from kvserve.structured import grammar
+    filler = grammar.BitmaskFiller
+    if not hasattr(filler, "start"):
+        fill = filler.__call__
+
+        def timed_call(self, *args):
+            t0 = time.perf_counter()
+            mask = fill(self, *args)
+            MASK_WAITS.append(time.perf_counter() - t0)
+            return mask
+        filler.__call__ = timed_call
+        return
+    start = filler.start
+
+    def timed_start(self, *args):
+        job = start(self, *args)
+        result = job.result
+
+        def timed_result(*a):
+            t0 = time.perf_counter()
+            out = result(*a)
+            MASK_WAITS.append(time.perf_counter() - t0)
+            return out
+        job.result = timed_result
+        return job
+    filler.start = timed_start
 
 
 def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> dict:
@@ -110,6 +143,7 @@ def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> dic
     for i, rid in enumerate(rids):
         eng.add_request(rid, f"Record {i} as JSON:", params)
     outs, steps = {}, []
+    MASK_WAITS.clear()
     while eng.has_unfinished_requests():
         ts = time.perf_counter()
         for o in eng.step(only_finished=True):
@@ -124,8 +158,10 @@ def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> dic
             if o.outputs[0].finish_reason == "stop":
                 json.loads(o.outputs[0].text)
     steps.sort()
+    waits = sorted(MASK_WAITS)
     return {"tok_s": n / dt, "tokens": n, "seconds": dt, "full_steps": len(steps),
-            "step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan")}
+            "step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
+            "mask_wait_ms": waits[len(waits) // 2] * 1e3 if waits else 0.0}
 
 
 def fill_time(llm: LLM, batch: int, schema: dict, reps: int = 50) -> float:
@@ -184,6 +220,7 @@ def main() -> None:
     args = ap.parse_args()
 
     register_presets()
+    record_mask_waits()
     batches = sorted({int(b) for b in args.batches.split(",")})
     tok = args.tokenizer or borrowed_tokenizer(args.model)
     llm = LLM(args.model, tokenizer=tok, device=args.device, max_num_seqs=max(batches),
@@ -209,12 +246,14 @@ def main() -> None:
         c = max(constrained, key=lambda r: r["tok_s"])
         p_step = min(r["step_ms"] for r in plain)
         c_step = min(r["step_ms"] for r in constrained)
+        c_wait = min(r["mask_wait_ms"] for r in constrained)
         fill = fill_time(llm, batch, SCHEMAS["flat"])
         rows.append({"batch": batch, "plain_tok_s": p["tok_s"], "plain_tokens": p["tokens"],
                      "json_tok_s": c["tok_s"], "json_tokens": c["tokens"],
                      "json_over_plain": c["tok_s"] / p["tok_s"],
                      "plain_step_ms": p_step, "json_step_ms": c_step, "json_step_over_plain": c_step / p_step,
-                     "runs": {"plain": plain, "json": constrained}, "bitmask_fill_ms": fill * 1e3})
+                     "mask_wait_ms": c_wait, "runs": {"plain": plain, "json": constrained},
+                     "bitmask_fill_ms": fill * 1e3})
     result["throughput"] = rows
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "structured.json")
@@ -224,11 +263,11 @@ def main() -> None:
     print(f"\n{result['model']} on {result['device']}, schema {args.schema!r}, up to {args.max_tokens} tokens, "
           f"temperature 1, async scheduling {'on' if result['async_scheduling'] else 'off'}")
     print(f"{'batch':>6}{'plain tok/s':>13}{'JSON tok/s':>12}{'ratio':>7}{'plain step ms':>15}"
-          f"{'JSON step ms':>14}{'ratio':>7}{'mask fill ms':>14}")
+          f"{'JSON step ms':>14}{'ratio':>7}{'mask fill ms':>14}{'mask wait ms':>14}")
     for r in rows:
         print(f"{r['batch']:>6}{r['plain_tok_s']:>13.1f}{r['json_tok_s']:>12.1f}{r['json_over_plain']:>7.3f}"
               f"{r['plain_step_ms']:>15.2f}{r['json_step_ms']:>14.2f}{r['json_step_over_plain']:>7.3f}"
-              f"{r['bitmask_fill_ms']:>14.3f}")
+              f"{r['bitmask_fill_ms']:>14.3f}{r['mask_wait_ms']:>14.3f}")
     print(f"\ntokenizer info for the grammar compiler: {result['compile']['tokenizer_info_s'] * 1e3:.0f} ms")
     print(f"{'schema':<12}{'cold ms':>10}{'cached ms':>11}")
     for name in SCHEMAS:
