@@ -1,20 +1,27 @@
 """Structured outputs: what a JSON-schema grammar costs.
 
 Three measurements in one run:
-- output tokens/s of the same prompts with and without a JSON schema, at batch 1 and batch
-  ``--batch``, best of ``--repeats`` alternated runs (sampled at temperature 1; the
-  unconstrained requests ignore end-of-text and run to ``--max-tokens``, the constrained ones stop
-  where the grammar ends, so tokens/s is compared);
-- the host time to fill one step's token bitmask for ``--batch`` matchers (what the device's
-  forward has to hide);
+- the same prompts with and without a JSON schema at each batch of ``--batches``, best of
+  ``--repeats`` alternated runs, sampled at temperature 1: output tokens/s, and the median time
+  of a decode step with every row of the batch running (the grammar's own cost per step). The
+  default schema (``long_records``) cannot end within ``--max-tokens``, so constrained and free
+  requests run the same number of steps; with a schema that ends early (``records``) the
+  constrained batch also spends steps with fewer rows, which lowers its tokens/s but not its
+  step time;
+- the host time to fill one step's token bitmask for a batch's matchers (what the device's
+  forward has to hide), and the median time a constrained step's host path waited for its
+  mask (what was not hidden);
 - grammar compile time per schema, cold (a fresh compiler) and cached.
 
     python benchmarks/structured.py                                   # default model, CPU
-    python benchmarks/structured.py --model dummy:tiny --batch 16     # seconds, on a small tokenizer
+    python benchmarks/structured.py --model dummy:tiny --batches 1,16 # seconds, on a small tokenizer
+    python benchmarks/structured.py --model dummy:vocab-128k          # CPU: Llama 3's vocabulary, 2 thin layers
     PYTHONPATH=$PWD python benchmarks/structured.py --model dummy:llama-3-8b --out $OUT   # GPU
 
 Dummy models borrow a tokenizer: the default model's (49,152 tokens, padded to the model's
 vocabulary) where it is installed and fits, else the byte-level one the tests train.
+``dummy:vocab-128k`` is defined here, not in the engine: a model whose LM head and token mask
+dominate a CPU step the way they do a batch-64 step on a GPU.
 """
 from __future__ import annotations
 
@@ -50,11 +57,28 @@ SCHEMAS = {
         "type": "object", "properties": {"x": {"type": "integer", "minimum": -1000, "maximum": 1000},
                                          "label": {"enum": ["red", "green", "blue"]}},
         "required": ["x", "label"]}},
+    # Never ends within 128 tokens: every row runs the whole step count, as free rows do.
+    "long_records": {"type": "array", "minItems": 40, "items": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                         "label": {"enum": ["red", "green", "blue"]}},
+        "required": ["x", "label"]}},
     "recursive": {"$ref": "#/$defs/node", "$defs": {"node": {
         "type": "object", "properties": {"v": {"type": "integer"},
                                          "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
         "required": ["v"]}}},
 }
+
+
+# A CPU stand-in for a large model at batch 64: Llama 3's vocabulary on two thin layers.
+VOCAB_128K = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+              "max_position_embeddings": 4096, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def register_presets() -> None:
+    from kvserve.models.presets import DUMMY_PRESETS
+    DUMMY_PRESETS.setdefault("vocab-128k", VOCAB_128K)
 
 
 def borrowed_tokenizer(model: str | None) -> str | None:
@@ -72,21 +96,72 @@ def borrowed_tokenizer(model: str | None) -> str | None:
     return build(tempfile.mkdtemp(prefix="kvserve-bench-tok-"))
 
 
-def throughput(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> tuple[float, int, float]:
-    """(output tok/s, output tokens, seconds) for ``batch`` requests at once."""
+_ids = iter(range(1 << 62))
+MASK_WAITS: list[float] = []  # seconds each step's host path waited for its token mask
+
+
+def record_mask_waits() -> None:
+    """Time what a step waits for its mask: the whole fill where it runs in line (builds before
+    ``BitmaskFiller.start``), else the wait for the fill running beside the forward."""
+    from kvserve.structured import grammar
+    filler = grammar.BitmaskFiller
+    if not hasattr(filler, "start"):
+        fill = filler.__call__
+
+        def timed_call(self, *args):
+            t0 = time.perf_counter()
+            mask = fill(self, *args)
+            MASK_WAITS.append(time.perf_counter() - t0)
+            return mask
+        filler.__call__ = timed_call
+        return
+    start = filler.start
+
+    def timed_start(self, *args):
+        job = start(self, *args)
+        result = job.result
+
+        def timed_result(*a):
+            t0 = time.perf_counter()
+            out = result(*a)
+            MASK_WAITS.append(time.perf_counter() - t0)
+            return out
+        job.result = timed_result
+        return job
+    filler.start = timed_start
+
+
+def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> dict:
+    """``batch`` requests at once: output tok/s, and the median decode step with all of them
+    running (each step() call timed: with async scheduling a call is one step's period)."""
     so = StructuredOutputsParams(json=schema) if schema is not None else None
     # Unseeded: a seeded row draws its noise on its own, which would be timed too.
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=so is None, structured_outputs=so)
-    prompts = [f"Record {i} as JSON:" for i in range(batch)]
+    eng = llm.engine
+    rids = [f"bench-{next(_ids)}" for _ in range(batch)]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, rid in enumerate(rids):
+        eng.add_request(rid, f"Record {i} as JSON:", params)
+    outs, steps = {}, []
+    MASK_WAITS.clear()
+    while eng.has_unfinished_requests():
+        ts = time.perf_counter()
+        for o in eng.step(only_finished=True):
+            outs[o.request_id] = o
+        last = eng.stats.last
+        if last is not None and last.num_prompt_tokens == 0 and last.num_generated_tokens == batch:
+            steps.append(time.perf_counter() - ts)
     dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    n = sum(len(o.outputs[0].token_ids) for o in outs.values())
     if so is not None:
-        for o in outs:  # the grammar held: every finished output parses
+        for o in outs.values():  # the grammar held: every finished output parses
             if o.outputs[0].finish_reason == "stop":
                 json.loads(o.outputs[0].text)
-    return n / dt, n, dt
+    steps.sort()
+    waits = sorted(MASK_WAITS)
+    return {"tok_s": n / dt, "tokens": n, "seconds": dt, "full_steps": len(steps),
+            "step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
+            "mask_wait_ms": waits[len(waits) // 2] * 1e3 if waits else 0.0}
 
 
 def fill_time(llm: LLM, batch: int, schema: dict, reps: int = 50) -> float:
@@ -134,37 +209,51 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokenizer", default=None, help="default: the model's (dummy models borrow one)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--schema", default="records", choices=sorted(SCHEMAS))
+    ap.add_argument("--schema", default="long_records", choices=sorted(SCHEMAS))
+    ap.add_argument("--async-scheduling", default=None, type=lambda v: v == "on", choices=[True, False],
+                    metavar="{on,off}", help="default: the engine's (on with CUDA)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--out", default="benchmarks/results", help="folder for structured.json")
     args = ap.parse_args()
 
+    register_presets()
+    record_mask_waits()
+    batches = sorted({int(b) for b in args.batches.split(",")})
     tok = args.tokenizer or borrowed_tokenizer(args.model)
-    llm = LLM(args.model, tokenizer=tok, device=args.device, max_num_seqs=max(args.batch, 1),
-              kv_cache_memory=args.kv_cache_memory, show_progress=False)
+    llm = LLM(args.model, tokenizer=tok, device=args.device, max_num_seqs=max(batches),
+              kv_cache_memory=args.kv_cache_memory, async_scheduling=args.async_scheduling, show_progress=False)
     dev = llm.engine.runner.device
     schema = SCHEMAS[args.schema]
     result = {"date": time.strftime("%Y-%m-%d"), "model": args.model or "SmolLM2-135M-Instruct (default)",
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "async_scheduling": llm.engine.config.async_scheduling,
               "schema": args.schema, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "compile": compile_times(llm)}
-    throughput(llm, 2, 8, schema)  # warm-up: kernels, the grammar's cache entry
-    throughput(llm, 2, 8, None)
+    run_batch(llm, 2, 8, schema)  # warm-up: kernels, the grammar's cache entry
+    run_batch(llm, 2, 8, None)
     rows = []
-    for batch in sorted({1, args.batch}):
+    for batch in batches:
         # Alternated, best of --repeats each: a shared machine's noise hits both alike.
-        plain, constrained = (0.0,), (0.0,)
+        plain, constrained = [], []
         for _ in range(args.repeats):
-            plain = max(plain, throughput(llm, batch, args.max_tokens, None))
-            constrained = max(constrained, throughput(llm, batch, args.max_tokens, schema))
+            plain.append(run_batch(llm, batch, args.max_tokens, None))
+            constrained.append(run_batch(llm, batch, args.max_tokens, schema))
+        p = max(plain, key=lambda r: r["tok_s"])
+        c = max(constrained, key=lambda r: r["tok_s"])
+        p_step = min(r["step_ms"] for r in plain)
+        c_step = min(r["step_ms"] for r in constrained)
+        c_wait = min(r["mask_wait_ms"] for r in constrained)
         fill = fill_time(llm, batch, SCHEMAS["flat"])
-        rows.append({"batch": batch, "plain_tok_s": plain[0], "plain_tokens": plain[1],
-                     "json_tok_s": constrained[0], "json_tokens": constrained[1],
-                     "json_over_plain": constrained[0] / plain[0], "bitmask_fill_ms": fill * 1e3})
+        rows.append({"batch": batch, "plain_tok_s": p["tok_s"], "plain_tokens": p["tokens"],
+                     "json_tok_s": c["tok_s"], "json_tokens": c["tokens"],
+                     "json_over_plain": c["tok_s"] / p["tok_s"],
+                     "plain_step_ms": p_step, "json_step_ms": c_step, "json_step_over_plain": c_step / p_step,
+                     "mask_wait_ms": c_wait, "runs": {"plain": plain, "json": constrained},
+                     "bitmask_fill_ms": fill * 1e3})
     result["throughput"] = rows
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "structured.json")
@@ -172,11 +261,13 @@ def main() -> None:
         json.dump(result, f, indent=2)
 
     print(f"\n{result['model']} on {result['device']}, schema {args.schema!r}, up to {args.max_tokens} tokens, "
-          f"temperature 1")
-    print(f"{'batch':>6}{'plain tok/s':>14}{'JSON tok/s':>14}{'ratio':>8}{'mask fill ms':>14}")
+          f"temperature 1, async scheduling {'on' if result['async_scheduling'] else 'off'}")
+    print(f"{'batch':>6}{'plain tok/s':>13}{'JSON tok/s':>12}{'ratio':>7}{'plain step ms':>15}"
+          f"{'JSON step ms':>14}{'ratio':>7}{'mask fill ms':>14}{'mask wait ms':>14}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['plain_tok_s']:>14.1f}{r['json_tok_s']:>14.1f}{r['json_over_plain']:>8.2f}"
-              f"{r['bitmask_fill_ms']:>14.3f}")
+        print(f"{r['batch']:>6}{r['plain_tok_s']:>13.1f}{r['json_tok_s']:>12.1f}{r['json_over_plain']:>7.3f}"
+              f"{r['plain_step_ms']:>15.2f}{r['json_step_ms']:>14.2f}{r['json_step_over_plain']:>7.3f}"
+              f"{r['bitmask_fill_ms']:>14.3f}{r['mask_wait_ms']:>14.3f}")
     print(f"\ntokenizer info for the grammar compiler: {result['compile']['tokenizer_info_s'] * 1e3:.0f} ms")
     print(f"{'schema':<12}{'cold ms':>10}{'cached ms':>11}")
     for name in SCHEMAS:

@@ -481,6 +481,7 @@ class LLMEngine:
                     self._fail_request(req.group_id, e)
         core = (self.scheduler.update(out, result, cur.advanced) if result is not None
                 else EngineCoreOutputs())
+        self.runner.start_mask_fill()  # the matchers have this step's tokens: off the critical path
         if self.speculator is not None and result is not None:
             self.speculator.observe(out, result)
         for parent, child in core.forks:

@@ -13,10 +13,19 @@ Invariants:
 - If a step's results never come (it failed), ``rollback`` undoes ``advance``: the requests stand
   where the step found them, as after a failed synchronous step; the step launched ahead on top
   of it is discarded.
-- A step that forks, samples with penalties (they read the tokens on the host) or under a
-  grammar (the next token's mask needs this one accepted by the matcher first), wants prompt
+- A step that forks, samples with penalties (they read the tokens on the host), wants prompt
   log-probs (read from its hidden states) or moves KV to or from the tiers (their copies run
   beside the compute stream) is never looked past (``can_look_ahead``).
+- Grammar rows are looked past: the step launched ahead queues its forward and LM head and
+  holds its sampling until this step's tokens have reached the matchers (``update``). Its mask
+  is then filled on a worker thread while the host folds this step in and schedules the next,
+  and the device runs that forward; the sampling, mask applied, is launched when the step after
+  it is (its inputs are these tokens) or when its own results are asked for
+  (``ModelRunner.start_mask_fill``, ``ModelRunner.launch_sampling``).
+
+    host:   launch N+1 ─► N's ids ─► update N ─► outputs N, advance, schedule N+2 ─► sample N+1, launch N+2
+    worker:                                  └─ fill N+1's mask ───────────────┘
+    device: [N sample][N+1 forward + LM head ............................][N+1 sample][N+2 forward ...
 """
 from __future__ import annotations
 
@@ -44,7 +53,7 @@ def can_look_ahead(out: SchedulerOutput, tiers_on: bool) -> bool:
         return False
     for s in out.scheduled:
         r = s.request
-        if s.samples and (r.pending_forks or r.params.needs_penalties or r.grammar is not None):
+        if s.samples and (r.pending_forks or r.params.needs_penalties):
             return False
         if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
             return False

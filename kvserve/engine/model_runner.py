@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from kvserve.engine import decode_rows, kv_plan
 from kvserve.engine.device import DTYPES, GpuTimer, default_dtype, resolve_device
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.kv_cache import KVCache
-from kvserve.engine.request import PENDING_TOKEN
+from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sample_one_by_one, sampling_row
 from kvserve.engine.sleep_mode import SleepMode
@@ -26,6 +27,15 @@ from kvserve.models import loader, snapshot
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclasses.dataclass
+class _DeferredSampling:
+    """The sampling of a step launched ahead with grammar rows: the forward and the LM head are
+    queued, the mask waits for the step in flight's tokens to reach the matchers."""
+    sample: Callable[[Future | None], None]  # launches the sampling with the mask applied
+    fill: Callable[[], Future]  # starts filling the mask from the matchers as they stand
+    mask_job: Future | None = None
 
 
 class ModelRunner:
@@ -74,6 +84,8 @@ class ModelRunner:
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
         self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
+        # A step launched ahead whose grammar rows wait for their matchers to catch up.
+        self._deferred: _DeferredSampling | None = None
         # Draws of unseeded requests' draft verification (seeded ones use their own generators).
         self._spec_generator = torch.Generator().manual_seed(config.seed)
         # The CUDA profiling run's result (see _profile_cuda_kv_memory); a snapshot keeps it.
@@ -294,6 +306,10 @@ class ModelRunner:
         """Queue the step's GPU work and return a callable that waits for it and returns its
         ``ModelRunnerOutput``. Between the two the host is free (the engine does its
         bookkeeping there while the device computes)."""
+        # A step launched before this one and holding its sampling (grammar rows) samples now: this
+        # step's inputs are its tokens, read on the device. Held until here, its mask's fill ran
+        # beside the host's bookkeeping and this step's scheduling.
+        self.launch_sampling()
         kv = self.kv_cache
         if self.tiers is not None:
             # Before the step writes anything: evicted blocks leave first (a load or a new
@@ -342,6 +358,12 @@ class ModelRunner:
         if self.kv_groups is not None and self.kv_groups.num_groups > 1:
             group_seqs = [[(c, n, s.group_tables[g]) for (c, n, _), s in zip(seqs, sched)]
                           for g in range(1, self.kv_groups.num_groups)]
+        grammar_rows, grammar_reqs, n_rows = self._grammar_rows(sched)
+        mask_job = None
+        if grammar_rows and not any(r.token_pending for r in grammar_reqs):
+            # The matchers are current: the mask fills on the host while the forward is queued
+            # (on the CPU: while it runs).
+            mask_job = self._fill_masks(n_rows, grammar_rows, grammar_reqs)
         if self.gpu_timer is not None:
             self.gpu_timer.start()
         res_slots = kv.residual_rows([s.request.request_id for s in sched]) if self.kv_format.kivi else None
@@ -352,7 +374,6 @@ class ModelRunner:
         sample_rows, rows, sample_of = [], [], []
         failed: dict[int, BaseException] = {}  # scheduled index -> its own fault (see faults.py)
         seeded: list[tuple[torch.Generator, torch.Tensor]] = []  # states before this step's draws
-        grammar_rows, grammars = [], []  # rows under a grammar and their matchers
         verifying: list[int] = []  # requests with drafts: all their k + 1 positions are verified
         forks = False
         for i, s in enumerate(sched):
@@ -375,27 +396,20 @@ class ModelRunner:
                     mine = [PLACEHOLDER_ROW] * n_draws
                 last = query_start[i + 1] - 1
                 for row in mine:
-                    if r.grammar is not None:  # forks draw their first token from the parent's state
-                        grammar_rows.append(len(rows))
-                        grammars.append(r.grammar)
                     sample_rows.append(last)
                     rows.append(row)
                     sample_of.append(i)
         one_each = not forks and len(sample_of) == len(sched)  # sample_of is 0, 1, 2, ...
         pending = None
-        if sample_rows:
-            if len(sample_rows) == hidden.shape[0] and sample_rows == list(range(len(sample_rows))):
-                picked = hidden  # every row sampled once, in order (a decode step)
-            else:
-                picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
-            logits = self._logits(picked)
+        deferred = None
+
+        def sample(mask_job) -> None:
+            nonlocal pending
             bitmask = None
-            if grammar_rows:
-                # The device is busy with the forward: the host fills the grammar's mask meanwhile.
-                if self._bitmask is None:
-                    self._bitmask = structured.BitmaskFiller(self.arch.vocab_size, self.device)
-                mask = self._bitmask(len(rows), grammar_rows, grammars)
-                bitmask = (mask.to(self.device, non_blocking=True), grammar_rows)
+            if mask_job is not None:
+                mask, masked = mask_job.result()
+                if masked:
+                    bitmask = (mask.to(self.device, non_blocking=True), masked)
             try:
                 pending = self.sampler.launch(logits, rows, bitmask)
             except Exception as e:  # noqa: BLE001 - narrowed down below
@@ -408,15 +422,32 @@ class ModelRunner:
             # The sampled ids stay on the device: a step scheduled before they reach the host
             # takes its requests' input tokens from here.
             self._sampled = (pending[0], sched, sample_of)
+
+        if sample_rows:
+            if len(sample_rows) == hidden.shape[0] and sample_rows == list(range(len(sample_rows))):
+                picked = hidden  # every row sampled once, in order (a decode step)
+            else:
+                picked = hidden[torch.tensor(sample_rows).to(self.device, non_blocking=True)]
+            logits = self._logits(picked)
+            if grammar_rows and mask_job is None:
+                # Launched ahead of the step in flight, whose tokens its matchers have not seen:
+                # sampling waits for them (``start_mask_fill``, ``launch_sampling``); the forward
+                # and the LM head are queued already.
+                deferred = _DeferredSampling(sample, lambda: self._fill_masks(n_rows, grammar_rows, grammar_reqs))
+            else:
+                sample(mask_job)
         else:
             self._sampled = None
         verify_logits = self._verify_logits(hidden, query_start, sched, verifying) if verifying else []
         if self.gpu_timer is not None:
             self.gpu_timer.stop()
+        self._deferred = deferred
 
         @torch.inference_mode()
         def finish() -> ModelRunnerOutput:
             n = len(sched)
+            if self._deferred is not None and self._deferred.sample is sample:
+                self.launch_sampling()  # no step was launched after it: it samples now
             if pending is not None and one_each and not failed:  # a decode step: one token each
                 so = self.sampler.finish(pending)
                 res = ModelRunnerOutput([[t] for t in so.token_ids], [[lp] for lp in so.logprobs],
@@ -466,6 +497,47 @@ class ModelRunner:
             self.tiers.commit()
             return res
         return finish_and_write
+
+    @staticmethod
+    def _grammar_rows(sched: list[ScheduledRequest]) -> tuple[list[int], list[Request], int]:
+        """The sampling rows under a grammar, their requests, and the step's number of sampling
+        rows, in the order ``launch`` samples them (a request owing forks draws its siblings'
+        first tokens from its own matcher)."""
+        rows, reqs, n = [], [], 0
+        for s in sched:
+            if not s.samples or s.draft_token_ids:
+                continue
+            r = s.request
+            for _ in range(r.pending_forks + 1):
+                if r.grammar is not None:
+                    rows.append(n)
+                    reqs.append(r)
+                n += 1
+        return rows, reqs, n
+
+    def _fill_masks(self, num_rows: int, rows: list[int], reqs: list[Request]):
+        """Start filling the rows' mask on the filler's thread. A request that finished since the
+        launch (stopped, refused by its grammar, aborted) is left out: its token is dropped."""
+        if self._bitmask is None:
+            self._bitmask = structured.BitmaskFiller(self.arch.vocab_size, self.device)
+        live = [(k, r.grammar) for k, r in zip(rows, reqs) if not r.is_finished]
+        return self._bitmask.start(num_rows, [k for k, _ in live], [g for _, g in live])
+
+    def start_mask_fill(self) -> None:
+        """The step before the one launched ahead has been folded in, so the grammar rows'
+        matchers have seen every token: start filling the waiting step's mask on the host (the
+        device is still busy with its forward). Nothing to do for other steps."""
+        d = self._deferred
+        if d is not None and d.mask_job is None:
+            d.mask_job = d.fill()
+
+    @torch.inference_mode()
+    def launch_sampling(self) -> None:
+        """Launch the held sampling of the step launched ahead, its mask applied (waiting for
+        the fill). ``launch`` of the next step and the step's own result call it."""
+        d, self._deferred = self._deferred, None
+        if d is not None:
+            d.sample(d.mask_job if d.mask_job is not None else d.fill())
 
     def _verify_logits(self, hidden: torch.Tensor, query_start: list[int], sched: list[ScheduledRequest],
                        verifying: list[int]) -> list[torch.Tensor]:

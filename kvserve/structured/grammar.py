@@ -18,6 +18,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -188,24 +189,67 @@ def _check_schema(schema, field: str) -> None:
 
 class BitmaskFiller:
     """The step's token bitmask, filled on the host from each constrained row's matcher (one
-    int32 word per 32 tokens; a set bit allows the token). Rows without a grammar stay all-ones
-    and are skipped when it is applied."""
+    int32 word per 32 tokens; a set bit allows the token). Only the listed rows are written and
+    only they are applied; the others hold whatever an earlier step left.
+
+    ``start`` fills on a worker thread (xgrammar's fill releases the GIL), so the host can queue
+    the forward, or fold in the previous step, meanwhile; ``result()`` waits for it.
+
+    Two pinned buffers take turns (pinned on CUDA: the copy to the device is asynchronous). The
+    engine has at most two steps in flight and fills their masks in launch order, so when a fill
+    takes a buffer, the step that used it last has completed and its copy is done."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.pin = device.type == "cuda"
         self._batch = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+        self._worker = None
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        xgr = _xgr()
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < num_rows:
+            rows = max(num_rows, 2 * buf.shape[0] if buf is not None else 0)
+            buf = torch.empty(xgr.get_bitmask_shape(rows, self.vocab_size), dtype=xgr.bitmask_dtype,
+                              pin_memory=self.pin)
+            self._buffers[self._turn] = buf
+        return buf[:num_rows]
 
     def __call__(self, num_rows: int, rows: list[int], states: list[GrammarState]) -> torch.Tensor:
-        xgr = _xgr()
-        # All ones (every token allowed) where no matcher writes; pinned on CUDA, so the copy to
-        # the device is asynchronous.
-        mask = torch.full(xgr.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=xgr.bitmask_dtype,
-                          pin_memory=self.pin)
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
-        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], mask, indices=rows)
-        return mask
+        return self.start(num_rows, rows, states).result()[0]
+
+    def start(self, num_rows: int, rows: list[int], states: list[GrammarState]) -> Future:
+        """Fill ``rows`` of a ``num_rows`` mask from ``states`` on the worker thread. The future
+        gives (the mask, the rows written): a terminated matcher (its output complete) allows
+        nothing, so its row is left out and sampled unconstrained (the token is dropped). The
+        matchers must not move until the future is done."""
+        mask = self._buffer(num_rows)
+        if self._worker is None:
+            self._batch = _xgr().BatchGrammarMatcher(max_threads="auto")
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-bitmask")
+        return self._worker.submit(self._fill, mask, rows, states)
+
+    def _fill(self, mask: torch.Tensor, rows: list[int], states: list[GrammarState]):
+        first: dict[int, int] = {}  # matcher -> the row filled from it (n > 1 draws share one)
+        fill_rows, fill_states, copies = [], [], []
+        for row, s in zip(rows, states):
+            if s.terminated:
+                continue
+            src = first.setdefault(id(s), row)
+            if src == row:
+                fill_rows.append(row)
+                fill_states.append(s.matcher)
+            else:
+                copies.append((row, src))
+        if fill_rows:
+            self._batch.batch_fill_next_token_bitmask(fill_states, mask, indices=fill_rows)
+        with torch.inference_mode():  # the buffer may be an inference tensor (made in the step)
+            for row, src in copies:
+                mask[row] = mask[src]
+        return mask, sorted(fill_rows + [r for r, _ in copies])
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
