@@ -21,6 +21,7 @@ from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sampl
 from kvserve.engine.spec import rejection
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
+from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,12 @@ class ModelRunner:
             with torch.no_grad():
                 self.model.load_weights(weights)
         self.model.eval()
+        if config.quantization is not None:
+            if src.quant_method is not None:
+                from kvserve.errors import ConfigError
+                raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
+                                  f"{src.quant_method}); only unquantized weights are quantized at load")
+            quantize_model(self.model, config.quantization)
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
