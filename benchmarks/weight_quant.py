@@ -11,7 +11,9 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
             tiled with in-register dequantization, dequantize-then-cuBLAS); the fastest per row
             count, the choice ``KernelConfig``'s rule makes, and the rule the sweep implies
   engine    per format (bf16, int8, int4 g128): batch-1 decode (512-token prompt, 256 new
-            tokens) and offline throughput (256 requests, prompts U[128, 1024], 256 new each)
+            tokens) and offline throughput (256 requests, prompts U[128, 1024], 256 new each);
+            the decoded tokens (CUDA graphs, skinny kernels) checked against one prefill of
+            prompt + output (eager, the large-batch path): the share it ranks first
   peer      PyTorch's weight-only path as gpt-fast uses it (weight_quant_peer.py): a plain
             Llama of the same shape, decode step under torch.compile, bf16 / int8 / int4 g128
 CPU sections (the default model, SmolLM2-135M, float32 activations):
@@ -134,6 +136,7 @@ def weight_bytes(llm) -> int:
 
 @section("engine")
 def run_engine(n_req: int):
+    from kvserve.bench.quality import teacher_forced_agreement
     run_requests = gpu_check.run_requests
     out = {}
     rng = random.Random(7)
@@ -148,10 +151,14 @@ def run_engine(n_req: int):
         run_requests(llm, [decode_prompt[:64]], 4)  # warm
         r = run_requests(llm, [decode_prompt], 256)
         tps = 255 / r["decode_seconds"]
+        # the decode steps (graphs, few-row kernels) against one prefill of prompt + output (eager,
+        # the large-batch path): the share of steps whose greedy token the prefill ranks first
+        agree = teacher_forced_agreement(llm, [decode_prompt], [r["tokens"][0]])
         run_requests(llm, prompts[:32], 8)  # warm
         off = run_requests(llm, prompts, 256)
         otps = off["output_tokens"] / off["seconds"]
-        out[name] = {"weight_gib": wb / 2**30, "decode_tok_s": tps, "decode_weight_tb_s": wb * tps / 1e12,
+        out[name] = {"weight_gib": wb / 2**30, "decode_tok_s": tps, "graphs_vs_prefill_top1": agree,
+                     "decode_weight_tb_s": wb * tps / 1e12,
                      "offline_seconds": off["seconds"], "offline_out_tok_s": otps, "startup_seconds": start}
         print(f"engine {name}: {out[name]}", flush=True)
         del llm
@@ -159,11 +166,11 @@ def run_engine(n_req: int):
         torch.cuda.empty_cache()
     base = out["bf16"]
     TABLE.append("kvserve, Llama-3-8B shape: format | weights GiB | batch-1 decode tok/s (x bf16) | "
-                 f"offline {n_req} req out tok/s (x bf16)")
+                 f"offline {n_req} req out tok/s (x bf16) | decode tokens = prefill's top-1")
     for name, r in out.items():
         TABLE.append(f"  {name:10s} | {r['weight_gib']:5.2f} | {r['decode_tok_s']:7.1f} "
                      f"({r['decode_tok_s'] / base['decode_tok_s']:.2f}x) | {r['offline_out_tok_s']:7.0f} "
-                     f"({r['offline_out_tok_s'] / base['offline_out_tok_s']:.2f}x)")
+                     f"({r['offline_out_tok_s'] / base['offline_out_tok_s']:.2f}x) | {r['graphs_vs_prefill_top1']:.1%}")
     return out
 
 
