@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="both engines run in this dtype")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="kvserve's concurrency (requests in flight)")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="kvserve's weight-only format")
+    ap.add_argument("--quantization-group-size", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45,
                     help="kvserve's share of the GPU: the transformers peer runs in the same process")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -168,7 +170,8 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.gpu_memory_utilization, show_progress=False)
+              gpu_memory_utilization=args.gpu_memory_utilization, show_progress=False,
+              quantization=args.quantization, quantization_group_size=args.quantization_group_size)
     device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
     prompts, outputs = make_workload(args, llm.engine.arch.vocab_size, llm.get_tokenizer())
     n_out = sum(outputs)

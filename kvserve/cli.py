@@ -35,6 +35,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-scales", default=None,
                    help="calibrated fp8/int8 KV scales from 'kvserve calibrate-kv' (default: the file beside the "
                    "model if there is one; 'off': per-token scales)")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize the linear layers' weights at load (round-to-nearest; weight-only): int8 per "
+                   "output channel, int4 per group of input columns")
+    g.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4: input columns sharing a scale and a minimum: 32, 64 or 128 (default 128)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -132,7 +137,8 @@ def _make_llm(args):
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
                max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
                kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
-               enable_sleep_mode=args.enable_sleep_mode)
+               enable_sleep_mode=args.enable_sleep_mode,
+               quantization=args.quantization, quantization_group_size=args.quantization_group_size)
 
 
 def _params(args, n: int = 1):

@@ -136,6 +136,8 @@ class SchedulerConfig:
 
 # Rows of x the skinny-GEMM kernel takes at most (kernels/gemv.py: MAX_ROWS)
 _GEMV_MAX_ROWS = 32
+# Rows of x the quantized skinny kernel takes at most (kernels/wq_gemm.py: MAX_SKINNY_ROWS)
+_WQ_SKINNY_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,11 @@ class KernelConfig:
     # "graphs" where a captured CUDA graph holds the rows, else through the prefill path;
     # "always" eagerly too; "never" always through the prefill path.
     decode_rows: str = "graphs"
+    # Weight-only quantized products (layers/quant_linear.py): up to ``wq_skinny_max_rows`` rows
+    # the skinny kernel, from ``wq_dequant_min_rows`` on dequantize-then-cuBLAS, the tiled GEMM
+    # with in-register dequantization between.
+    wq_skinny_max_rows: int = 16
+    wq_dequant_min_rows: int = 64
 
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
@@ -175,7 +182,8 @@ class KernelConfig:
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
                              ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
-                             ("kivi_wave", 1, None)):
+                             ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
+                             ("wq_dequant_min_rows", 1, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
@@ -185,6 +193,34 @@ class KernelConfig:
         """The row limit of a product of ``kind``: "linear", "gate_up_silu" or "logits"."""
         return {"linear": self.gemv_max_rows_linear, "gate_up_silu": self.gemv_max_rows_gate_up,
                 "logits": self.gemv_max_rows_logits}[kind]
+
+
+QUANT_METHODS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of the decoder's linear layers at load, by round-to-nearest
+    (formats: kvserve/layers/rtn.py). int8: symmetric, one scale per output channel; int4:
+    asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte."""
+    method: str
+    group_size: int | None = None  # int4 only; None: 128
+
+    def __post_init__(self):
+        if not isinstance(self.method, str) or self.method not in QUANT_METHODS:
+            raise ConfigError("quantization", f"must be one of {', '.join(QUANT_METHODS)} or None; got {self.method!r}")
+        g = self.group_size
+        if self.method == "int8":
+            if g is not None:
+                raise ConfigError("quantization_group_size", "int8 has one scale per output channel; "
+                                  "a group size applies to int4 only")
+            return
+        if g is None:
+            object.__setattr__(self, "group_size", 128)
+        elif isinstance(g, bool) or not isinstance(g, int) or g not in INT4_GROUP_SIZES:
+            raise ConfigError("quantization_group_size",
+                              f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; got {g!r}")
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -286,6 +322,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding, off by default
     # LLM.sleep / wake_up (engine/sleep_mode.py): the GPU memory of an idle engine is given back.
     enable_sleep_mode: bool = False
+    quantization: QuantConfig | None = None  # weight-only quantization at load, off by default
 
     def __post_init__(self):
         spec = self.speculative

@@ -7,7 +7,15 @@ import logging
 import weakref
 from collections.abc import Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig, SpeculativeConfig, parse_size
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    QuantConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_size,
+)
 from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.outputs import RequestOutput
@@ -32,7 +40,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
                  chat_template: str | None = None, speculative_config: dict | SpeculativeConfig | None = None,
-                 enable_sleep_mode: bool = False):
+                 enable_sleep_mode: bool = False,
+                 quantization: str | None = None, quantization_group_size: int | None = None):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -51,6 +60,8 @@ class LLM:
                                    attention_backend=attention_backend, enforce_eager=enforce_eager,
                                    cuda_graph_max_batch=cuda_graph_max_batch, async_scheduling=async_scheduling,
                                    kernel=kernel or KernelConfig(), enable_sleep_mode=enable_sleep_mode,
+                                   quantization=(None if quantization is None and quantization_group_size is None
+                                                 else QuantConfig(quantization, quantization_group_size)),
                                    speculative=(speculative_config
                                                 if isinstance(speculative_config, (SpeculativeConfig, type(None)))
                                                 else SpeculativeConfig.from_dict(speculative_config)))

@@ -23,6 +23,7 @@ from kvserve.engine.sleep_mode import SleepMode
 from kvserve.engine.spec import rejection
 from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
+from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,17 @@ class ModelRunner:
         self.backend_name = name
         self.kv_scales = kv_plan.load_scales(config, src, self.device)
         self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
+        if config.quantization is not None and src.quant_method is not None:
+            from kvserve.errors import ConfigError
+            raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
+                              f"{src.quant_method}); only unquantized weights are quantized at load")
         t0 = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = loader.build_model(src.arch, max_positions=max_model_len)
         self.load_weights()
         self.model.eval()
+        if config.quantization is not None:
+            quantize_model(self.model, config.quantization)
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():

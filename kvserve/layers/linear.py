@@ -41,10 +41,12 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
-    """``silu(x W_g.T) * (x W_u.T)`` for the merged [gate | up] matrix: one kernel for few rows."""
+def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
+    """``silu(x W_g.T) * (x W_u.T)`` for the merged [gate | up] matrix: one kernel for few rows
+    (a quantized matrix: its product, then the activation)."""
     kernel = kernel_config()
-    if gate_up.bias is None and takes_gemv(x, gate_up.weight, "gate_up_silu", kernel):
+    if isinstance(gate_up, nn.Linear) and gate_up.bias is None and takes_gemv(x, gate_up.weight, "gate_up_silu",
+                                                                              kernel):
         from kvserve.kernels.gemv import gemv
         return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel.pdl)
     from kvserve.layers.activation import silu_and_mul

@@ -33,6 +33,7 @@ class ModelSource:
     arch: ModelArch
     handle: object = None  # an open reader (GGUF), parsed once: its metadata takes seconds to read;
     # a snapshot's manifest
+    quant_method: str | None = None  # a checkpoint's own quantization (config.json's quantization_config)
 
     @property
     def name(self) -> str:
@@ -116,7 +117,9 @@ def resolve(model: str | None) -> ModelSource:
                 merged = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
                 merged |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
                 cfg = {**cfg, "eos_token_id": sorted(merged)}
-        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path))
+        qcfg = cfg.get("quantization_config")
+        quant = None if not qcfg else str(qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg)
+        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path), quant_method=quant)
     from kvserve.models import gguf_loader
     reader = gguf_loader.open_reader(model)
     return ModelSource("gguf", model, gguf_loader.read_arch(reader, model), reader)

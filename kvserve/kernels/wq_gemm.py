@@ -1,0 +1,226 @@
+"""Weight-only quantized products ``y = x @ dequant(W).T (+ bias)``: the weights stay packed in
+memory and are dequantized in registers, tile by tile (formats: ``kvserve/layers/rtn.py``).
+
+    int8  W [N, K] int8, scale [N]:            y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
+    int4  W [N, K/2] uint8 (2 codes a byte),   y[m, n] = sum_groups scale[n, j] * sum_(k in j) x[m, k] q[n, k]
+          scale, min [N, K/g]                                  + min[n, j] * sum_(k in j) x[m, k]
+
+One kernel, three shapes of program, by the rows of x:
+
+    rows = 1     each program owns BLOCK_N output features and streams their packed rows over K
+                 (as ``gemv.py``): codes times x elementwise, summed per group, then scaled;
+                 the int8 scale is applied once at the end.
+    rows <= 32   the same grid with x padded to 16/32 rows: each W tile is dequantized to x's
+                 dtype and goes through ``tl.dot`` (the tensor cores idle either way).
+    more         a tiled GEMM: programs over (N, M) tiles, the W tile dequantized in registers.
+
+``dequantize`` writes a whole matrix back to x's dtype for the other large-batch choice,
+dequantize-then-cuBLAS. Which one a product takes is ``KernelConfig``'s rule (``layers/quant_linear``).
+
+The group of an int4 tile: BLOCK_K is a multiple of the group size g, so a tile's codes reshape
+to [BLOCK_N, BLOCK_K / g, g] and meet one scale and one min per group; K is a multiple of g, so a
+tile past K is masked in whole groups (codes, x, scales and mins read as 0).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.common import dot_precision
+
+MAX_SKINNY_ROWS = 32  # rows the one-wave skinny shape takes; more: the tiled GEMM
+
+
+@triton.jit
+def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] codes of W at column k0, as float32 (int4: 0..15; int8: -127..127)."""
+    if INT4:
+        rkh = tl.arange(0, BLOCK_K // 2)
+        ptrs = W + rn_safe[:, None] * stride_wn + k0 // 2 + rkh[None, :]
+        if EVEN_K:
+            b = tl.load(ptrs)
+        else:
+            b = tl.load(ptrs, mask=(k0 + 2 * rkh < K)[None, :], other=0)
+        return tl.interleave(b & 15, b >> 4).to(tl.float32)
+    ptrs = W + rn_safe[:, None] * stride_wn + k0 + rk[None, :]
+    if EVEN_K:
+        return tl.load(ptrs).to(tl.float32)
+    return tl.load(ptrs, mask=(k0 + rk < K)[None, :], other=0).to(tl.float32)
+
+
+@triton.jit
+def _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's int4 scales and mins, [BLOCK_N, BLOCK_K / GROUP] each, float32 (0 past K)."""
+    rg = tl.arange(0, BLOCK_K // GROUP)
+    ok = (k0 + rg * GROUP < K)[None, :]
+    off = rn_safe[:, None] * stride_sn + k0 // GROUP + rg[None, :]
+    s = tl.load(S + off, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(Z + off, mask=ok, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                  INT4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N read row N - 1 (valid memory, results dropped): the weight loads stay unmasked.
+    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, NG] if INT4 else [BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, EVEN_K)
+            if EVEN_K:
+                x = tl.load(X + k0 + rk).to(tl.float32)
+            else:
+                x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            if INT4:
+                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K)
+                qx = tl.sum(tl.reshape(q * x[None, :], [BLOCK_N, NG, GROUP]), axis=2)
+                xg = tl.sum(tl.reshape(x, [NG, GROUP]), axis=1)
+                acc += qx * s + z * xg[None, :]
+            else:
+                acc += q * x[None, :]
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, EVEN_K)
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
+            if INT4:
+                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K)
+                w = tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None] + z[:, :, None]
+                w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+            else:
+                w = q
+            acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=PRECISION)
+        y = acc
+    if not INT4:
+        y = y * tl.load(S + rn_safe).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + rn_safe).to(tl.float32)[None, :]
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    out = Y + rows[:, None] * stride_ym + rn[None, :]
+    tl.store(out, y.to(Y.dtype.element_ty), mask=(rows < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
+                    INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    rk = tl.arange(0, BLOCK_K)
+    q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, False)
+    if INT4:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K)
+        w = tl.reshape(tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None] + z[:, :, None], [BLOCK_N, BLOCK_K])
+    else:
+        w = q * tl.load(S + rn_safe).to(tl.float32)[:, None]
+    out = Out + rn_safe[:, None] * stride_on + k0 + rk[None, :]
+    tl.store(out, w.to(Out.dtype.element_ty), mask=(rn < N)[:, None] & (k0 + rk < K)[None, :])
+
+
+def default_config(M: int, N: int, K: int, int4: bool) -> dict:
+    """Tiles per row count. One row: 4 output features per program, 1,024 columns a tile (1 KiB
+    of int8, 512 B of int4 per row). Up to 32 rows: 64 features by 256 columns, x padded to 16
+    or 32 rows. More: 64 x 128 output tiles over 64 columns, 8 warps, 3 stages (a starting point;
+    the sweep in ``benchmarks/weight_quant.py`` reports what each row count gets)."""
+    if M == 1:
+        return {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
+    if M <= MAX_SKINNY_ROWS:
+        return {"BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": 64, "BLOCK_K": 256,
+                "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128 if int4 else 64, "num_warps": 8, "num_stages": 3}
+
+
+def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+           group_size: int) -> tuple[int, int, bool]:
+    """(N, K, int4) of a packed weight, its parameters checked against each other and x."""
+    int4 = qweight.dtype == torch.uint8
+    assert int4 or qweight.dtype == torch.int8, f"packed weights are int8 or uint8 (int4), got {qweight.dtype}"
+    assert qweight.dim() == 2 and qweight.stride(1) == 1, "the packed weight must be row-major [N, K(/2)]"
+    N = qweight.shape[0]
+    K = qweight.shape[1] * 2 if int4 else qweight.shape[1]
+    if int4:
+        assert group_size in (32, 64, 128) and K % group_size == 0, f"int4: group {group_size} must divide K={K}"
+        assert mins is not None and scales.shape == mins.shape == (N, K // group_size), \
+            f"int4 scales/mins must be [{N}, {K // group_size}], got {tuple(scales.shape)}"
+        assert scales.stride(1) == 1 and mins.stride() == scales.stride()
+    else:
+        assert scales.shape == (N,) and scales.is_contiguous(), f"int8 scales must be [{N}], got {tuple(scales.shape)}"
+    if x is not None:
+        assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, f"x must be [M, {K}] with unit column stride"
+    return N, K, int4
+
+
+def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+          group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] times the dequantized weight's transpose -> [M, N] in x's dtype. ``qweight``: int8
+    [N, K] with ``scales`` [N], or uint8 [N, K/2] (int4) with ``scales``/``mins`` [N, K/g];
+    ``config``: the tile (None: ``default_config``)."""
+    N, K, int4 = _check(x, qweight, scales, mins, group_size)
+    M = x.shape[0]
+    if bias is not None:
+        assert bias.shape == (N,) and bias.is_contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    cfg = dict(config or default_config(M, N, K, int4))
+    block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    assert block_m == 1 or block_m >= 16, "BLOCK_M: 1 (the elementwise path) or a tl.dot tile of 16+"
+    group = group_size if int4 else 1
+    block_k = max(group, min(block_k, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _wq_mm_kernel[grid](x, qweight, scales, mins if int4 else scales, bias if bias is not None else scales, y,
+                        M, N, K, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+                        INT4=int4, GROUP=group, HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        PRECISION=dot_precision(x.dtype), **cfg)
+    return y
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+               group_size: int = 0, dtype: torch.dtype = torch.bfloat16,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed weight as a [N, K] matrix of ``dtype`` (into ``out`` if given)."""
+    N, K, int4 = _check(None, qweight, scales, mins, group_size)
+    if out is None:
+        out = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    assert out.shape == (N, K) and out.stride(1) == 1
+    group = group_size if int4 else 1
+    block_n, block_k = 32, max(group, min(256, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    _dequant_kernel[grid](qweight, scales, mins if int4 else scales, out, N, K, qweight.stride(0),
+                          scales.stride(0), out.stride(0), INT4=int4, GROUP=group,
+                          BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+                   group_size: int = 0) -> torch.Tensor:
+    """Plain PyTorch, float32: the formats' definitions."""
+    if qweight.dtype == torch.int8:
+        return qweight.float() * scales.float()[:, None]
+    N = qweight.shape[0]
+    q = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(N, -1, group_size).float()
+    return (q * scales.float()[..., None] + mins.float()[..., None]).view(N, -1)
+
+
+def wq_mm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+              group_size: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize, then matmul, in float64."""
+    w = dequantize_ref(qweight, scales, mins, group_size).double()
+    return torch.nn.functional.linear(x.double(), w, None if bias is None else bias.double())

@@ -1,0 +1,123 @@
+"""Weight-only quantized linear layers: the weights stay packed (int8 or int4, ``rtn.py``) on every
+device and are dequantized inside the product, never to a whole matrix at rest.
+
+    CUDA  the Triton kernels of ``kernels/wq_gemm.py``, picked per product by the rows of x and
+          the step's ``KernelConfig``:
+              rows <= wq_skinny_max_rows         skinny kernel, dequantized in registers
+              rows <  wq_dequant_min_rows        tiled GEMM, dequantized in registers
+              otherwise                          dequantize to x's dtype, then cuBLAS
+          (at large batches a product is bound by compute, and cuBLAS's bf16 GEMM beats a
+          Triton GEMM that unpacks; the extra pass over the weight is small beside it).
+    CPU   PyTorch's packed CPU kernels: ``_weight_int8pack_mm`` (int8 [N, K], scale [N]) and
+          ``_weight_int4pack_mm_for_cpu`` (its own int4 layout, converted once at load, with
+          [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
+          (q - 8) * scale + zero).
+
+``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
+at load; the embedding and the output head keep the model's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve import kernels
+from kvserve.config import KernelConfig, QuantConfig
+from kvserve.errors import ConfigError
+from kvserve.layers.forward_context import kernel_config
+from kvserve.layers.linear import Linear
+from kvserve.layers.rtn import quantize_int4, quantize_int8
+
+_CPU_INT4_INNER_K_TILES = 2  # the CPU int4 layout's inner tiling (2, 4 or 8: the same numbers)
+
+
+class QuantLinear(nn.Module):
+    """``x @ dequant(W).T + bias`` with W packed for its device (see the module's docstring)."""
+
+    def __init__(self, method: str, in_features: int, out_features: int, group_size: int,
+                 qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.method, self.in_features, self.out_features = method, in_features, out_features
+        self.group_size = group_size
+        self.cpu = qweight.device.type == "cpu"
+        if self.cpu and method == "int4":
+            codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(out_features, in_features)
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32),
+                                                                         _CPU_INT4_INNER_K_TILES)
+            scales = torch.stack((scales, mins + 8 * scales), dim=-1).transpose(0, 1).contiguous()
+            mins = None
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, quant: QuantConfig) -> QuantLinear:
+        """``layer``'s weight quantized by round-to-nearest, on its device, in its dtype."""
+        w = layer.weight.detach()
+        N, K = w.shape
+        if quant.method == "int8":
+            q, s = quantize_int8(w, w.dtype)
+            return cls("int8", K, N, 0, q, s, None, layer.bias)
+        q, s, m = quantize_int4(w, quant.group_size, w.dtype)
+        return cls("int4", K, N, quant.group_size, q, s, m, layer.bias)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return f"{self.method}, in_features={self.in_features}, out_features={self.out_features}{g}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if kernels.available(x):
+            y = self._cuda(x.contiguous(), kernel_config())
+        else:
+            y = self._cpu(x.contiguous())
+        return y.view(*shape[:-1], self.out_features)
+
+    def _cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales.to(x.dtype))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
+                                                           self.scales.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
+        from kvserve.kernels import wq_gemm
+        rows = x.shape[0]
+        if rows < kernel.wq_dequant_min_rows:
+            cfg = None
+            if rows > kernel.wq_skinny_max_rows:
+                cfg = wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
+                                             self.in_features, self.method == "int4")
+            return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg)
+        w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
+    """Replace the decoder layers' projections with ``QuantLinear``s, in place; returns how many.
+    Raises ``ConfigError`` for a model that is already quantized or a layer whose input width the
+    group size does not divide."""
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if name.rsplit(".", 1)[-1] in QUANTIZED_LAYERS]
+    if any(isinstance(mod, QuantLinear) for _, mod in targets):
+        raise ConfigError("quantization", "the model's weights are already quantized")
+    if quant.method == "int4":
+        for name, mod in targets:
+            if mod.in_features % quant.group_size:
+                raise ConfigError("quantization_group_size",
+                                  f"{quant.group_size} does not divide {name}'s {mod.in_features} input "
+                                  f"features; choose a group size that does (32, 64 or 128)")
+    for name, mod in targets:
+        assert isinstance(mod, Linear), f"{name} is {type(mod).__name__}, not a Linear"
+        parent, _, attr = name.rpartition(".")
+        with torch.no_grad():
+            setattr(model.get_submodule(parent), attr, QuantLinear.from_linear(mod, quant))
+    return len(targets)
