@@ -121,3 +121,27 @@ def test_pin_expires_after_its_ttl(llm):
 def test_bad_pin_config_is_refused_naming_it(kw):
     with pytest.raises(ConfigError, match=next(iter(kw))):
         LLM(model="dummy:tiny", kv_cache_memory="96KiB", show_progress=False, **kw)
+
+
+def test_window_groups_pin_only_what_a_hit_needs(tmp_path):
+    from test_window_kv import GLOBAL, LOCAL, make_gemma3
+    _, path = make_gemma3(tmp_path, [LOCAL, LOCAL, GLOBAL], window=16)  # groups: global, local, local
+    llm = LLM(path, show_progress=False, kv_cache_memory="128KiB", block_size=8, max_model_len=256,
+              max_pinned_fraction=0.5)
+    eng = llm.engine
+    assert eng.kv.windows == (None, 16, 16) and 40 <= eng.num_kv_blocks <= 160, (eng.kv.windows, eng.num_kv_blocks)
+    prefix = _ids(11, 64 + 3)
+    assert llm.pin_prefix(prefix) == 64
+    # All 8 global blocks; of each local group only blocks 6 and 7, the window of a query at token 64.
+    assert eng.pins.num_blocks == 8 + 2 + 2
+    other = _ids(13, 64 + 3)
+    assert _cached(llm, other) == 0
+    n = eng.num_kv_blocks * 8 * 3 // 96 + 1
+    for i in range(n):
+        _cached(llm, _ids(20_000 + i, 96))
+    eng.check_invariants()
+    assert _cached(llm, prefix + _ids(12, 10)) == 64
+    assert _cached(llm, other + _ids(12, 10)) == 0
+    assert llm.unpin() == 1
+    eng.check_invariants()
+    assert _all_free(llm)
