@@ -145,3 +145,18 @@ def test_window_groups_pin_only_what_a_hit_needs(tmp_path):
     assert llm.unpin() == 1
     eng.check_invariants()
     assert _all_free(llm)
+
+
+def test_pins_give_way_to_a_request_that_needs_their_blocks():
+    llm = LLM(model="dummy:tiny", kv_cache_memory="320KiB", block_size=BS, show_progress=False,
+              max_model_len=1024, max_pinned_fraction=0.5)
+    eng = llm.engine
+    for i in range(eng.pins.max_blocks // 2):
+        assert llm.pin_prefix(_ids(300 + i, 2 * BS), owner=f"o{i}") == 2 * BS
+    assert eng.pins.num_blocks == eng.pins.max_blocks
+    big = _ids(400, (eng.num_kv_blocks - 2) * BS)  # fits the pool only with the pinned blocks back
+    out = llm.generate({"prompt_token_ids": big}, ONE, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1
+    assert eng.pins.num_blocks == 0
+    eng.check_invariants()
+    assert _all_free(llm)

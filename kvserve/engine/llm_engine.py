@@ -454,6 +454,9 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.waiting and not self.scheduler.running and self.pins.pins:
+            self.pins.clear()  # pins never starve a request: with nothing else to give way, they go
+            out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
             if any(r.prefetch_state == "pending" for r in self.scheduler.waiting):
                 time.sleep(0.001)  # only requests whose KV is on its way from disk/Redis: wait for it
