@@ -19,6 +19,7 @@ Invariants (``check`` asserts them):
   2. ``len(refs) <= max_blocks``: distinct pinned blocks stay within the budget; over it, the
      least recently used pins go first.
   3. A pin has at least one owner; removing its last owner, or its TTL passing, releases it.
+  4. ``pins`` is in LRU order, which is also expiry order (each use refreshes the TTL).
 """
 from __future__ import annotations
 
@@ -113,11 +114,13 @@ class PrefixPins:
         return len(gone)
 
     def expire(self) -> int:
-        now = self.clock()
-        gone = [key for key, pin in self.pins.items() if pin.expires <= now]
-        for key in gone:
-            self._release(key)
-        return len(gone)
+        """Release the pins unused for ``ttl``. Every use moves a pin to the back and sets its
+        expiry to now + ttl, so LRU order is expiry order: only the front is checked (each step)."""
+        now, n = self.clock(), 0
+        while self.pins and next(iter(self.pins.values())).expires <= now:
+            self._release(next(iter(self.pins)))
+            n += 1
+        return n
 
     def clear(self) -> None:
         """Release every pin (the prefix cache is about to be reset)."""
@@ -143,6 +146,8 @@ class PrefixPins:
         assert counts == self.refs, (counts, self.refs)
         assert NULL not in counts
         assert len(self.refs) <= self.max_blocks, (len(self.refs), self.max_blocks)
+        expiries = [pin.expires for pin in self.pins.values()]
+        assert expiries == sorted(expiries), expiries
         for pin in self.pins.values():
             assert pin.owners, pin
             for b in pin.blocks:
