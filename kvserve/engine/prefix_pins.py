@@ -15,7 +15,7 @@ query after ``N`` blocks reads (what ``get_computed_blocks`` needs for a hit of 
 
 Invariants (``check`` asserts them):
   1. ``refs[b]`` is the number of pins holding block ``b``; each of them is one of ``b``'s
-     references in the pool, so a pinned block is never free (never evicted).
+     references in the pool, so a pinned block is never free: it keeps its hash (a prefix hit).
   2. ``len(refs) <= max_blocks``: distinct pinned blocks stay within the budget; over it, the
      least recently used pins go first.
   3. A pin has at least one owner; removing its last owner, or its TTL passing, releases it.
@@ -151,4 +151,5 @@ class PrefixPins:
         for pin in self.pins.values():
             assert pin.owners, pin
             for b in pin.blocks:
-                assert self.kv.pool.blocks[b].ref_cnt >= self.refs[b], b
+                blk = self.kv.pool.blocks[b]
+                assert blk.ref_cnt >= self.refs[b] and blk.block_hash is not None, blk
