@@ -454,7 +454,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
-        if out.is_empty and self.scheduler.waiting and not self.scheduler.running and self.pins.pins:
+        if (out.is_empty and self.scheduler.waiting and not self.scheduler.running and self.pins.pins
+                and not any(r.prefetch_state == "pending" for r in self.scheduler.waiting)):
             self.pins.clear()  # pins never starve a request: with nothing else to give way, they go
             out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
