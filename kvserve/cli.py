@@ -44,6 +44,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-pinned-fraction", type=float, default=0.25,
+                   help="share of the KV pool pinned prefixes (Responses instructions and tools, "
+                   "LLM.pin_prefix) may hold; the least recently used are released first when over")
+    g.add_argument("--pin-ttl-seconds", type=float, default=3600.0,
+                   help="a pinned prefix unused this long is released")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", default="4GiB")
@@ -136,6 +141,7 @@ def _make_llm(args):
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
                max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
+               max_pinned_fraction=args.max_pinned_fraction, pin_ttl_seconds=args.pin_ttl_seconds,
                kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
                enable_sleep_mode=args.enable_sleep_mode,
                quantization=args.quantization, quantization_group_size=args.quantization_group_size)

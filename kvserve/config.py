@@ -45,6 +45,10 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    # Pinned prefixes (engine/prefix_pins.py): at most this share of the pool held by pins (the
+    # least recently used go first when over), each released after this long unused.
+    max_pinned_fraction: float = 0.25
+    pin_ttl_seconds: float = 3600.0
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU memory
     # Sliding-window layers (kvserve/engine/kv_groups.py): "free" gives their blocks wholly out of
     # every future query's window back to the pool; "keep" keeps every layer's KV of every token.
@@ -102,6 +106,10 @@ class CacheConfig:
             raise ConfigError("max_sessions", f"must be >= 1, got {self.max_sessions}")
         if not self.session_ttl_seconds > 0:
             raise ConfigError("session_ttl_seconds", f"must be > 0, got {self.session_ttl_seconds}")
+        if not 0.0 <= self.max_pinned_fraction <= 0.9:
+            raise ConfigError("max_pinned_fraction", f"must be in [0, 0.9], got {self.max_pinned_fraction}")
+        if not 0.0 < self.pin_ttl_seconds < float("inf"):
+            raise ConfigError("pin_ttl_seconds", f"must be > 0 and finite, got {self.pin_ttl_seconds}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError("block_size", f"must be a power of two in [1, 256], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

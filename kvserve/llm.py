@@ -36,6 +36,7 @@ class LLM:
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
                  max_sessions: int = 4096, session_ttl_seconds: float = 3600.0,
+                 max_pinned_fraction: float = 0.25, pin_ttl_seconds: float = 3600.0,
                  kv_tier_secret: str | None = None, kv_tier_encrypt: bool = False,
                  kv_cache_dtype: str = "auto", kv_group_size: int = 0, kv_scales: str | None = None,
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
@@ -52,6 +53,7 @@ class LLM:
             disk_kv_dir=disk_kv_dir, disk_kv_size=parse_size(disk_kv_size, "disk_kv_size"),
             redis_url=redis_url, idle_offload_seconds=idle_offload_seconds, max_sessions=max_sessions,
             session_ttl_seconds=session_ttl_seconds,
+            max_pinned_fraction=max_pinned_fraction, pin_ttl_seconds=pin_ttl_seconds,
             kv_tier_secret=kv_tier_secret, kv_tier_encrypt=kv_tier_encrypt)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
@@ -156,6 +158,19 @@ class LLM:
                                     cache_salt=salt)
             ids_by_order.append(rid)
         return self._run(ids_by_order, use_tqdm and self.config.show_progress)
+
+    def pin_prefix(self, prompt: PromptType, owner: str = "llm") -> int:
+        """Compute ``prompt``'s KV (if not cached) and pin its full blocks in the prefix cache for
+        ``owner``: later prompts starting with it hit them however much else runs, until
+        ``unpin(owner)``, ``pin_ttl_seconds`` unused, or newer pins needing the budget
+        (``max_pinned_fraction`` of the pool). A dict prompt's ``"cache_salt"`` scopes the pin as
+        it scopes the cache. Returns the number of tokens pinned (a multiple of the block size)."""
+        self.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        return self.engine.pin_prefix(prompt, owner, prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+
+    def unpin(self, owner: str = "llm") -> int:
+        """Release ``owner``'s pinned prefixes. Returns how many were released."""
+        return self.engine.unpin(owner)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "mean") -> list[list[float]]:
         """One unit-length embedding per prompt: the model's final hidden states, mean- or

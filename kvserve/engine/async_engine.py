@@ -49,6 +49,7 @@ class EngineSnapshot:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     kv_blocks_cached: int = 0
+    kv_blocks_pinned: int = 0
     prefix_hit_rate: float = 0.0
     num_preemptions: int = 0
     kv_waste: float = 0.0
@@ -277,7 +278,7 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             kv_blocks_used=pool.num_used_blocks, kv_blocks_free=pool.num_free_blocks,
-            kv_blocks_cached=pool.num_cached_blocks,
+            kv_blocks_cached=pool.num_cached_blocks, kv_blocks_pinned=eng.pins.num_blocks,
             prefix_hit_rate=last.prefix_hit_rate if last else 0.0,
             num_preemptions=last.num_preemptions if last else 0,
             # The last step's waste while requests hold blocks; an idle engine wastes none.

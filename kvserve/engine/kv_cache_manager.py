@@ -319,11 +319,14 @@ class KVCacheManager:
                 partial[bid] = f
         return (len(full) + len(partial)) * bs, len(full) * bs + sum(partial.values())
 
-    def check_invariants(self, live: list[Request]) -> None:
-        """Reference counts equal the number of tables holding each block; hashes match tokens;
-        a local table's NULL entries are a prefix before its window."""
+    def check_invariants(self, live: list[Request], held: list[int] = ()) -> None:
+        """Reference counts equal the number of tables holding each block (plus its entries in
+        ``held``: pins' references); hashes match tokens; a local table's NULL entries are a
+        prefix before its window."""
         self.pool.check_invariants()
         counts: dict[int, int] = {}
+        for bid in held:
+            counts[bid] = counts.get(bid, 0) + 1
         for tables in self.group_tables:
             for table in tables.values():
                 for bid in table:

@@ -22,6 +22,7 @@ from kvserve.engine.lookahead import InFlight
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.pooling import POOLINGS, pool
+from kvserve.engine.prefix_pins import PrefixPins
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sessions import Sessions
@@ -86,6 +87,7 @@ class LLMEngine:
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
                                  groups.windows)
+        self.pins = PrefixPins(self.kv, config.cache.max_pinned_fraction, config.cache.pin_ttl_seconds)
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.tiers = self._connector(self.store) if self.store is not None else None
         self.runner.tiers = self.tiers
@@ -185,6 +187,19 @@ class LLMEngine:
     def pin_session(self, session_id: str, pinned: bool = True) -> None:
         self.sessions.pin(session_id, pinned)
 
+    def pin_prefix(self, prompt: PromptType, owner: str, cache_salt: str | None = None) -> int:
+        """Keep the cached blocks of ``prompt``'s full blocks (as far as they are cached) out of
+        the LRU's reach for ``owner`` until ``unpin(owner)``, the TTL, or the pin budget releases
+        them (engine/prefix_pins.py). Returns the number of tokens pinned."""
+        check_cache_salt(cache_salt)
+        if not isinstance(owner, str) or not owner:
+            raise InvalidRequestError("owner", f"must be a non-empty string, got {owner!r:.50}")
+        return self.pins.pin(self.tokenize_prompt(prompt)[1], cache_salt, owner)
+
+    def unpin(self, owner: str) -> int:
+        """Release ``owner``'s hold on every pinned prefix. Returns pins released."""
+        return self.pins.unpin(owner)
+
     def flush_kv_to_tiers(self) -> int:
         """Write every block of the GPU prefix cache to the tiers and wait for the writes (at
         shutdown, so a restart or another replica finds them). Returns blocks written."""
@@ -212,6 +227,7 @@ class LLMEngine:
             raise EngineBusyError(f"cannot sleep with {self.scheduler.num_unfinished} requests in flight; "
                                   "sleep once they have finished (or abort them)")
         self.flush_kv_to_tiers()
+        self.pins.clear()
         self.kv.pool.reset_prefix_cache()  # the blocks' KV is about to be gone
         mode.sleep(level)
 
@@ -396,6 +412,8 @@ class LLMEngine:
         bookkeeping then runs while the device computes the next step, and a request that stops
         here has computed one token too many, which is dropped."""
         t_call = time.perf_counter()
+        if self.pins.pins:
+            self.pins.expire()
         cur, self._inflight = self._inflight, None
         if cur is None:
             cur = self._schedule_and_launch()
@@ -436,6 +454,10 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if (out.is_empty and self.scheduler.waiting and not self.scheduler.running and self.pins.pins
+                and not any(r.prefetch_state == "pending" for r in self.scheduler.waiting)):
+            self.pins.clear()  # pins never starve a request: with nothing else to give way, they go
+            out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
             if any(r.prefetch_state == "pending" for r in self.scheduler.waiting):
                 time.sleep(0.001)  # only requests whose KV is on its way from disk/Redis: wait for it
@@ -458,6 +480,7 @@ class LLMEngine:
 
     def _step_failed(self, out: SchedulerOutput) -> None:
         # Blocks hash-registered for this step never got their KV: nothing may hit them.
+        self.pins.clear()
         self.kv.pool.reset_prefix_cache()
         if self.store is not None:
             for _, run in out.loads:
@@ -528,4 +551,5 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         live = [r for g in self.scheduler.groups.values() for r in g if not r.is_finished]
-        self.kv.check_invariants(live)
+        self.kv.check_invariants(live, self.pins.held())
+        self.pins.check()

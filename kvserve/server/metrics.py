@@ -36,6 +36,7 @@ class _EngineCollector:
             ("kvserve_kv_blocks_used", "KV blocks referenced by live requests", s.kv_blocks_used),
             ("kvserve_kv_blocks_free", "KV blocks free (cached-but-unreferenced included)", s.kv_blocks_free),
             ("kvserve_kv_blocks_cached", "KV blocks holding a reusable prefix", s.kv_blocks_cached),
+            ("kvserve_kv_blocks_pinned", "KV blocks held by pinned prefixes", s.kv_blocks_pinned),
             ("kvserve_prefix_cache_hit_rate", "prefix-cache hits over prompt tokens looked up", s.prefix_hit_rate),
             ("kvserve_kv_waste", "allocated KV slots not holding a token, last step", s.kv_waste),
             ("kvserve_engine_healthy", "1 while the engine loop runs without a fault", 1.0 if e.healthy else 0.0),

@@ -10,6 +10,12 @@ cached_tokens` tells how much was reused. Every turn of a chain runs as the engi
 by the chain's first response, so idle offload and session isolation follow the conversation.
 With `memory`, the prompt is instead assembled under a token budget (memory/assembler.py).
 
+A turn's stable prefix (the template's rendering of its instructions and tools, before the first
+user or assistant message) is pinned in the prefix cache once the turn ends (engine/
+prefix_pins.py), owned by the turn's response: a later request with the same instructions and
+tools hits it however much other traffic passes, until every response holding it is deleted, the
+pin TTL passes, or newer pins need the budget.
+
 Tools, structured outputs and sampling go through the chat machinery: the request is
 translated into a ChatCompletionRequest, and errors are renamed back into this API's fields.
 """
@@ -23,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from kvserve.engine.async_engine import EngineDeadError
 from kvserve.errors import InvalidRequestError
 from kvserve.memory.responses_db import ResponseStore
 from kvserve.sampling_params import StructuredOutputsParams
@@ -89,6 +96,8 @@ class Turn:
         self.state, self.store, self.req, self.tenant = state, store, req, tenant
         self.items, self.memory_report = items, memory_report
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.stable_ids: list[int] = []  # the prompt's stable prefix, pinned when the turn ends
+        self.cache_salt: str | None = None
 
     def body(self, status: str, output: list[dict], usage: dict | None = None, reason: str | None = None) -> dict:
         req, fmt = self.req, self.req.text.format if self.req.text and self.req.text.format else None
@@ -112,9 +121,38 @@ class Turn:
         reason = out.outputs[0].finish_reason
         body = self.body("incomplete" if reason == "length" else "completed", output, _usage(out), reason)
         self.state.metrics.observe_finished(out)
+        if self.stable_ids:  # queued behind the turn: its blocks are cached by now
+            ids, salt, owner = self.stable_ids, self.cache_salt, self.id
+            try:
+                self.state.engine.call(lambda e: e.pin_prefix(ids, owner, salt))
+            except EngineDeadError:
+                pass  # the response stands; there is no cache left to pin in
         if self.req.store:
             self.store.put(self.id, self.tenant, self.req.previous_response_id, self.items, output, body)
         return body
+
+
+def _stable_prefix(tok, messages, tools, ids: list[int]) -> list[int]:
+    """The leading tokens of ``ids`` the template renders from its leading system/developer
+    messages and ``tools`` alone: what every request with the same instructions and tools
+    starts with. Empty if there are none, or the template cannot render them alone."""
+    head = []
+    for m in messages:
+        if m.role not in ("system", "developer"):
+            break
+        head.append(m)
+    if not head and not tools:
+        return []
+    try:
+        alone = chat.template_ids(tok, head, tools)
+    except Exception:  # a template that insists on a user turn: nothing to pin, nothing wrong
+        return []
+    n = 0
+    for a, b in zip(alone, ids):
+        if a != b:
+            break
+        n += 1
+    return ids[:n]
 
 
 def _conversation(store: ResponseStore, req: ResponsesRequest, tenant: str | None) -> tuple[list, str | None]:
@@ -156,8 +194,10 @@ async def create(state: ServerState, store: ResponseStore, memory, req: Response
             params.structured_outputs = StructuredOutputsParams(json=tl.forced_schema(creq, tool_mode))
         ids = chat.template_ids(state.engine.engine.tokenizer, creq.messages, creq.tools if tool_mode else None)
         session = state.session_key(tenant, root or turn.id)
-        streams = st.start(state.engine, turn.id, [ids], params, session,
-                           state.cache_salt(tenant, None, root or turn.id))
+        turn.cache_salt = state.cache_salt(tenant, None, root or turn.id)
+        if req.memory is None:
+            turn.stable_ids = _stable_prefix(tok, creq.messages, creq.tools if tool_mode else None, ids)
+        streams = st.start(state.engine, turn.id, [ids], params, session, turn.cache_salt)
     except InvalidRequestError as e:
         raise _renamed(e) from None
     parser = chat._parser(state, tool_mode)
@@ -194,6 +234,10 @@ def register(app: FastAPI, state: ServerState, store: ResponseStore, memory) -> 
     async def delete_response(response_id: str, raw: Request):
         if not store.delete(response_id, raw.scope.get(TENANT)):
             raise _not_found(response_id)
+        try:
+            state.engine.call(lambda e: e.unpin(response_id))
+        except EngineDeadError:
+            pass
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")
