@@ -159,7 +159,8 @@ def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path):
     graphs; sleep at both levels gives the memory of the weights, KV pool and graphs back to the
     driver (mem_get_info, not the allocator's count) and the same tokens after the wake."""
     from kvserve.models import snapshot
-    _, path = _random_model(tmp_path, "llama")
+    hf, path = _random_model(tmp_path, "llama")
+    del hf  # the reference model stays off the GPU whose memory is counted
     kw = dict(dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=8, show_progress=False)
     prompts = [[5, 77, 300, 12, 9, 41], list(range(100, 140))]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

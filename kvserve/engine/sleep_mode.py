@@ -115,4 +115,9 @@ class SleepMode:
         dev = self.runner.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator (tens of MiB
+            # each), which empty_cache cannot return while they are referenced.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()  # back to the driver, not only to the caching allocator
