@@ -55,6 +55,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window-kv", default="free", choices=["free", "keep"],
                    help="sliding-window layers: free their KV blocks that no future query reads (default), "
                    "or keep every layer's KV of every token")
+    g.add_argument("--kv-eviction", default="none", choices=["none", "streaming"],
+                   help="streaming: a request with kv_budget keeps its first block and its latest blocks "
+                   "(at most kv_budget tokens) and frees those between (StreamingLLM)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
@@ -133,7 +136,8 @@ def _make_llm(args):
                kv_cache_dtype=args.kv_cache_dtype, kv_group_size=args.kv_group_size, kv_scales=args.kv_scales,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-               swap_space=args.swap_space, window_kv=args.window_kv, max_num_seqs=args.max_num_seqs,
+               swap_space=args.swap_space, window_kv=args.window_kv, kv_eviction=args.kv_eviction,
+               max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

@@ -53,6 +53,9 @@ class CacheConfig:
     # Sliding-window layers (kvserve/engine/kv_groups.py): "free" gives their blocks wholly out of
     # every future query's window back to the pool; "keep" keeps every layer's KV of every token.
     window_kv: str = "free"
+    # "streaming": a request with a ``kv_budget`` keeps its first block (attention sinks) and its
+    # most recent blocks and gives the blocks between back to the pool (StreamingLLM); "none".
+    kv_eviction: str = "none"
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
@@ -84,6 +87,14 @@ class CacheConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         if self.window_kv not in ("free", "keep"):
             raise ConfigError("window_kv", f"must be 'free' or 'keep', got {self.window_kv!r}")
+        if self.kv_eviction not in ("none", "streaming"):
+            raise ConfigError("kv_eviction", f"must be 'none' or 'streaming', got {self.kv_eviction!r}")
+        if self.kv_eviction == "streaming":
+            for name, off, why in (("kv_cache_dtype", self.kv_cache_dtype == "auto", "the model dtype ('auto')"),
+                                   ("preemption_mode", self.preemption_mode == "recompute", "'recompute'"),
+                                   ("cpu_kv_memory", not self.tiers_enabled, "no KV tiers")):
+                if not off:
+                    raise ConfigError(name, f"kv_eviction 'streaming' needs {why}; got {getattr(self, name)!r}")
         if self.kv_cache_dtype in ("int4", "int2") and self.preemption_mode == "swap":
             raise ConfigError("preemption_mode", f"'swap' is not supported with kv_cache_dtype "
                               f"{self.kv_cache_dtype} (a sequence's unsealed keys live outside its blocks); "
@@ -348,6 +359,12 @@ class EngineConfig:
             if self.cache.tiers_enabled:
                 raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url",
                                   "the KV tiers are not supported with speculative decoding")
+        if self.cache.kv_eviction == "streaming":
+            if spec is not None:
+                raise ConfigError("kv_eviction", "'streaming' is not supported with speculative decoding")
+            if self.attention_backend == "triton":
+                raise ConfigError("kv_eviction", "'streaming' runs on the torch attention backend; use "
+                                  "attention_backend torch or auto")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ConfigError("enable_sleep_mode", f"must be True or False, got {self.enable_sleep_mode!r}")
         if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":

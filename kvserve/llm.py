@@ -28,7 +28,7 @@ class LLM:
                  device: str = "auto", seed: int = 0, block_size: int | None = None,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.90,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", window_kv: str = "free",
-                 swap_space: int | str = "4GiB", max_num_seqs: int = 256,
+                 kv_eviction: str = "none", swap_space: int | str = "4GiB", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, show_progress: bool = True,
                  attention_backend: str = "auto", enforce_eager: bool = False,
@@ -47,7 +47,8 @@ class LLM:
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, window_kv=window_kv, swap_space=parse_size(swap_space, "swap_space"),
+            preemption_mode=preemption_mode, window_kv=window_kv, kv_eviction=kv_eviction,
+            swap_space=parse_size(swap_space, "swap_space"),
             cpu_kv_memory=(0 if str(cpu_kv_memory).strip().lower() in ("0", "", "0b", "none", "off")
                            else parse_size(cpu_kv_memory, "cpu_kv_memory")),
             disk_kv_dir=disk_kv_dir, disk_kv_size=parse_size(disk_kv_size, "disk_kv_size"),

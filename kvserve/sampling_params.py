@@ -122,6 +122,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Tokens of KV the request may hold with streaming eviction (``--kv-eviction streaming``):
+    # its first block plus its latest blocks; the range needing the model is the engine's check.
+    kv_budget: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -155,6 +158,7 @@ class SamplingParams:
         int_in("seed", *SEED_RANGE, optional=True)
         int_in("logprobs", 0, MAX_LOGPROBS, optional=True)
         int_in("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        int_in("kv_budget", 1, MAX_COUNT, optional=True)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is None:
             stops = []

@@ -10,7 +10,9 @@ prefix. So prefix-cache hits,
 copy on write, swapping and preemption are checked for what they are for: the right KV. With KV
 groups (``windows``: sliding-window layers) each group's table is written and read the same way,
 a local group's only over the keys its queries see, and every block out of the window must have
-gone back to the pool before the step.
+gone back to the pool before the step. With streaming eviction (``kv_budgets``) a budgeted request
+reads only its sink and recent blocks, the blocks between must have gone back, and KV computed
+under the mask is keyed by the budget too, so a request reading it through the prefix cache fails.
 
 After every operation the bookkeeping invariants are checked too (reference counts, hashes, no
 leaked block, queues consistent), and at the end every request must finish within a bounded
@@ -31,6 +33,7 @@ from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step import ModelRunnerOutput
+from kvserve.kv_eviction import SINK_BLOCKS, full_attention_blocks, recent_start
 from kvserve.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 4096
@@ -51,7 +54,8 @@ class Sim:
     def __init__(self, *, num_blocks: int, block_size: int, mode: str = "recompute",
                  swap_blocks: int = 0, budget: int = 2048, max_num_seqs: int = 256,
                  chunked: bool = True, caching: bool = True, watermark: float = 0.0,
-                 seed: int = 0, vocab: int = 50, windows: tuple[int | None, ...] = (None,)):
+                 seed: int = 0, vocab: int = 50, windows: tuple[int | None, ...] = (None,),
+                 kv_budgets: tuple[int | None, ...] = (None,)):
         cache = CacheConfig(block_size=block_size, preemption_mode=mode, watermark=watermark,
                             enable_prefix_caching=caching, swap_space=swap_blocks * 1024)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -62,6 +66,7 @@ class Sim:
                                swap_capacity_blocks=swap_blocks if mode == "swap" else 0)
         self.rng = random.Random(seed)
         self.vocab = vocab
+        self.kv_budgets = kv_budgets  # each request draws its kv_budget from these
         self.live: list[Request] = []  # unfinished requests, children included
         self.order: dict[str, int] = {}  # group id -> arrival sequence number
         self.first_step: dict[str, int] = {}  # group id -> step of first scheduling
@@ -82,7 +87,8 @@ class Sim:
         if not self.fits(len(prompt), max_tokens, n):
             return None  # LLMEngine.validate would reject it
         rid = f"r{len(self.order)}"
-        params = SamplingParams(n=n, max_tokens=max_tokens, prompt_logprobs=0 if prompt_logprobs else None)
+        params = SamplingParams(n=n, max_tokens=max_tokens, prompt_logprobs=0 if prompt_logprobs else None,
+                                kv_budget=self.rng.choice(self.kv_budgets))
         req = Request(rid, list(prompt), params, max_model_len=MAX_MODEL_LEN)
         self.order[rid] = len(self.order)
         self.sched.add_request(req)
@@ -110,6 +116,21 @@ class Sim:
 
     def slot(self, table: list[int], p: int) -> int:
         return table[p // self.bs] * self.bs + p % self.bs
+
+    def kv_key(self, r: Request, g: int, k: list[int], p: int) -> tuple:
+        """What the KV at position ``p`` of ``r`` is computed from: its prefix, and its budget
+        where the budget hid keys from it."""
+        b = r.params.kv_budget
+        masked = b is not None and p >= full_attention_blocks(b, self.bs) * self.bs
+        return (g, k[p], b) if masked else (g, k[p])
+
+    def reads(self, r: Request, lo: int, end: int) -> range | list[int]:
+        """The positions a step of ``r`` over ``[num_computed_tokens, end)`` reads (from ``lo``)."""
+        b = r.params.kv_budget
+        if b is None:
+            return range(lo, end)
+        start = recent_start(b, self.bs, r.num_computed_tokens) * self.bs
+        return [p for p in range(end) if p < SINK_BLOCKS * self.bs or p >= start]
 
     # -- one step --------------------------------------------------------------------------
     def step(self, on_schedule=None):
@@ -147,6 +168,10 @@ class Sim:
             for g, w in enumerate(kv.windows):  # out of the window: freed; in it: held
                 t = kv.tables_of(r)[g]
                 lo = 0 if w is None else max(0, r.num_computed_tokens - w + 1) // bs
+                if r.params.kv_budget is not None:  # the blocks between the sinks and the recent ones
+                    hi = min(len(t), recent_start(r.params.kv_budget, bs, r.num_computed_tokens))
+                    assert all(b == NULL for b in t[SINK_BLOCKS:hi]), (r, t)
+                    t = t[:SINK_BLOCKS] + t[hi:]
                 assert all(b == NULL for b in t[:lo]) and NULL not in t[lo:], (r, g, t)
             if r.group_id not in self.first_step:
                 self.first_step[r.group_id] = self.steps
@@ -180,8 +205,8 @@ class Sim:
             keys[r.request_id] = k = prefix_keys(r.all_token_ids)
             for g, table in enumerate(kv.tables_of(r)):
                 for p in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                    slot = self.slot(table, p)
-                    assert writes.setdefault(slot, (g, k[p])) == (g, k[p]), (
+                    slot, key = self.slot(table, p), self.kv_key(r, g, k, p)
+                    assert writes.setdefault(slot, key) == key, (
                         f"two requests write different KV into block {slot // bs} in one step")
         for slot, key in writes.items():
             self.slots[slot] = key
@@ -190,9 +215,9 @@ class Sim:
             k = keys[r.request_id]
             for g, (w, table) in enumerate(zip(kv.windows, kv.tables_of(r))):
                 lo = 0 if w is None else max(0, r.num_computed_tokens - w + 1)  # the first key read
-                for p in range(lo, r.num_computed_tokens + s.num_new_tokens):
+                for p in self.reads(r, lo, r.num_computed_tokens + s.num_new_tokens):
                     got = self.slots[self.slot(table, p)]
-                    assert got == (g, k[p]), (
+                    assert got == self.kv_key(r, g, k, p), (
                         f"{r.request_id} reads wrong KV at position {p} (group {g}, block {table[p // bs]})")
 
         # -- the real Scheduler.update: advance, append, fork, finish ------------------------
@@ -382,6 +407,32 @@ TestWindowedSchedulerMachine = WindowedSchedulerMachine.TestCase
 TestWindowedSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                                  suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.filter_too_much])
+
+
+class StreamingSchedulerMachine(SchedulerMachine):
+    """The same workloads with streaming KV eviction: each request under a random budget (the
+    least one, a few blocks, or none), sharing prefixes, forking and preempted among the others."""
+
+    @initialize(
+        block_size=st.sampled_from([4, 16]),
+        num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 60)),
+        budget=st.sampled_from([7, 16, 64, 2048]),
+        max_num_seqs=st.sampled_from([2, 3, 256]),
+        chunked=st.booleans(),
+        caching=st.sampled_from([True, True, True, False]),
+        vocab=st.sampled_from([2, 50]),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def setup(self, block_size, **kw):
+        budgets = (None, 2 * block_size + 1, 3 * block_size, 5 * block_size + 2)
+        self.sim = Sim(mode="recompute", block_size=block_size, kv_budgets=budgets, **kw)
+        self.prompts = []
+
+
+TestStreamingSchedulerMachine = StreamingSchedulerMachine.TestCase
+TestStreamingSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                                  suppress_health_check=[HealthCheck.too_slow,
+                                                                         HealthCheck.filter_too_much])
 
 
 # -- run-to-completion over random workloads -----------------------------------------------------

@@ -19,6 +19,12 @@ request's future queries sees (``num_computed_tokens - window + 1``) and marks t
 ``NULL``; freed blocks keep their hash, so they stay prefix hits until the pool reuses them. A
 prefix of ``N`` blocks is a hit when every global group holds all ``N`` and every local group the
 blocks its first uncomputed query sees; a local group takes references on those only.
+
+Streaming eviction (``kv_eviction.py``): before each step, the blocks of a request with a
+``kv_budget`` between its sinks and its next query's ``recent_start`` become ``NULL``: its
+references are dropped, so a block shared with another request stays until its count reaches 0.
+Only the first ``full_attention_blocks`` (computed before any key was hidden, so equal to full
+attention's KV) enter the prefix cache, and a request is offered no more cached blocks than that.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from math import ceil
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import PENDING_TOKEN, Request
+from kvserve.kv_eviction import SINK_BLOCKS, full_attention_blocks, recent_start
 
 
 def hash_block(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
@@ -112,7 +119,7 @@ class KVCacheManager:
         if not self.enable_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req)
-        keys = req.block_hashes[:(req.num_tokens - 1) // self.block_size]
+        keys = req.block_hashes[:min((req.num_tokens - 1) // self.block_size, self._cacheable(req))]
         n = len(keys)
         found: list[list[int | None]] = []  # per group, the cached block of each key (or None)
         for g, w in enumerate(self.windows):
@@ -155,6 +162,9 @@ class KVCacheManager:
             return [[] for _ in self.windows]
         hits = self._group_hits(req, len(computed))
         assert hits is not None and hits[0] == list(computed), "prefix hits went stale before allocation"
+        if req.params.kv_budget is not None:  # no reference to the hits its first query does not see
+            stop = recent_start(req.params.kv_budget, self.block_size, len(computed) * self.block_size)
+            hits[0][SINK_BLOCKS:stop] = [NULL] * len(hits[0][SINK_BLOCKS:stop])
         return hits
 
     def _tokens_after(self, req: Request, num_new_tokens: int, hits: list[list[int]]) -> int:
@@ -173,6 +183,27 @@ class KVCacheManager:
     def _needs_cow(self, req: Request, table) -> bool:
         return (bool(table) and req.num_computed_tokens % self.block_size != 0
                 and table[-1] != NULL and self.pool.blocks[table[-1]].ref_cnt > 1)
+
+    def _cacheable(self, req: Request) -> int:
+        """Leading blocks of ``req`` computed as under full attention (all, without a budget)."""
+        budget = req.params.kv_budget
+        return 1 << 62 if budget is None else full_attention_blocks(budget, self.block_size)
+
+    def evict_streaming(self, req: Request) -> int:
+        """Drop ``req``'s references to the blocks between its sinks and the first recent block
+        its next query sees. Returns how many were dropped."""
+        table = self.tables.get(req.request_id)
+        if req.params.kv_budget is None or not table:
+            return 0
+        stop = min(recent_start(req.params.kv_budget, self.block_size, req.num_computed_tokens), len(table))
+        freed = []
+        for i in range(stop - 1, SINK_BLOCKS - 1, -1):  # tail first; the NULLs run up to ``stop``
+            if table[i] == NULL:
+                break
+            freed.append(table[i])
+            table[i] = NULL
+        self.pool.free(freed)
+        return len(freed)
 
     def free_out_of_window(self, req: Request) -> int:
         """Give back the blocks of ``req``'s local tables that no future query reads (before
@@ -197,6 +228,7 @@ class KVCacheManager:
         blocks, for a request being admitted). False, changing nothing but freeing blocks out of
         the windows, if the pool is short."""
         self.free_out_of_window(req)
+        self.evict_streaming(req)
         table = self.tables.get(req.request_id)
         if table and not computed and not reserve_blocks and len(self.group_tables) == 1:
             total = req.num_computed_tokens + num_new_tokens
@@ -239,7 +271,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         self._update_hashes(req)
-        num_full = min(num_full, len(req.block_hashes))  # (a block with a pending token waits)
+        num_full = min(num_full, len(req.block_hashes), self._cacheable(req))  # (a pending token waits)
         for g, tables in enumerate(self.group_tables):
             table = tables[req.request_id]
             for i in range(done, num_full):
@@ -342,8 +374,15 @@ class KVCacheManager:
                 req = by_id[rid]
                 assert len(table) == len(self.tables[rid]), (rid, g)
                 nulls = sum(1 for b in table if b == NULL)
-                assert all(b == NULL for b in table[:nulls]), (rid, g, table)
-                if nulls:
+                budget = req.params.kv_budget
+                if budget is not None:  # a run after the sinks, before the next query's recent blocks
+                    lo = SINK_BLOCKS
+                    assert all(b == NULL for b in table[lo:lo + nulls]), (rid, table)
+                    assert not nulls or lo + nulls <= recent_start(budget, self.block_size,
+                                                                   req.num_computed_tokens), (rid, table)
+                else:
+                    assert all(b == NULL for b in table[:nulls]), (rid, g, table)
+                if nulls and budget is None:
                     assert self.windows[g] is not None, (rid, g)
                     assert nulls <= self._first_needed(g, req.num_computed_tokens), (rid, g, nulls)
                 for i in range(self._num_hashed[rid]):

@@ -30,6 +30,7 @@ from kvserve.engine.sleep_mode import PARTS
 from kvserve.engine.stats import EngineStats, StepStats
 from kvserve.engine.step import EngineCoreOutputs, SchedulerOutput
 from kvserve.errors import ConfigError, EngineBusyError, InvalidRequestError, WakeUpError
+from kvserve.kv_eviction import kv_budget_min
 from kvserve.models import loader
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class LLMEngine:
             config = dataclasses.replace(config, scheduler=dataclasses.replace(
                 config.scheduler, max_num_seqs=plan.max_num_seqs))
             self.config = rt.config = config
+        if config.cache.kv_eviction == "streaming" and groups.windowed:
+            raise ConfigError("kv_eviction", f"'streaming' is for full-attention models; {src.name} has "
+                              "sliding-window layers, whose blocks out of the window are freed already")
         rt.allocate_kv_cache(plan)
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
@@ -338,6 +342,14 @@ class LLMEngine:
                                       code="context_length_exceeded")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.kv_budget is not None:
+            lo = kv_budget_min(self.config.cache.block_size)
+            if self.config.cache.kv_eviction != "streaming":
+                raise InvalidRequestError("kv_budget", "needs the server started with --kv-eviction streaming")
+            if not lo <= params.kv_budget <= self.max_model_len:
+                raise InvalidRequestError("kv_budget", f"must be an integer in [{lo}, {self.max_model_len}] "
+                                          f"(the sink block, one more block and the step's token; at most "
+                                          f"max_model_len), got {params.kv_budget}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # a spec that does not compile stops here
         if self.speculator is not None:

@@ -61,7 +61,9 @@ class ModelRunner:
         cache = config.cache
         name = config.attention_backend
         if name == "auto":
-            name = "triton" if self.device.type == "cuda" and kernels.has_triton() else "torch"
+            # Streaming KV eviction's sink + recent mask is the torch backend's (run eagerly).
+            name = ("triton" if self.device.type == "cuda" and kernels.has_triton()
+                    and cache.kv_eviction == "none" else "torch")
         self.backend_name = name
         self.kv_scales = kv_plan.load_scales(config, src, self.device)
         self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
@@ -374,7 +376,9 @@ class ModelRunner:
         if self.gpu_timer is not None:
             self.gpu_timer.start()
         res_slots = kv.residual_rows([s.request.request_id for s in sched]) if self.kv_format.kivi else None
-        hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs=group_seqs)
+        budgets = [s.request.params.kv_budget for s in sched]
+        hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs=group_seqs,
+                                            kv_budgets=budgets if any(b is not None for b in budgets) else None)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -575,7 +579,8 @@ class ModelRunner:
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None,
                  rows: bool | None = None, model=None,
-                 group_seqs: list | None = None) -> tuple[torch.Tensor, list[int]]:
+                 group_seqs: list | None = None,
+                 kv_budgets: list[int | None] | None = None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
         else eagerly. A step of a few tokens per sequence (a verify step) runs as a decode step
         of one row per token (``decode_rows.py``) where ``KernelConfig.decode_rows`` says so;
@@ -583,14 +588,15 @@ class ModelRunner:
         ``patch``: (rows, ids) on the device replacing pending input tokens. ``model``: (model,
         KV layers, graphs or None) run instead of the target's, on its device and backend (the
         draft model's steps). ``group_seqs``: ``seqs`` with the tables of KV groups 1, 2, ...
-        (sliding-window models; always eager, never as rows). Returns hidden states [T, hidden],
+        (sliding-window models; always eager, never as rows). ``kv_budgets``: per sequence, its
+        streaming-eviction budget (always eager, never as rows). Returns hidden states [T, hidden],
         one per token in order either way, and the sequences' query offsets."""
         net, kv_layers, g = model if model is not None else (self.model, self.kv_cache.layers, self.graphs)
         width = max(len(t) for _, _, t in seqs)
         mode = self.config.kernel.decode_rows
-        as_rows = (res_slots is None and not group_seqs and (mode != "never" if rows is None else rows)
-                   and decode_rows.eligible(seqs))
-        if (g is not None and not group_seqs and (len(ids) == len(seqs) or as_rows)
+        as_rows = (res_slots is None and not group_seqs and not kv_budgets
+                   and (mode != "never" if rows is None else rows) and decode_rows.eligible(seqs))
+        if (g is not None and not group_seqs and not kv_budgets and (len(ids) == len(seqs) or as_rows)
                 and g.fits(len(ids), width, as_rows)):
             positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
             row_lens, row_tables = seq_lens, tables
@@ -607,6 +613,7 @@ class ModelRunner:
         # prefill kernel, which reads each context once, is the better choice.
         as_rows = as_rows and (rows is True or (rows is None and mode == "always"))
         meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows)
+        meta.kv_budgets = kv_budgets
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]

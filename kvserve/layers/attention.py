@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvserve import kv_format
 from kvserve.config import KernelConfig
+from kvserve.kv_eviction import SINK_BLOCKS, recent_start, streaming_mask
 from kvserve.kv_format import KVViews
 from kvserve.layers.forward_context import AttentionMetadata, ForwardContext, forward_context, get_forward_context  # noqa: F401
 
@@ -59,6 +60,10 @@ class TorchPagedAttention:
         for i, table in enumerate(meta.seq_tables):
             s, e = meta.query_start[i], meta.query_start[i + 1]
             L = meta.seq_lens[i]
+            if meta.kv_budgets is not None and meta.kv_budgets[i] is not None:
+                out[s:e] = _attend_streaming(q[s:e], k_cache, v_cache, table, L, meta.kv_budgets[i], bs,
+                                             scale).to(out.dtype)
+                continue
             lo = 0 if window is None else max(0, L - (e - s) - window + 1)  # first key any query sees
             b0 = lo // bs
             keys = k_cache.index_select(0, table[b0:]).view(-1, kvh, d)[lo - b0 * bs:L - b0 * bs].to(acc)
@@ -86,6 +91,26 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, sca
     if window is not None:
         mask &= kpos > qpos - window
     o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _attend_streaming(q, k_cache, v_cache, table, L: int, kv_budget: int, bs: int, scale: float):
+    """The last ``q.shape[0]`` of ``L`` queries over the sink blocks and the blocks from the first
+    query's recent start on: the blocks between were freed (their table entries are NULL)."""
+    ql, (_, _, kvh, d) = q.shape[0], k_cache.shape
+    b0 = recent_start(kv_budget, bs, L - ql)
+    nb = table.shape[0]
+    blocks = table if b0 <= SINK_BLOCKS else torch.cat([table[:SINK_BLOCKS], table[b0:]])
+    kpos = torch.arange(nb * bs, device=q.device)
+    if b0 > SINK_BLOCKS:
+        kpos = torch.cat([kpos[:SINK_BLOCKS * bs], kpos[b0 * bs:]])
+    n = int((kpos < L).sum())
+    keys = k_cache.index_select(0, blocks).view(-1, kvh, d)[:n].to(q.dtype)
+    vals = v_cache.index_select(0, blocks).view(-1, kvh, d)[:n].to(q.dtype)
+    mask = streaming_mask(torch.arange(L - ql, L, device=q.device), kpos[:n], kv_budget, bs)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                       vals.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -52,6 +52,9 @@ class AttentionMetadata:
     # write in the same step, so every row's K/V is written before the attention kernel runs
     # (no RoPE + KV write fused into it, which stores only its own row's).
     decode_rows: bool = False
+    # Streaming KV eviction (``engine/kv_cache_manager.py``): each sequence's ``kv_budget`` (None:
+    # every key); a query sees the sink blocks and its recent blocks only. None: no sequence has one.
+    kv_budgets: list[int | None] | None = None
 
 
 @dataclass

@@ -148,6 +148,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int_in(0, MAX_COUNT) = 0
     stop_token_ids: list[int_in(0, MAX_COUNT)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    kv_budget: TokenCount | None = None  # kvserve: KV tokens held with streaming eviction
     logit_bias: dict[str, number_in(-100, 100)] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's spelling
@@ -164,7 +165,8 @@ class _SamplingFields(_Request):
                 top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                structured_outputs=self._structured_outputs(), logit_bias=self._logit_bias())
+                structured_outputs=self._structured_outputs(), logit_bias=self._logit_bias(),
+                kv_budget=self.kv_budget)
         except InvalidRequestError as e:
             raise self.as_sent(e) from None
 
