@@ -57,6 +57,8 @@ class CacheAwareRouter(ReplicaReports, FIFOMixin, RequestRouter):
                                    route.get("session"))
         if pending_request is not None and ranked:
             self.first_choice[pending_request.metadata.internal_request_id] = ranked[0]
+            if len(self.first_choice) > 65536:  # requests cancelled before routing never pop theirs
+                del self.first_choice[next(iter(self.first_choice))]
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # all full: wait before trying again
         return [[by_id[rid]] for rid in ranked]
