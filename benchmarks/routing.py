@@ -1,13 +1,18 @@
 """Cache-aware routing against Ray Serve's routers, on replicated kvserve (`serve --replicas`).
 
     python benchmarks/routing.py --out benchmarks/results/routing     # CPU: 2 replicas, default model
+    python benchmarks/routing.py --workload docqa --out benchmarks/results/routing_docqa
 
 One local Ray instance; for each router in turn (``--routers``: cache-aware, round-robin,
 power-of-two) the same application is deployed fresh (cold caches), driven by the same workload,
-and deleted. Workload, multi-turn chat: ``--users`` conversations, user u on system prompt
+and deleted. Workload ``chat`` (the default), multi-turn chat: ``--users`` conversations, user u on system prompt
 u mod ``--systems`` (each ``--system-words`` random words); each turn adds a short question, asks
 for ``--output-tokens`` tokens (greedy, EOS ignored) and streams the reply; the next turn, after
-``--think-seconds``, sends the whole conversation so far. Users start spread over one think time.
+``--think-seconds``, sends the whole conversation so far. Workload ``docqa``, questions on shared
+documents: ``--documents`` long documents (``--document-words`` random words each), user u asks
+``--turns`` questions on document u mod ``--documents``, each a fresh request (the document as the
+system message, then the question; no history), so every user's questions interleave with the
+other users' on the same and other documents. Users start spread over one think time.
 
 Per router: prefix hit rate (cached over prompt tokens, as the replicas report them in usage),
 time to first token p50/p99 (to the first content chunk), requests and output tokens per second
@@ -75,13 +80,30 @@ async def user(client, uid: int, systems: list[str], args, log: list) -> None:
         await asyncio.sleep(args.think_seconds)
 
 
+async def reader(client, uid: int, documents: list[str], args, log: list) -> None:
+    rng = random.Random(uid)
+    await asyncio.sleep(rng.random() * args.think_seconds)
+    for t in range(args.turns):
+        messages = [{"role": "system", "content": documents[uid % len(documents)]},
+                    {"role": "user", "content": f"Reader {uid}, question {t}: where does the document mention the "
+                     f"{rng.choice(WORDS)} and the {rng.choice(WORDS)}?"}]
+        rec = await turn(client, messages, args)
+        log.append({"user": uid, "turn": t, **{k: v for k, v in rec.items() if k != "text"}})
+        await asyncio.sleep(args.think_seconds)
+
+
 async def workload(url: str, args) -> dict:
     rng = random.Random(0)
-    systems = [" ".join(rng.choice(WORDS) for _ in range(args.system_words)) for _ in range(args.systems)]
+    if args.workload == "docqa":
+        texts = [" ".join(rng.choice(WORDS) for _ in range(args.document_words)) for _ in range(args.documents)]
+        run = reader
+    else:
+        texts = [" ".join(rng.choice(WORDS) for _ in range(args.system_words)) for _ in range(args.systems)]
+        run = user
     log: list[dict] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(user(client, u, systems, args, log) for u in range(args.users)))
+        await asyncio.gather(*(run(client, u, texts, args, log) for u in range(args.users)))
         wall = time.perf_counter() - t0
     ttfts = [r["ttft"] for r in log if r["ttft"] is not None]
     prompt, cached = sum(r["prompt"] for r in log), sum(r["cached"] for r in log)
@@ -116,10 +138,13 @@ def main() -> int:
     p.add_argument("--gpus-per-replica", type=float, default=0.0)
     p.add_argument("--model", default=None, help="default: the default model")
     p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--workload", choices=("chat", "docqa"), default="chat")
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--systems", type=int, default=4)
     p.add_argument("--system-words", type=int, default=300)
+    p.add_argument("--documents", type=int, default=4, help="docqa: shared documents")
+    p.add_argument("--document-words", type=int, default=800, help="docqa: words per document")
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--think-seconds", type=float, default=1.0)
     p.add_argument("--port", type=int, default=18590)
@@ -157,12 +182,16 @@ def main() -> int:
     summary = {"config": vars(args), "results": results}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"\n{args.replicas} replicas, {args.users} users x {args.turns} turns, {args.systems} system prompts of "
-          f"{args.system_words} words, {args.output_tokens} output tokens, think {args.think_seconds}s")
-    print("| router | prefix hit rate | TTFT p50 / p99 (ms) | req/s | out tok/s | requests per replica |")
-    print("| --- | ---: | --- | ---: | ---: | --- |")
+    shared = (f"{args.documents} documents of {args.document_words} words, one question a request"
+              if args.workload == "docqa" else f"{args.systems} system prompts of {args.system_words} words")
+    print(f"\n{args.workload}: {args.replicas} replicas, {args.users} users x {args.turns} turns, {shared}, "
+          f"{args.output_tokens} output tokens, think {args.think_seconds}s")
+    print("| router | prefix hit rate | prompt tokens computed | TTFT p50 / p99 (ms) | req/s | out tok/s "
+          "| requests per replica |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | --- |")
     for router, r in results.items():
-        print(f"| {router} | {r['prefix_hit_rate']:.1%} | {r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} "
+        print(f"| {router} | {r['prefix_hit_rate']:.1%} | {r['prompt_tokens'] - r['cached_tokens']:,} "
+              f"| {r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} "
               f"| {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.1f} | "
               f"{' / '.join(str(n) for n in sorted(r['requests_per_replica'].values()))} |")
     return 0

@@ -9,6 +9,12 @@ chooses where, by a route key it derives from the body:
     /v1/sessions/{id}/...                   the session (sticky to the replica that holds it)
     anything else                           no key: the least-loaded replica
 
+/health is the front end's own: 200 while at least one live replica reports itself healthy,
+with the counts (until the first request builds the handle's router, which holds the reports,
+one replica answers it, as it does any other path). /metrics goes to one replica, whose app
+decides the key (and --metrics-public); allowed, its answer is replaced by every live replica's
+metrics and the router's (metrics.py).
+
 A body that does not parse gets no key; the replica it lands on answers the 400. Sessions and
 salts are keyed by a hash of the caller's Authorization header, so one tenant's session or salt
 never steers another's requests (the replica enforces the isolation itself).
@@ -24,9 +30,11 @@ import json
 import logging
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.cluster import metrics
 from kvserve.cluster.prefix_index import block_hashes
+from kvserve.cluster.reports import replica_reports
 from kvserve.server.errors import APIError, error_body, sse_error
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -48,6 +56,8 @@ class Ingress:
                  block_size: int, max_request_bytes: int):
         self.replicas = replicas.options(stream=True)
         self.block_size, self.max_request_bytes = block_size, max_request_bytes
+        self.routed: dict[str, int] = {}  # replica id -> requests it started answering
+        self.in_flight: dict[str, int] = {}  # replica id -> of those, not yet finished
         self.tokenizer = None
         if tokenizer_source is not None:
             from kvserve.tokenizer import load_tokenizer, read_chat_template
@@ -82,8 +92,26 @@ class Ingress:
             p = tok.encode(p) if tok is not None else list(p.encode())
         return p, req
 
+    # -- the front end's own answers -----------------------------------------------------------
+    def health(self) -> JSONResponse | None:
+        if (seen := replica_reports()) is None:
+            return None
+        reports = seen[0]
+        healthy = sum(1 for r in reports.values() if r.get("healthy"))
+        if healthy:
+            return JSONResponse({"status": "ok", "replicas": len(reports), "healthy_replicas": healthy})
+        body = error_body(503, f"No replica is healthy ({len(reports)} live, none reporting healthy).",
+                          code="unhealthy")
+        return JSONResponse({**body, "replicas": len(reports), "healthy_replicas": 0}, status_code=503)
+
+    def metrics(self) -> bytes:
+        reports, decisions = replica_reports() or ({}, {})
+        return metrics.render(reports, self.routed, self.in_flight, decisions)
+
     # -- forwarding -------------------------------------------------------------------------
     async def __call__(self, request: Request):
+        if request.url.path == "/health" and request.method in ("GET", "HEAD") and (h := self.health()):
+            return h
         body = await request.body()
         headers = [(k.lower(), v) for k, v in request.headers.raw]
         route = await asyncio.to_thread(self.route, request.url.path, body, request.headers.get("authorization",
@@ -105,13 +133,20 @@ class Ingress:
         else:
             return JSONResponse(error_body(503, "No replica could answer; retry shortly.", code="replica_failed"),
                                 status_code=503, headers={"Retry-After": "1"})
+        replica = str(head["replica"])
+        if request.url.path == "/metrics" and head["status"] == 200:  # the replica let the caller in
+            gen.cancel()
+            return Response(self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8",
+                            headers={REPLICA_HEADER.decode(): replica})
         raw_headers = [(bytes(k), bytes(v)) for k, v in head["headers"]]
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in raw_headers)
-        resp = StreamingResponse(self._body(gen, sse), status_code=head["status"])
-        resp.raw_headers = raw_headers + [(REPLICA_HEADER, str(head["replica"]).encode())]
+        self.routed[replica] = self.routed.get(replica, 0) + 1
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        resp = StreamingResponse(self._body(gen, sse, replica), status_code=head["status"])
+        resp.raw_headers = raw_headers + [(REPLICA_HEADER, replica.encode())]
         return resp
 
-    async def _body(self, gen, sse: bool):
+    async def _body(self, gen, sse: bool, replica: str):
         """The rest of the replica's response; a client that leaves cancels the replica's call,
         whose app then sees the disconnect and aborts the engine request (its KV is freed)."""
         done = False
@@ -128,5 +163,6 @@ class Ingress:
                                      code="replica_failed")).encode()
             yield _DONE
         finally:
+            self.in_flight[replica] -= 1
             if not done:
                 gen.cancel()

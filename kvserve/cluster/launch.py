@@ -20,10 +20,10 @@ from kvserve.errors import ConfigError
 from kvserve.kv_format import default_block_size
 
 APP_NAME = "kvserve"
-ROUTERS = {  # --router: how requests pick a replica
+ROUTERS = {  # --router: how requests pick a replica (Ray's own two, registered for /health and /metrics)
     "cache-aware": "kvserve.cluster.router:CacheAwareRouter",
-    "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
-    "round-robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
+    "power-of-two": "kvserve.cluster.router:PowerOfTwo",
+    "round-robin": "kvserve.cluster.router:RoundRobin",
 }
 
 

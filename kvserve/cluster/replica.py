@@ -9,8 +9,9 @@ streaming), driven here over ASGI without a socket. ``handle`` yields the respon
 so a stream reaches the client event by event. If the caller goes away (the client left, or Ray
 cancels the call), the app sees ``http.disconnect`` and aborts the engine request.
 
-``record_routing_stats`` (called by Ray every few seconds) tells the router how full this
-replica is; ``check_health`` fails once the engine has failed for good, so Ray replaces it.
+``record_routing_stats`` (called by Ray every second) tells the router how full this replica
+is, and the ingress whether it is healthy and its Prometheus metrics; ``check_health`` fails
+once the engine has failed for good, so Ray replaces it.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class EngineReplica:
         blocks = snap.kv_blocks_used + snap.kv_blocks_free
         return {"kv_blocks": blocks, "kv_free": snap.kv_blocks_free / blocks if blocks else 1.0,
                 "waiting": self.engine.num_waiting, "running": snap.num_running,
-                "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits}
+                "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
+                "healthy": self.engine.healthy, "metrics": self.app.state.kvserve.metrics.render().decode()}
 
     def check_health(self) -> None:
         if not self.engine.healthy:

@@ -9,17 +9,36 @@ Ray calls ``choose_replicas`` with the request's arguments; the ingress passes `
 and tries the ranks it returns in order (Ray skips a replica whose queue is full and tries the
 next). ``on_request_routed`` records where it went, ``on_request_completed`` ends its count;
 Ray tells us when a replica dies or the set changes, and the index forgets what left.
-Replica reports (``EngineReplica.record_routing_stats``): KV size and free fraction.
+Replica reports (``EngineReplica.record_routing_stats``): KV size and free fraction, health and
+the replica's Prometheus text, which the ingress in this same process reads (``replica_reports``)
+to answer /health and /metrics for every live replica; each of our routers registers for that
+(reports.py).
 """
 from __future__ import annotations
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.experimental.round_robin_router import RoundRobinRouter
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvserve.cluster.prefix_index import Load, PrefixIndex
+from kvserve.cluster.reports import ReplicaReports
 
 
-class CacheAwareRouter(FIFOMixin, RequestRouter):
+class RoundRobin(ReplicaReports, RoundRobinRouter):
+    """Ray Serve's round robin, registered for /health and /metrics."""
+
+
+class PowerOfTwo(ReplicaReports, PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's power of two choices, registered for /health and /metrics."""
+
+
+class CacheAwareRouter(ReplicaReports, FIFOMixin, RequestRouter):
     def initialize_state(self, block_size: int = 16, queue_weight: float = 256.0, **_) -> None:
+        super().initialize_state()
+        # prefix_hit: sent where part of its prompt was believed cached; no_hit: nowhere was;
+        # session: back to its session's replica; fallback: not to the first-ranked replica (it was full)
+        self.counts = {"prefix_hit": 0, "no_hit": 0, "session": 0, "fallback": 0}
+        self.first_choice: dict[str, ReplicaID] = {}  # internal request id -> its top rank, until routed
         self.index = PrefixIndex(block_size=block_size, queue_weight=queue_weight)
         self.in_flight: dict[ReplicaID, int] = {}
         self.routed: dict[str, ReplicaID] = {}  # internal request id -> replica, until it completes
@@ -36,12 +55,26 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         ranked = self.index.choose(list(by_id), route.get("hashes", ()), route.get("num_tokens", 0), loads,
                                    route.get("session"))
+        if pending_request is not None and ranked:
+            self.first_choice[pending_request.metadata.internal_request_id] = ranked[0]
+            if len(self.first_choice) > 65536:  # requests cancelled before routing never pop theirs
+                del self.first_choice[next(iter(self.first_choice))]
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # all full: wait before trying again
         return [[by_id[rid]] for rid in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         route = pending_request.kwargs.get("route") or {}
+        first = self.first_choice.pop(pending_request.metadata.internal_request_id, None)
+        session = route.get("session")
+        if session is not None and self.index.sessions.get(session) == replica_id:
+            self.counts["session"] += 1
+        elif self.index.matched(replica_id, route.get("hashes", ())):
+            self.counts["prefix_hit"] += 1
+        else:
+            self.counts["no_hit"] += 1
+        if first is not None and first != replica_id:
+            self.counts["fallback"] += 1
         self.index.record(replica_id, route.get("hashes", ()), route.get("session"))
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         self.routed[pending_request.metadata.internal_request_id] = replica_id
@@ -49,6 +82,9 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.routed.pop(internal_request_id, None) is not None and self.in_flight.get(replica_id, 0) > 0:
             self.in_flight[replica_id] -= 1
+
+    def decisions(self) -> dict[str, int]:
+        return dict(self.counts)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

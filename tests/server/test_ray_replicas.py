@@ -1,6 +1,7 @@
 """`kvserve serve --replicas 2` on a local Ray instance (the default model, two CPU replicas of half
 a core each), driven by the official openai client: the same answers as the offline engine,
-streamed and not; a shared prefix lands on the replica holding it; a replica killed mid-stream
+streamed and not; a shared prefix lands on the replica holding it; /metrics carries both replicas'
+metrics, labelled, and /health counts them; a replica killed mid-stream
 ends its stream with an error while the other's completes, and Ray brings it back."""
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import random
 import signal
 import time
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from ray_proc import ray_server, replica_pids
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install kvserve[ray])")
@@ -89,6 +92,50 @@ def test_shared_prefixes_land_on_the_replica_holding_them(client):
             hits[replica] = hits.get(replica, 0) + usage.prompt_tokens_details.cached_tokens
     assert home["a"] != home["b"]
     assert all(hits[r] >= 3 * 300 for r in home.values()), hits
+
+
+def _samples(text: str) -> dict[str, list]:
+    """Samples by family name, through prometheus_client's own parser (it rejects bad HELP/TYPE)."""
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_metrics_of_every_replica_and_health_counts(cluster, client):
+    """Two documents, three questions each (the router keeps each document on one replica, so
+    both answer, and four of the six are prefix hits): /metrics parses, its replicas' families carry a replica
+    label for each of the two (with the requests each answered), the router's families count the
+    same; it needs the key. /health says ok with 2 healthy replicas."""
+    seen = {}
+    for i in range(6):
+        r = client.completions.with_raw_response.create(model=MODEL, prompt=f"{_document(20 + i % 2)} Q{i}?",
+                                                        max_tokens=1)
+        seen[r.headers[REPLICA_HEADER]] = seen.get(r.headers[REPLICA_HEADER], 0) + 1
+    assert len(seen) == 2, seen
+    assert httpx.get(f"{cluster}/metrics").status_code == 401
+    deadline = time.monotonic() + 30
+    while True:  # replicas report every second: wait for both reports to include the requests above
+        r = httpx.get(f"{cluster}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        fams = _samples(r.text)
+        answered = {}
+        for s in fams["kvserve_requests"]:
+            if s.name == "kvserve_requests_total" and s.labels["endpoint"] == "completions" and \
+                    s.labels["status"] == "200":
+                answered[s.labels["replica"]] = answered.get(s.labels["replica"], 0) + s.value
+        if set(answered) == set(seen) and all(answered[k] >= n for k, n in seen.items()):
+            break
+        assert time.monotonic() < deadline, (answered, seen)
+        time.sleep(0.5)
+    for name in ("kvserve_num_requests_running", "kvserve_time_to_first_token_seconds"):
+        assert {s.labels["replica"] for s in fams[name]} == set(seen), name
+    routed = {s.labels["replica"]: s.value for s in fams["kvserve_router_requests"] if s.name.endswith("_total")}
+    assert all(routed[k] >= n for k, n in seen.items()), (routed, seen)
+    assert {s.labels["replica"]: s.value for s in fams["kvserve_router_in_flight"]} == {k: 0 for k in seen}
+    decisions = {s.labels["decision"]: s.value for s in fams["kvserve_router_decisions"] if s.name.endswith("_total")}
+    assert decisions["prefix_hit"] >= 4 and sum(decisions.values()) >= sum(routed.values()), decisions
+    assert {s.labels["state"]: s.value for s in fams["kvserve_router_replicas"]} == {"live": 2, "healthy": 2}
+    health = httpx.get(f"{cluster}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "replicas": 2, "healthy_replicas": 2}
 
 
 def test_a_replica_killed_mid_stream(cluster, client):
