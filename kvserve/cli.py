@@ -405,15 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-replicas", type=int, default=0, help="with --max-replicas: autoscale down to this "
                    "many (0: to zero; a request then waits for a replica to start)")
     r.add_argument("--max-replicas", type=_positive_int, default=None, help="autoscale up to this many replicas")
-    r.add_argument("--target-ongoing-requests", type=float, default=16.0,
-                   help="autoscaling: ongoing requests per replica to aim for")
-    r.add_argument("--scale-down-delay", type=float, default=600.0,
-                   help="autoscaling: seconds of low load before replicas are removed")
+    r.add_argument("--target-ongoing-requests", type=float, default=16.0, help="autoscaling: per replica")
+    r.add_argument("--scale-down-delay", type=float, default=600.0, help="autoscaling: seconds of low load")
     r.add_argument("--router", default="cache-aware", choices=["cache-aware", "power-of-two", "round-robin"],
                    help="cache-aware: the replica holding the longest prefix, weighed against its load; the "
                    "others are Ray Serve's routers")
-    r.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves "
-                   "(fractions allowed)")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves")
     r.add_argument("--gpus-per-replica", type=float, default=0.0, help="Ray GPUs each replica reserves")
     r.add_argument("--ray-object-store-memory", default="128MiB", help="a local Ray instance's object store")
     _engine_args(s)

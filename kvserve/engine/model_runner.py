@@ -5,7 +5,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -13,16 +12,19 @@ import torch
 from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import decode_rows, kv_plan
+from kvserve.engine.cuda_setup import CudaSetup
 from kvserve.engine.device import DTYPES, GpuTimer, default_dtype, resolve_device
 from kvserve.engine.faults import is_device_fault
+from kvserve.engine.grammar_masks import DeferredSampling, GrammarMasks
 from kvserve.engine.kv_cache import KVCache
-from kvserve.engine.request import PENDING_TOKEN, Request
+from kvserve.engine.request import PENDING_TOKEN
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sample_one_by_one, sampling_row
 from kvserve.engine.sleep_mode import SleepMode
-from kvserve.engine.spec import rejection
-from kvserve.engine.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context, get_backend
+from kvserve.engine.spec.verify_step import VerifyStep
+from kvserve.engine.step import ModelRunnerOutput, SchedulerOutput
+from kvserve.engine.step_metadata import StepMetadata
+from kvserve.layers.attention import ForwardContext, forward_context, get_backend
 from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
 
@@ -30,16 +32,8 @@ log = logging.getLogger(__name__)
 
 
 
-@dataclasses.dataclass
-class _DeferredSampling:
-    """The sampling of a step launched ahead with grammar rows: the forward and the LM head are
-    queued, the mask waits for the step in flight's tokens to reach the matchers."""
-    sample: Callable[[Future | None], None]  # launches the sampling with the mask applied
-    fill: Callable[[], Future]  # starts filling the mask from the matchers as they stand
-    mask_job: Future | None = None
 
-
-class ModelRunner:
+class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
     def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int):
         self.device = resolve_device(config.device)
         if config.async_scheduling is None:
@@ -94,7 +88,7 @@ class ModelRunner:
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
         self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
         # A step launched ahead whose grammar rows wait for their matchers to catch up.
-        self._deferred: _DeferredSampling | None = None
+        self._deferred: DeferredSampling | None = None
         # Draws of unseeded requests' draft verification (seeded ones use their own generators).
         self._spec_generator = torch.Generator().manual_seed(config.seed)
         # The CUDA profiling run's result (see _profile_cuda_kv_memory); a snapshot keeps it.
@@ -130,48 +124,6 @@ class ModelRunner:
         if self.device.type != "cuda":
             return cache.cpu_default_kv_memory
         return self._profile_cuda_kv_memory()
-
-    def _profile_cuda_kv_memory(self) -> int:
-        """Free memory after a forward at the largest batch the scheduler can form, times the
-        utilisation fraction, minus what the profiling run showed is needed besides KV. A
-        snapshot written with the same step shape and backend keeps that run's peak, so the
-        forward is skipped and only today's free memory is read."""
-        torch.cuda.empty_cache()
-        n_tokens = self.config.scheduler.max_num_batched_tokens
-        n_seqs = min(self.config.scheduler.max_num_seqs, n_tokens)
-        key = {"max_num_batched_tokens": n_tokens, "max_num_seqs": n_seqs, "backend": self.backend_name,
-               "kv_cache_dtype": self.config.cache.kv_cache_dtype, "block_size": self.block_size}
-        stored = self.src.handle.get("profile") if self.src.kind == "snapshot" else None
-        if stored is not None and stored.get("key") == key:
-            peak = stored["peak_bytes"]
-        else:
-            peak = self._profile_peak(n_tokens, n_seqs)
-        self.kv_profile = {"key": key, "peak_bytes": peak}
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - used_by_others - peak
-        if budget <= self.arch.num_layers * self.kv_format.block_bytes:
-            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.2f} GiB, "
-                               f"total {total / 2**30:.2f} GiB); lower max_num_batched_tokens or set kv_cache_memory")
-        return int(budget)
-
-    def _profile_peak(self, n_tokens: int, n_seqs: int) -> int:
-        """Peak allocated bytes of a forward over ``n_tokens`` tokens in ``n_seqs`` sequences."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        sizes = [n_tokens // n_seqs + (1 if i < n_tokens % n_seqs else 0) for i in range(n_seqs)]
-        per = -(-(max(sizes) + 1) // self.block_size)
-        tmp = KVCache(self.arch, n_seqs * per, self.block_size, self.dtype, self.device)
-        seqs = [(0, s, list(range(i * per, (i + 1) * per))) for i, s in enumerate(sizes)]
-        ids = torch.zeros(n_tokens, dtype=torch.long, device=self.device)
-        meta, positions = self._build_metadata(seqs)
-        with torch.inference_mode(), forward_context(ForwardContext(meta, tmp.layers, self.backend)):
-            hidden = self.model(ids, positions)
-            self._logits(hidden[-n_seqs:])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del tmp
-        torch.cuda.empty_cache()
-        return peak
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
@@ -213,98 +165,11 @@ class ModelRunner:
         """Wake: the pool of the same plan again, so the block manager's accounting holds."""
         self.allocate_kv_cache(self._kv_plan)
 
-    def _warm_sdpa(self) -> None:
-        """The first SDPA call initialises cuDNN (measured 1.7 s on an H200): pay it at start-up,
-        not in the first request's time to first token."""
-        from kvserve.layers.triton_attention import _sdpa_causal
-        a = self.arch
-        q = torch.randn(64, a.num_heads, a.head_dim, device=self.device, dtype=self.dtype)
-        kv = torch.randn(64, a.num_kv_heads, a.head_dim, device=self.device, dtype=self.dtype)
-        _sdpa_causal(q, kv, kv, a.head_dim ** -0.5)
-        torch.cuda.synchronize(self.device)
-
-    def capture_graphs(self) -> None:
-        from kvserve.engine.cuda_graphs import DecodeGraphs
-        sched, spec = self.config.scheduler, self.config.speculative
-        rows = sched.max_num_seqs
-        if spec is not None and self.config.kernel.decode_rows != "never":
-            # Verify steps replay these graphs by rows (decode_rows.py): room for the largest.
-            rows = max(rows, decode_rows.max_verify_rows(spec, sched.max_num_seqs, sched.max_num_batched_tokens))
-        max_batch = self.config.cuda_graph_max_batch or min(512, rows)
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
-                                   max_blocks, self.block_size, self.arch.num_kv_heads,
-                                   kivi=self.kv_format.kivi,
-                                   kv_format=self.kv_format,
-                                   async_copies=self.config.async_scheduling,
-                                   rows=spec is not None and self.config.kernel.decode_rows != "never")
-        self.graphs.capture()
-        also = " (and for verify rows)" if len(self.graphs.row_variants) > 1 else ""
-        msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch}{also} captured in "
-               f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
-        log.info(msg)
-        if self.config.show_progress:
-            print(msg, flush=True)
-
     # -- one step -------------------------------------------------------------------------
-    def _host_metadata(self, seqs: list[tuple[int, int, list[int]]]):
-        """seqs: (num_computed, num_new, block_table) per sequence, in batch order. Returns numpy
-        arrays: positions, slots, seq_lens, query_start, tables [B, max_blocks] int32."""
-        bs = self.block_size
-        B = len(seqs)
-        qlens = np.fromiter((n for _, n, _ in seqs), dtype=np.int64, count=B)
-        starts = np.fromiter((c for c, _, _ in seqs), dtype=np.int64, count=B)
-        width = max(len(t) for _, _, t in seqs)
-        tables = np.zeros((B, width), dtype=np.int32)
-        for i, (_, _, t) in enumerate(seqs):
-            tables[i, :len(t)] = t
-        # NULL entries (blocks freed out of a window) are never read: any valid id will do.
-        np.maximum(tables, 0, out=tables)
-        query_start = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(qlens, out=query_start[1:])
-        row = np.repeat(np.arange(B), qlens)
-        positions = starts[row] + (np.arange(int(query_start[-1])) - query_start[row])
-        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        return positions, slots, starts + qlens, query_start, tables
-
-    def _residual_metadata(self, positions: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray,
-                           res_slots: list[int]) -> tuple[np.ndarray, int]:
-        """KIVI: each token's place in its sequence's residual row (-1 if its block fills this
-        step and is sealed), and the most blocks one sequence fills."""
-        bs = self.block_size
-        qlens = np.diff(query_start)
-        row = np.repeat(np.arange(len(seq_lens)), qlens)
-        full_end = (seq_lens // bs * bs)[row]
-        slots = np.asarray(res_slots, dtype=np.int64)[row]
-        res_map = np.where(positions >= full_end, slots * bs + positions % bs, -1)
-        max_seal = int((seq_lens // bs - (seq_lens - qlens) // bs).max()) if len(seq_lens) else 0
-        return res_map, max_seal
-
     def fork_request(self, parent_id: str, child_id: str) -> None:
         """A forked child shares its parent's unsealed last block, so it gets a copy of the
         parent's residual row."""
         self.kv_cache.fork(parent_id, child_id)
-
-    def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None,
-                        rows: bool = False):
-        """The step's attention metadata and positions on the device; ``rows``: as a decode step
-        of one row per token (``decode_rows.py``; not for KIVI caches)."""
-        positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
-        if rows:
-            seq_lens, query_start, tables = decode_rows.expand(positions, query_start, tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            seq_lens=seq_lens.tolist(), query_lens=np.diff(query_start).tolist(),
-            query_start=query_start.tolist(), block_size=self.block_size)
-        meta.decode_rows = rows
-        if res_slots is not None:
-            res_map, meta.max_seal = self._residual_metadata(positions, seq_lens, query_start, res_slots)
-            meta.res_slots = res_slots
-            meta.res_mapping = torch.from_numpy(res_map).to(dev, non_blocking=True)
-        self.backend.prepare(meta, dev)
-        return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step and return what each scheduled request got."""
@@ -444,7 +309,7 @@ class ModelRunner:
                 # Launched ahead of the step in flight, whose tokens its matchers have not seen:
                 # sampling waits for them (``start_mask_fill``, ``launch_sampling``); the forward
                 # and the LM head are queued already.
-                deferred = _DeferredSampling(sample, lambda: self._fill_masks(n_rows, grammar_rows, grammar_reqs))
+                deferred = DeferredSampling(sample, lambda: self._fill_masks(n_rows, grammar_rows, grammar_reqs))
             else:
                 sample(mask_job)
         else:
@@ -508,73 +373,6 @@ class ModelRunner:
             self.tiers.commit()
             return res
         return finish_and_write
-
-    @staticmethod
-    def _grammar_rows(sched: list[ScheduledRequest]) -> tuple[list[int], list[Request], int]:
-        """The sampling rows under a grammar, their requests, and the step's number of sampling
-        rows, in the order ``launch`` samples them (a request owing forks draws its siblings'
-        first tokens from its own matcher)."""
-        rows, reqs, n = [], [], 0
-        for s in sched:
-            if not s.samples or s.draft_token_ids:
-                continue
-            r = s.request
-            for _ in range(r.pending_forks + 1):
-                if r.grammar is not None:
-                    rows.append(n)
-                    reqs.append(r)
-                n += 1
-        return rows, reqs, n
-
-    def _fill_masks(self, num_rows: int, rows: list[int], reqs: list[Request]):
-        """Start filling the rows' mask on the filler's thread. A request that finished since the
-        launch (stopped, refused by its grammar, aborted) is left out: its token is dropped."""
-        if self._bitmask is None:
-            self._bitmask = structured.BitmaskFiller(self.arch.vocab_size, self.device)
-        live = [(k, r.grammar) for k, r in zip(rows, reqs) if not r.is_finished]
-        return self._bitmask.start(num_rows, [k for k, _ in live], [g for _, g in live])
-
-    def start_mask_fill(self) -> None:
-        """The step before the one launched ahead has been folded in, so the grammar rows'
-        matchers have seen every token: start filling the waiting step's mask on the host (the
-        device is still busy with its forward). Nothing to do for other steps."""
-        d = self._deferred
-        if d is not None and d.mask_job is None:
-            d.mask_job = d.fill()
-
-    @torch.inference_mode()
-    def launch_sampling(self) -> None:
-        """Launch the held sampling of the step launched ahead, its mask applied (waiting for
-        the fill). ``launch`` of the next step and the step's own result call it."""
-        d, self._deferred = self._deferred, None
-        if d is not None:
-            d.sample(d.mask_job if d.mask_job is not None else d.fill())
-
-    def _verify_logits(self, hidden: torch.Tensor, query_start: list[int], sched: list[ScheduledRequest],
-                       verifying: list[int]) -> list[torch.Tensor]:
-        """The logits at every position of each request with drafts (its last known token and
-        its drafts), in one LM-head product; one [k + 1, vocab] tensor per request."""
-        idx, sizes = [], []
-        for i in verifying:
-            end = query_start[i + 1]
-            n = len(sched[i].draft_token_ids) + 1
-            idx.extend(range(end - n, end))
-            sizes.append(n)
-        logits = self._logits(hidden[torch.tensor(idx).to(self.device, non_blocking=True)])
-        return list(logits.split(sizes))
-
-    def _verify(self, s: ScheduledRequest, logits: torch.Tensor):
-        """One request's tokens (accepted drafts + the target's) and their log-probs, if asked."""
-        r, drafts = s.request, s.draft_token_ids
-        rows = [sampling_row(r, 0, drafts[:j]) for j in range(len(drafts) + 1)]
-        processed = rejection.processed_logits(logits, rows)
-        gen = r.generator if r.generator is not None else self._spec_generator
-        toks = rejection.verify_request(processed, rows[0], drafts, r.spec_draft_probs, gen)
-        n_lp = r.params.logprobs
-        if n_lp is None:
-            return toks, [None] * len(toks)
-        raw = logits.float().log_softmax(dim=-1)
-        return toks, [rejection.logprob_entry(raw[j], t, n_lp) for j, t in enumerate(toks)]
 
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None,
