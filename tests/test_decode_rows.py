@@ -5,8 +5,6 @@ decoding through them is token-identical to decoding without drafts (n-gram and 
 mixed batches, preemption) and leaks no KV block."""
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import KernelConfig
 from kvserve.engine import decode_rows
 from kvserve.layers.attention import AttentionMetadata, ForwardContext, forward_context
+from tests.test_speculative import _prompts, _stepwise
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 DRAFT = {"method": "draft_model", "model": "dummy:tiny-draft", "num_speculative_tokens": 3}
@@ -95,30 +94,6 @@ def test_rows_logits_match_the_prefill_shape(model, kv_dtype, backend):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _prompts(seed, n):
-    """Prompts whose second half repeats the first (lookup finds drafts) and random ones."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        unit = [rng.randrange(1, 512) for _ in range(rng.randrange(3, 20))]
-        out.append(unit * 3 if i % 2 == 0 else [rng.randrange(1, 512) for _ in range(rng.randrange(2, 50))])
-    return out
-
-
-def _run(llm, prompts, params):
-    eng = llm.engine
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-        eng.check_invariants()
-    assert eng.kv.pool.num_used_blocks == 0
-    return [done[f"r{i}"] for i in range(len(prompts))]
-
-
 @pytest.fixture
 def row_steps(monkeypatch):
     """Counts the steps that ran as decode rows."""
@@ -148,7 +123,7 @@ def test_speculative_greedy_identical_through_rows(model, spec, kw, row_steps):
     want = [o.outputs[0].token_ids for o in _llm(model, "never", **kw_plain).generate(prompts, params, use_tqdm=False)]
     row_steps.clear()
     llm = _llm(model, "always", spec, **kw)
-    assert _run(llm, prompts, params) == want
+    assert _stepwise(llm, prompts, params) == want
     assert row_steps and all(rows > n for rows, n in row_steps)  # verify steps ran as rows
     # the graphs are captured up to the policy's largest verify step: none is larger
     cfg = llm.engine.runner.config
@@ -202,7 +177,7 @@ def test_verify_steps_take_the_graph_branch(spec, graph_rows):
     draft = llm.engine.speculator.draft
     if draft is not None:
         draft.graphs = EagerGraphs(rt, graph_rows, draft.model, draft.kv.layers)
-    assert _run(llm, prompts, params) == want
+    assert _stepwise(llm, prompts, params) == want
     assert any(rows and n > len(prompts) for n, rows in rt.graphs.replays)  # verify steps as rows
     if draft is not None:  # drafting steps, and catching up after a verify step as rows
         assert (len(prompts), False) in draft.graphs.replays

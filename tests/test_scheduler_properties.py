@@ -308,18 +308,25 @@ class Sim:
 
 
 # -- the state machine ------------------------------------------------------------------------
+# The workload every machine draws: token budget, batch size, chunking, prefix caching, vocabulary
+# (2: prompts share prefixes all the time) and the simulator's seed.
+WORKLOAD = dict(
+    budget=st.sampled_from([7, 16, 64, 2048]),
+    max_num_seqs=st.sampled_from([2, 3, 256]),
+    chunked=st.booleans(),
+    caching=st.sampled_from([True, True, True, False]),
+    vocab=st.sampled_from([2, 50]),
+    seed=st.integers(0, 2**32 - 1),
+)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([4, 16]),
         num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 40)),
         mode=st.sampled_from(["recompute", "swap"]),
         swap_blocks=st.one_of(st.integers(0, 8), st.just(64)),
-        budget=st.sampled_from([7, 16, 64, 2048]),
-        max_num_seqs=st.sampled_from([2, 3, 256]),
-        chunked=st.booleans(),
-        caching=st.sampled_from([True, True, True, False]),
-        vocab=st.sampled_from([2, 50]),
-        seed=st.integers(0, 2**32 - 1),
+        **WORKLOAD,
     )
     def setup(self, **kw):
         self.sim = Sim(**kw)
@@ -391,12 +398,7 @@ class WindowedSchedulerMachine(SchedulerMachine):
         windows=st.sampled_from([(None, 6), (9,), (None, 5, 5), (12, None), (4, None, 17)]),
         block_size=st.sampled_from([4, 16]),
         num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 60)),
-        budget=st.sampled_from([7, 16, 64, 2048]),
-        max_num_seqs=st.sampled_from([2, 3, 256]),
-        chunked=st.booleans(),
-        caching=st.sampled_from([True, True, True, False]),
-        vocab=st.sampled_from([2, 50]),
-        seed=st.integers(0, 2**32 - 1),
+        **WORKLOAD,
     )
     def setup(self, **kw):
         self.sim = Sim(mode="recompute", **kw)
@@ -416,12 +418,7 @@ class StreamingSchedulerMachine(SchedulerMachine):
     @initialize(
         block_size=st.sampled_from([4, 16]),
         num_blocks=st.one_of(st.integers(8, 16), st.integers(8, 60)),
-        budget=st.sampled_from([7, 16, 64, 2048]),
-        max_num_seqs=st.sampled_from([2, 3, 256]),
-        chunked=st.booleans(),
-        caching=st.sampled_from([True, True, True, False]),
-        vocab=st.sampled_from([2, 50]),
-        seed=st.integers(0, 2**32 - 1),
+        **WORKLOAD,
     )
     def setup(self, block_size, **kw):
         budgets = (None, 2 * block_size + 1, 3 * block_size, 5 * block_size + 2)

@@ -15,6 +15,7 @@ from byte_tokenizer import build
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.structured import BitmaskFiller, StructuredCompiler
+from tests.test_engine_faults import _inject_fault
 
 S = StructuredOutputsParams
 SCHEMA = {"type": "object", "properties": {
@@ -189,15 +190,7 @@ def test_a_failed_step_leaves_the_matchers_with_the_kept_tokens(tok_dir):
                 done[int(o.request_id)] = o.outputs[0]
     for _ in range(6):
         step()
-    real = eng.runner.launch
-
-    def boom(out):
-        real(out)
-
-        def fail():
-            raise RuntimeError("injected fault")
-        return fail
-    eng.runner.launch = boom
+    real = _inject_fault(eng)
     with pytest.raises(RuntimeError, match="injected fault"):
         for _ in range(2):
             step()
