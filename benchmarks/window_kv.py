@@ -51,7 +51,7 @@ def kv_per_token(model: str, contexts: list[int], mode: str, budget: int) -> lis
     itemsize = 2 if DEV == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on the CPU
     longest = max(contexts)
     mem = int(arch.kv_bytes_per_token(itemsize) * (longest + 256) * 1.05)  # room with every block kept
-    llm = LLM(model, show_progress=False, kv_cache_memory=mem, max_model_len=longest + 64, window_kv=mode,
+    llm = LLM(model, show_progress=False, kv_cache_memory=mem, max_model_len=longest, window_kv=mode,
               enable_prefix_caching=False, max_num_batched_tokens=budget)
     eng = llm.engine
     kv = eng.runner.kv_cache
