@@ -4,11 +4,14 @@ One process: an LLMEngine on a tiny random model (so a step is mostly host work,
 snapshot costs) with a KV pool of ~100k blocks, first filled with cached prefix blocks; the app
 served by uvicorn on loopback; a load of --concurrency streaming requests kept in flight (a
 shared prefix, so some blocks are shared); and 0 or --dashboards clients reading
-/dashboard/events. Phases alternate (0, N, 0, N, ...) so drift in the machine's load hits both
-alike; each phase reports the engine's step period (wall time over steps taken) and the time
-inside step(). Prints a table and the ratio of medians; writes JSON with --out.
+/dashboard/events. Phases alternate (0, N, 0, N, ..., 0), short, so that drift in the machine's
+load hits both alike; each phase reports the engine's step period (wall time over steps taken)
+and the time inside step(). Each N phase is compared with the mean of the two 0 phases around it,
+which cancels a drift that is linear over the three; the result is the median of those ratios
+with a bootstrap 95% interval. Writes JSON with --out.
 
-    PYTHONPATH=$PWD python benchmarks/dashboard_overhead.py --kv-cache-memory 800MiB
+    PYTHONPATH=$PWD python benchmarks/dashboard_overhead.py --kv-cache-memory 800MiB --phases 30 \
+        --phase-seconds 2 --warmup-seconds 0.5
 """
 from __future__ import annotations
 
@@ -94,7 +97,11 @@ class Load:
     def stop_readers(self) -> None:
         for p in self._readers:
             p.stdin.close()
-            p.wait(10)
+        for p in self._readers:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def read_dashboard(url: str) -> None:
@@ -178,14 +185,22 @@ def main() -> None:
     load = Load(url, args.concurrency, args.prompt_len, args.max_tokens, seed=1)
     load.start_readers(args.dashboards)
 
+    # The load's clients start on their own thread: begin once the engine is stepping under it.
+    s0, deadline = eng.stats.num_steps, time.monotonic() + 300
+    while eng.stats.num_steps - s0 < 100 or ae.snapshot.num_running < args.concurrency // 2:
+        if time.monotonic() > deadline:
+            sys.exit("the load did not start within 300 s")
+        time.sleep(0.1)
     rows = []
-    for phase in range(2 * args.phases):
+    for phase in range(2 * args.phases + 1):
         pages = 0 if phase % 2 == 0 else args.dashboards
         load.set_pages(pages)
         time.sleep(args.warmup_seconds)
         s0, b0, w0, k0, e0 = (eng.stats.num_steps, eng.stats.busy_time, time.perf_counter(), spent["take"],
                               spent["build"])
         time.sleep(args.phase_seconds)
+        while eng.stats.num_steps - s0 < 20:  # a phase is at least 20 steps, however slow the machine
+            time.sleep(0.05)
         s1, b1, w1, k1, e1 = (eng.stats.num_steps, eng.stats.busy_time, time.perf_counter(), spent["take"],
                               spent["build"])
         steps = s1 - s0
@@ -203,15 +218,27 @@ def main() -> None:
 
     def med(n, key):
         return statistics.median(r[key] for r in rows if r["dashboards"] == n)
+
+    def bracketed(key):
+        """Each N phase over the mean of its two neighbouring 0 phases: median, bootstrap 95%."""
+        ratios = [rows[i][key] / ((rows[i - 1][key] + rows[i + 1][key]) / 2) for i in range(1, len(rows) - 1, 2)]
+        rng = random.Random(0)
+        boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+        return statistics.median(ratios), boots[50], boots[1949], ratios
     off, on = med(0, "step_period_ms"), med(args.dashboards, "step_period_ms")
+    ratio, lo, hi, ratios = bracketed("step_period_ms")
+    in_ratio, in_lo, in_hi, _ = bracketed("in_step_ms")
     summary = {"num_blocks": pool.num_blocks, "step_period_ms_0": off, f"step_period_ms_{args.dashboards}": on,
-               "ratio": on / off, "in_step_ms_0": med(0, "in_step_ms"),
+               "ratio": ratio, "ratio_95": [lo, hi], "pair_ratios": ratios,
+               "in_step_ratio": in_ratio, "in_step_ratio_95": [in_lo, in_hi],
+               "in_step_ms_0": med(0, "in_step_ms"),
                f"in_step_ms_{args.dashboards}": med(args.dashboards, "in_step_ms"),
                "take_share_max": max(r["take_share"] for r in rows),
                "build_share_max": max(r["build_share"] for r in rows),
                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
-    print(f"\nmedian step period: {off:.3f} ms with 0 dashboards, {on:.3f} ms with {args.dashboards}: "
-          f"ratio {on / off:.4f}; engine thread in the snapshot copy <= {100 * summary['take_share_max']:.3f}% "
+    print(f"\nmedian step period: {off:.3f} ms with 0 dashboards, {on:.3f} ms with {args.dashboards}; "
+          f"bracketed ratio {ratio:.4f} (95% {lo:.4f}-{hi:.4f}), inside step() {in_ratio:.4f} "
+          f"({in_lo:.4f}-{in_hi:.4f}); engine thread in the snapshot copy <= {100 * summary['take_share_max']:.3f}% "
           f"of the time, encoding on a worker <= {100 * summary['build_share_max']:.3f}%")
     if args.out:
         with open(args.out, "w") as f:
