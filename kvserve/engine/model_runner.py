@@ -83,6 +83,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.kv_cache: KVCache | None = None
         self.kv_groups = None  # kv_groups.KVGroups of the cache, set with it
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
+        self.graph_capture = None  # when each of them is captured (engine/graph_capture.py)
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
@@ -157,13 +158,31 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
 
     def release_kv_cache(self) -> None:
         """Sleep: the KV pool and the graphs that read it go (their memory with them)."""
-        self.graphs = None
+        self.graphs = self.graph_capture = None
         self.kv_cache = None
         self._sampled = None
 
     def restore_kv_cache(self) -> None:
         """Wake: the pool of the same plan again, so the block manager's accounting holds."""
         self.allocate_kv_cache(self._kv_plan)
+
+    # -- CUDA graphs captured between steps (engine/graph_capture.py) ------------------------
+    @property
+    def capture_due(self) -> bool:
+        """A graph waits to be captured after the step that warmed it: launch nothing ahead."""
+        return self.graph_capture is not None and self.graph_capture.due
+
+    def capture_graph(self, idle: bool) -> bool:
+        """Capture the one graph the plan names now (nothing may be in flight on the device).
+        Returns whether one was captured."""
+        if self.graph_capture is None:
+            return False
+        t0 = time.perf_counter()
+        key = self.graph_capture.capture_next(idle)
+        if key is not None:
+            log.debug("CUDA graph %s captured in %.3f s (%s)", key, time.perf_counter() - t0,
+                      "idle" if idle else "after its first step")
+        return key is not None
 
     # -- one step -------------------------------------------------------------------------
     def fork_request(self, parent_id: str, child_id: str) -> None:
@@ -404,8 +423,13 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             if res_slots is not None:
                 res = (np.asarray(res_slots, dtype=np.int64),
                        self._residual_metadata(positions, seq_lens, query_start, res_slots)[0])
-            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch,
-                           rows=as_rows)
+            args = (np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch)
+            cap = self.graph_capture if model is None else None  # a draft's graphs are all captured
+            if cap is not None and not cap.ready(key := g.key(len(ids), as_rows)):
+                hidden = g.run(*args, rows=as_rows, replay=False)  # not captured yet: its warm-up
+                cap.ran_eagerly(key)
+            else:
+                hidden = g.run(*args, rows=as_rows)
             return hidden, query_start.tolist()
         # Eagerly as rows only where asked for (rows or "always"): past the graphs' sizes the
         # prefill kernel, which reads each context once, is the better choice.

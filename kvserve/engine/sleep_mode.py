@@ -5,7 +5,8 @@
     level 2   weights dropped; waking reloads them from the model's source (snapshot, HF
               directory, GGUF file or the dummy seed)
     wake_up   "weights" back into one device buffer (one host->device copy at full bandwidth),
-              then "kv_cache": the pool of the same plan, zeroed, and the graphs recaptured
+              then "kv_cache": the pool of the same plan, zeroed, and the graphs re-armed
+              (captured again as ``cuda_graph_capture`` says: ``engine/graph_capture.py``)
 
 States (``asleep`` is the set of parts not on the device):
     awake: {}  --sleep-->  {"weights", "kv_cache"}  --wake_up(tags)-->  parts in tags leave the set
