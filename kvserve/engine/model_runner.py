@@ -66,12 +66,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
                               f"{src.quant_method}); only unquantized weights are quantized at load")
         t0 = time.perf_counter()
-        with default_dtype(self.dtype), torch.device(self.device):
-            self.model = loader.build_model(src.arch, max_positions=max_model_len)
-        self.load_weights()
-        self.model.eval()
-        if config.quantization is not None:
-            quantize_model(self.model, config.quantization)
+        self.model = self._build_and_load()
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
@@ -96,14 +91,39 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.kv_profile: dict | None = None
         self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
 
-    def load_weights(self) -> None:
-        """Fill the model's parameters from the source (at start-up, and on waking from sleep
-        level 2)."""
+    def _build_and_load(self) -> torch.nn.Module:
+        """The model with its weights from the source, quantized where configured."""
+        with default_dtype(self.dtype), torch.device(self.device):
+            model = loader.build_model(self.src.arch, max_positions=self.max_model_len)
+        self.load_weights(model)
+        model.eval()
+        if self.config.quantization is not None:
+            quantize_model(model, self.config.quantization)
+        return model
+
+    def reload_weights(self, into: dict[str, torch.Tensor]) -> None:
+        """Waking from sleep level 2: the model built and loaded again as at start-up (so a GGUF
+        or HF source is converted, and quantized, the same way), its parameters and buffers
+        copied into ``into`` (the sleeping model's, by name), then freed. Peak device memory is
+        the weights twice, with no KV pool allocated yet."""
+        fresh = self._build_and_load()
+        have = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+        if set(have) != set(into):
+            raise RuntimeError(f"the rebuilt model's tensors differ from the sleeping model's: "
+                               f"{sorted(set(have) ^ set(into))[:3]}")
+        with torch.no_grad():
+            for name, t in into.items():
+                t.copy_(have[name])
+        del fresh, have
+
+    def load_weights(self, model: torch.nn.Module | None = None) -> None:
+        """Fill ``model``'s parameters (None: the runner's) from the source."""
+        model = self.model if model is None else model
         src, config = self.src, self.config
         if src.kind == "dummy":
-            loader.init_dummy_weights(self.model, config.seed)
+            loader.init_dummy_weights(model, config.seed)
         elif src.kind == "snapshot":
-            snapshot.load_into(self.model, src.path, src.handle, self.device, config.show_progress)
+            snapshot.load_into(model, src.path, src.handle, self.device, config.show_progress)
         else:
             weights = loader.iter_weights(src)
             if config.show_progress:
@@ -111,7 +131,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
                 weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",
                                unit="tensor", leave=False)
             with torch.no_grad():
-                self.model.load_weights(weights)
+                model.load_weights(weights)
 
     @property
     def source_fingerprint(self) -> str:
