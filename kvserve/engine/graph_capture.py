@@ -88,6 +88,11 @@ class GraphCapture:
         """A warm key waits for its capture: the next gap between steps is for it."""
         return self.mode != "startup" and bool(self.warm - self.captured)
 
+    @property
+    def complete(self) -> bool:
+        """Every key captured (or given up on)."""
+        return len(self.captured) + len(self.failed) == len(self.order)
+
     def next_key(self, idle: bool):
         """The key to capture now, or None. Busy: a warm one (the most used). Idle: lazy, the
         keys used so far; background, every key, the most used first, then the largest."""

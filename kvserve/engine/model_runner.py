@@ -27,6 +27,7 @@ from kvserve.engine.step_metadata import StepMetadata
 from kvserve.layers.attention import ForwardContext, forward_context, get_backend
 from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
+from kvserve.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         else:
             weights = loader.iter_weights(src)
             if config.show_progress:
-                from tqdm import tqdm
-                weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",
-                               unit="tensor", leave=False)
+                weights = progress(True, "Loading weights", "tensor", weights, total=loader.count_weights(src))
             with torch.no_grad():
                 model.load_weights(weights)
 
@@ -198,10 +197,15 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         if self.graph_capture is None:
             return False
         t0 = time.perf_counter()
-        key = self.graph_capture.capture_next(idle)
+        cap = self.graph_capture
+        key = cap.capture_next(idle)
         if key is not None:
             log.debug("CUDA graph %s captured in %.3f s (%s)", key, time.perf_counter() - t0,
                       "idle" if idle else "after its first step")
+            if cap.complete:
+                g = self.graphs
+                log.info("CUDA graphs: all %d captured (%.1f s, %.0f MiB)", len(cap.captured),
+                         g.capture_seconds, g.memory_bytes / 2**20)
         return key is not None
 
     # -- one step -------------------------------------------------------------------------
