@@ -243,3 +243,36 @@ def test_sleep_drops_the_graphs_and_wake_rearms_them(fake_graphs):
     assert _run(llm) == ref
     _check_busy_rule(fake_graphs)
     assert [e for e in fake_graphs if e[0] == "capture"] == first  # the same sizes, again after their first use
+
+
+def test_the_engine_thread_captures_in_idle_gaps_and_serves_between(fake_graphs):
+    """AsyncEngine's idle loop: one capture per pass, the command queue looked at between two;
+    a request served meanwhile gets the engine's own tokens."""
+    import asyncio
+
+    from kvserve.engine.async_engine import AsyncEngine
+    llm = _tiny(cuda_graph_capture="background")
+    want = _run(llm, PROMPTS[:1])
+    cap = llm.engine.runner.graph_capture
+    fake_graphs.clear()
+
+    async def run():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        try:
+            got = None
+            async for out in ae.add_request("r", {"prompt_token_ids": PROMPTS[0]}, GREEDY):
+                got = out.outputs[0].token_ids
+            for _ in range(500):
+                if cap.complete:
+                    break
+                await asyncio.sleep(0.01)
+            return got
+        finally:
+            ae.shutdown()
+    assert asyncio.run(run()) == want[0]
+    assert cap.complete and not cap.failed
+    caps = [e[1] for e in fake_graphs if e[0] == "capture"]
+    assert sorted(caps) == sorted(k for k in KEYS if k != (1, False))  # size 1 was captured before
+    idle = [i for i, e in enumerate(fake_graphs) if e[0] == "warm_up"]
+    assert all(fake_graphs[i + 1] == ("capture", fake_graphs[i][1]) for i in idle)  # never split by a step

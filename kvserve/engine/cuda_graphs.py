@@ -14,6 +14,9 @@ length up to the table width it was captured with (``max_model_len``). Steps tha
 When each graph is captured (at start-up, at first use, or in idle gaps) is
 ``engine/graph_capture.py``'s plan; this class is its ``Capturer``. A step whose graph is not
 captured yet runs eagerly through the same buffers and shapes, which is the capture's warm-up.
+Every graph records into one memory pool, in whatever order they are captured: a graph's
+intermediates may be another's, which holds because graphs replay one at a time on the engine's
+stream and a replay's output is read (by the LM head, queued behind it) before the next replay.
 
 Decode rows (``engine/decode_rows.py``: a verify step, several rows per sequence) replay graphs
 of their own where the decode graphs fuse the RoPE + KV write into the attention kernel, which
