@@ -116,6 +116,7 @@ class FakeGraphs(FakeCapturer):
     def __init__(self, runner, events):
         super().__init__()
         self.runner, self.events, self.buckets = runner, events, [1, 2, 4, 8]
+        self.capture_seconds, self.memory_bytes = 0.0, 0
 
     def key(self, n, rows=False):
         return next(b for b in self.buckets if b >= n), False

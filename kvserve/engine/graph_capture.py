@@ -23,6 +23,9 @@ the host time of the eager step it follows. Hence the rule that bounds what a re
   most the one capture under way.
 - Nothing is captured before the first step (except in ``startup`` mode, before serving).
 
+Idle gaps are those of the server's engine thread (``AsyncEngine``); the offline ``LLM`` has
+none, so there ``background`` captures as ``lazy`` does.
+
 The device calls sit behind ``Capturer`` (``DecodeGraphs`` on CUDA; a fake in the CPU tests).
 Captures run on the engine thread only, between steps with nothing in flight: ``LLMEngine.step``
 does not launch a step ahead while a capture is due, and the capture synchronizes the device
@@ -80,13 +83,14 @@ class GraphCapture:
         """A step of ``key`` ran eagerly; ``through_buffers``: on the graph's own buffers and
         shapes, so the key is warm."""
         self.uses[key] += 1
-        if through_buffers and key not in self.failed:
+        if through_buffers and key not in self.failed and key not in self.captured:
             self.warm.add(key)
 
     @property
     def due(self) -> bool:
-        """A warm key waits for its capture: the next gap between steps is for it."""
-        return self.mode != "startup" and bool(self.warm - self.captured)
+        """A warm key waits for its capture: the next gap between steps is for it. (Checked on
+        every step: ``warm`` holds only keys not captured, so this is one truth test.)"""
+        return bool(self.warm) and self.mode != "startup"
 
     @property
     def complete(self) -> bool:

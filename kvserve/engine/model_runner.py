@@ -194,10 +194,10 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
     def capture_graph(self, idle: bool) -> bool:
         """Capture the one graph the plan names now (nothing may be in flight on the device).
         Returns whether one was captured."""
-        if self.graph_capture is None:
+        cap = self.graph_capture
+        if cap is None or not (idle or cap.due):  # the common case, on every step: nothing to do
             return False
         t0 = time.perf_counter()
-        cap = self.graph_capture
         key = cap.capture_next(idle)
         if key is not None:
             log.debug("CUDA graph %s captured in %.3f s (%s)", key, time.perf_counter() - t0,
