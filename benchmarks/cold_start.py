@@ -13,14 +13,18 @@ Steps, each measured in a fresh subprocess (the parent never touches the GPU):
   snapshot  ``kvserve snapshot`` of that directory (the engine's fused layout, its dtype)
   start     process start -> first token (a 128-token prompt, 1 new token): transformers
             ``from_pretrained`` + ``generate``; kvserve from the HF directory; kvserve from the
-            snapshot, with CUDA graphs (the default) and eager. Before each cold run the model's
+            snapshot with each ``--cuda-graph-capture`` mode (startup: every graph before the
+            first request; lazy and background, the default: none) and eager (on the CPU, which
+            has no graphs, one run). Each start also times 32 more tokens at batch 1 and 8 (lazy
+            modes run a size's first step eagerly and capture it after). Before each cold run the model's
             files are dropped from the page cache (fsync + posix_fadvise DONTNEED per file; with
             --drop-all-caches also /proc/sys/vm/drop_caches); the JSON says whether a re-read
             after the drop ran at disk speed (it worked) or page-cache speed (it did not).
   sleep     one engine from the snapshot with sleep mode: warm TTFT; sleep/wake at level 1 and 2
             (times, device memory used while asleep by torch.cuda.mem_get_info and nvidia-smi);
             TTFT of the first request after each wake; the same greedy tokens after each wake;
-            device memory after 10 more cycles (eager; 2 with graphs, recaptured at each wake).
+            device memory after 10 more cycles (eager; 2 with graphs, recaptured at each wake:
+            all at once with startup, at first use with lazy).
 Prints a table last and writes cold_start.json under --out.
 """
 from __future__ import annotations
@@ -124,9 +128,15 @@ def child_prepare(a) -> None:
     _emit({"prepared": out})
 
 
-def _engine_kwargs(a, eager: bool) -> dict:
+CAPTURE_MODES = ("startup", "lazy", "background")
+
+
+def _engine_kwargs(a, engine: str) -> dict:
+    """``engine``: eager (no CUDA graphs) or a --cuda-graph-capture mode."""
     kw = {"show_progress": False, "max_model_len": a.max_model_len, "max_num_seqs": a.max_num_seqs,
-          "enforce_eager": eager}
+          "enforce_eager": engine == "eager"}
+    if engine in CAPTURE_MODES:
+        kw["cuda_graph_capture"] = engine
     if a.kv_cache_memory:
         kw["kv_cache_memory"] = a.kv_cache_memory
     return kw
@@ -136,7 +146,7 @@ def child_snapshot(a) -> None:
     from kvserve import LLM
     from kvserve.models import snapshot
     t0 = time.perf_counter()
-    llm = LLM(a.hf_dir, **_engine_kwargs(a, eager=True))
+    llm = LLM(a.hf_dir, **_engine_kwargs(a, "eager"))
     t1 = time.perf_counter()
     m = snapshot.write(llm.engine, a.snap_dir)
     _emit({"load_s": t1 - t0, "write_s": time.perf_counter() - t1,
@@ -166,11 +176,24 @@ def child_start(a) -> None:
     else:
         from kvserve import LLM, SamplingParams
         t_import = time.time()
-        llm = LLM(a.path, **_engine_kwargs(a, eager=a.engine == "eager"))
+        llm = LLM(a.path, **_engine_kwargs(a, a.engine))
         t_ready = time.time()
         out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
                            use_tqdm=False)
         token = out[0].outputs[0].token_ids[0]
+        t_first = time.time()
+        # The steps after the first token: with lazy capture the first of each batch size is eager.
+        more = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        decode = {}
+        for batch in (1, 8):
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": _prompt(10 + i, a.vocab)} for i in range(batch)], more, use_tqdm=False)
+            decode[f"batch{batch}_32_tokens_s"] = time.perf_counter() - t
+        cap = llm.engine.runner.graph_capture
+        decode["graphs_captured"] = len(cap.captured) if cap is not None else 0
+        _emit({"t_main": t_main, "t_import": t_import, "t_ready": t_ready, "t_first": t_first, "token": token,
+               "after": decode})
+        return
     _emit({"t_main": t_main, "t_import": t_import, "t_ready": t_ready, "t_first": time.time(), "token": token})
 
 
@@ -198,7 +221,7 @@ def child_sleep(a) -> None:
     import torch
 
     from kvserve import LLM, SamplingParams
-    llm = LLM(a.path, enable_sleep_mode=True, **_engine_kwargs(a, eager=a.engine == "eager"))
+    llm = LLM(a.path, enable_sleep_mode=True, **_engine_kwargs(a, a.engine))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     seed = [100]
@@ -339,10 +362,12 @@ def main() -> None:
     res["page_cache"]["worked"] = res["page_cache"]["read_after_drop_gbps"] < 0.5 * res["page_cache"]["warm_read_gbps"]
 
     gpu = shutil.which("nvidia-smi") is not None  # the parent stays off the device: no torch import
-    configs = [("transformers", "transformers", a.hf_dir), ("kvserve HF dir", "graphs", a.hf_dir),
-               ("kvserve snapshot", "graphs", a.snap_dir)]
-    if gpu:  # on the CPU there are no graphs: the two would be the same run
-        configs.append(("kvserve snapshot, eager", "eager", a.snap_dir))
+    configs = [("transformers", "transformers", a.hf_dir), ("kvserve HF dir", "background", a.hf_dir),
+               ("kvserve snapshot", "background", a.snap_dir)]
+    if gpu:  # on the CPU there are no graphs: every mode would be the same run
+        configs += [("kvserve snapshot, lazy", "lazy", a.snap_dir),
+                    ("kvserve snapshot, startup", "startup", a.snap_dir),
+                    ("kvserve snapshot, eager", "eager", a.snap_dir)]
     starts = {}
     for cache in ("cold", "warm"):
         for name, engine, path in configs:
@@ -353,12 +378,13 @@ def main() -> None:
                 d = run_child("start", a, engine=engine, path=path, vocab=vocab)
                 runs.append({"to_first_token_s": d["t_first"] - d["t_launch"], "import_s": d["t_import"] - d["t_main"],
                              "load_s": d["t_ready"] - d["t_import"], "first_token_s": d["t_first"] - d["t_ready"],
-                             "interpreter_s": d["t_main"] - d["t_launch"], "token": d["token"]})
+                             "interpreter_s": d["t_main"] - d["t_launch"], "token": d["token"],
+                             **d.get("after", {})})
             starts[f"{name} ({cache})"] = runs
             res["start"] = starts
             save()
     res["sleep"] = {}
-    for engine in ("eager", "graphs") if gpu else ("eager",):
+    for engine in ("eager", "startup", "lazy") if gpu else ("eager",):
         res["sleep"][engine] = run_child("sleep", a, engine=engine, path=a.snap_dir, vocab=vocab,
                                          cycles=10 if engine == "eager" else 2)
         save()
@@ -375,11 +401,14 @@ def _table(res: dict) -> None:
     if "snapshot" in res:
         s = res["snapshot"]
         print(f"snapshot: {s['bytes'] / 2**30:.1f} GiB in {s['files']} files, written in {s['write_s']:.1f} s")
-    print(f"\n{'process start -> first token':36} {'best s':>7} {'import':>7} {'load':>7} {'1st tok':>8}")
+    print(f"\n{'process start -> first token':36} {'best s':>7} {'import':>7} {'load':>7} {'1st tok':>8} "
+          f"{'32 tok b1':>10} {'32 tok b8':>10} {'graphs':>7}")
     for name, runs in res["start"].items():
         b = min(runs, key=lambda r: r["to_first_token_s"])
+        after = (f" {b['batch1_32_tokens_s']:10.3f} {b['batch8_32_tokens_s']:10.3f} {b['graphs_captured']:7d}"
+                 if "graphs_captured" in b else "")
         print(f"{name:36} {b['to_first_token_s']:7.2f} {b['import_s']:7.2f} {b['load_s']:7.2f} "
-              f"{b['first_token_s']:8.2f}")
+              f"{b['first_token_s']:8.2f}{after}")
     print(f"\n{'sleep / wake':28} {'sleep s':>8} {'wake s':>7} {'asleep GiB':>11} {'TTFT after':>11} {'warm TTFT':>10}")
     for engine, s in res["sleep"].items():
         for level, r in s["levels"].items():

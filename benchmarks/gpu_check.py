@@ -194,7 +194,8 @@ def use_kernels(llm, kernel: KernelConfig) -> None:
 
 def make_llm(args, **kw):
     return LLM("dummy:llama-3-8b", device="cuda", dtype="bfloat16", kv_cache_memory=args.kv_memory,
-               max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=9216, show_progress=True, **kw)
+               max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=9216, show_progress=True,
+               cuda_graph_capture="startup", **kw)
 
 
 def hf_peer(llm):

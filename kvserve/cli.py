@@ -62,6 +62,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bars while loading weights and capturing CUDA graphs (they show only on a "
+                   "terminal anyway)")
+    g.add_argument("--cuda-graph-capture", default="background", choices=["startup", "lazy", "background"],
+                   help="when decode CUDA graphs are captured: startup (all before serving), lazy (each batch "
+                   "size after its first step), background (lazy, and the rest in idle gaps; the default)")
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="allow sleep/wake_up: an idle engine gives its GPU memory back (server: POST /sleep)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
@@ -141,6 +147,7 @@ def _make_llm(args):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+               cuda_graph_capture=args.cuda_graph_capture, show_progress=not args.no_progress,
                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
                redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,

@@ -334,6 +334,9 @@ class EngineConfig:
     # enforce_eager turns them off.
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
+    # When the graphs are captured (engine/graph_capture.py): startup (all before serving), lazy
+    # (each at its batch size's first use), background (lazy, and the rest in idle gaps).
+    cuda_graph_capture: str = "background"
     # Schedule and launch each step before the previous step's tokens reach the host, so the
     # host's bookkeeping overlaps the device (see LLMEngine.step). None: on for CUDA (same tokens
     # as synchronous on an H200), off on the CPU, whose steps compute before they return.
@@ -375,5 +378,8 @@ class EngineConfig:
                               f"must be one of auto, torch, triton; got {self.attention_backend!r}")
         if self.cuda_graph_max_batch is not None and not 1 <= self.cuda_graph_max_batch <= 1024:
             raise ConfigError("cuda_graph_max_batch", f"must be in [1, 1024], got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_capture not in ("startup", "lazy", "background"):
+            raise ConfigError("cuda_graph_capture", f"must be one of startup, lazy, background; "
+                              f"got {self.cuda_graph_capture!r:.50}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")

@@ -198,6 +198,8 @@ class AsyncEngine:
             block = not eng.has_unfinished_requests()
             if block:  # checked on every pass: commands (an /is_sleeping poll) keep the drain busy
                 self._sleep_if_idle()
+                if self._capture_if_idle():  # more may follow: look at the queue without waiting
+                    block = False
             if not self._drain(block):
                 if block:  # idle: sessions may have gone quiet long enough to leave the GPU
                     try:
@@ -234,6 +236,15 @@ class AsyncEngine:
                 log.exception("idle sleep failed")
                 self._last_busy = self._clock()
             self._take_snapshot()
+
+    def _capture_if_idle(self) -> bool:
+        """One CUDA graph per idle pass (``engine/graph_capture.py``): a request that arrives
+        meanwhile waits for that one capture at most."""
+        try:
+            return self.engine.capture_idle_graph()
+        except Exception:  # noqa: BLE001 - a failed size runs eagerly; the plan moves on
+            log.exception("idle CUDA graph capture failed")
+            return False
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; block briefly for the first one when idle. False: nothing to do."""

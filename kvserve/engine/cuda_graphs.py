@@ -11,6 +11,13 @@ The attention split count is a function of the bucket size, so one graph serves 
 length up to the table width it was captured with (``max_model_len``). Steps that do not fit
 (a bigger batch, prefill) run eagerly.
 
+When each graph is captured (at start-up, at first use, or in idle gaps) is
+``engine/graph_capture.py``'s plan; this class is its ``Capturer``. A step whose graph is not
+captured yet runs eagerly through the same buffers and shapes, which is the capture's warm-up.
+Every graph records into one memory pool, in whatever order they are captured: a graph's
+intermediates may be another's, which holds because graphs replay one at a time on the engine's
+stream and a replay's output is read (by the LM head, queued behind it) before the next replay.
+
 Decode rows (``engine/decode_rows.py``: a verify step, several rows per sequence) replay graphs
 of their own where the decode graphs fuse the RoPE + KV write into the attention kernel, which
 stores only its own row's key before reading the others: the rows' graphs write first. They
@@ -75,6 +82,7 @@ class DecodeGraphs:
             else (False,)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.pool = None  # the graphs' shared memory pool, made by the first capture
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
@@ -93,24 +101,41 @@ class DecodeGraphs:
         with forward_context(ForwardContext(self._meta(bs, rows), self.kv_layers, self.backend)):
             return self.model(self.input_ids[:bs], self.positions[:bs])
 
+    def keys(self) -> list[tuple[int, bool]]:
+        """Every graph's key, largest first: the smaller ones reuse the largest's pool."""
+        return [(bs, rows) for bs in reversed(self.buckets) for rows in self.row_variants]
+
+    def key(self, n: int, rows: bool = False) -> tuple[int, bool]:
+        """The key of the graph that holds a step of ``n`` rows."""
+        return next(b for b in self.buckets if b >= n), rows and True in self.row_variants
+
     @torch.inference_mode()
-    def capture(self) -> None:
+    def warm_up(self, key: tuple[int, bool]) -> None:
+        """Compile the kernels and warm the allocator outside the capture."""
+        self._forward(*key)
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def capture(self, key: tuple[int, bool]) -> None:
+        """Record ``key``'s forward (warmed up already); every graph shares one memory pool."""
+        torch.cuda.synchronize(self.device)  # nothing else runs on the device while it records
         t0 = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
-        pool = None
-        for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
-            for rows in self.row_variants:
-                self._forward(bs, rows)  # compile the kernels and warm the allocator outside the capture
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._forward(bs, rows)
-                pool = g.pool()
-                self.graphs[bs, rows], self.outputs[bs, rows] = g, out
+        g = torch.cuda.CUDAGraph()
+        # thread_local: a tier's copy thread may sync its own stream meanwhile; the engine's
+        # stream has nothing in flight (the capture runs between steps, on the engine thread).
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._forward(*key)
+        self.pool = g.pool()
+        self.graphs[key], self.outputs[key] = g, out
         torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - t0
-        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds += time.perf_counter() - t0
+        self.memory_bytes += torch.cuda.memory_allocated(self.device) - before
+
+    def capture_all(self) -> None:
+        for key in self.keys():
+            self.warm_up(key)
+            self.capture(key)
 
     def fits(self, batch: int, width: int, rows: bool = False) -> bool:
         """Whether a step of ``batch`` rows over tables ``width`` blocks wide replays a graph;
@@ -119,13 +144,16 @@ class DecodeGraphs:
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: np.ndarray, res: tuple[np.ndarray, np.ndarray] | None = None,
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None, rows: bool = False) -> torch.Tensor:
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None, rows: bool = False,
+            replay: bool = True) -> torch.Tensor:
         """Replay the graph for ``len(ids)`` decode rows; returns their hidden states (a view of
         the graph's output buffer, valid until the next replay). ``patch``: (rows, ids) on the
         device that replace those rows' input ids (tokens not known on the host yet); ``rows``:
-        some sequences have several rows (``engine/decode_rows.py``)."""
+        some sequences have several rows (``engine/decode_rows.py``); ``replay`` False: the
+        graph is not captured yet, the same forward runs eagerly (and warms its capture)."""
         n = len(ids)
-        bs = next(b for b in self.buckets if b >= n)
+        key = self.key(n, rows)
+        bs = key[0]
         self._turn ^= 1
         stage = self._stages[self._turn]
         st = stage.numpy()
@@ -156,6 +184,7 @@ class DecodeGraphs:
             self.tables[:n, :w].copy_(host, non_blocking=True)
         else:
             self.tables[:n, :w].copy_(torch.from_numpy(tables), non_blocking=False)
-        key = (bs, rows and True in self.row_variants)
+        if not replay:
+            return self._forward(*key)[:n]
         self.graphs[key].replay()
         return self.outputs[key][:n]

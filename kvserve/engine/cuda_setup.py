@@ -7,10 +7,18 @@ import logging
 import torch
 
 from kvserve.engine import decode_rows
+from kvserve.engine.faults import is_device_fault
 from kvserve.engine.kv_cache import KVCache
 from kvserve.layers.attention import ForwardContext, forward_context
+from kvserve.progress import progress
 
 log = logging.getLogger("kvserve.engine.model_runner")
+
+
+def _ends_the_engine(e: BaseException) -> bool:
+    """A failed capture that the engine cannot serve on from (a CUDA error); out of memory only
+    leaves that batch size eager."""
+    return is_device_fault(e) and not isinstance(e, torch.OutOfMemoryError)
 
 
 class CudaSetup:
@@ -83,10 +91,20 @@ class CudaSetup:
                                    kv_format=self.kv_format,
                                    async_copies=self.config.async_scheduling,
                                    rows=spec is not None and self.config.kernel.decode_rows != "never")
-        self.graphs.capture()
+        self.arm_graphs(self.graphs)
+        if self.config.cuda_graph_capture != "startup":
+            return
         also = " (and for verify rows)" if len(self.graphs.row_variants) > 1 else ""
         msg = (f"CUDA graphs: {len(self.graphs.buckets)} decode batch sizes up to {max_batch}{also} captured in "
                f"{self.graphs.capture_seconds:.1f} s, {self.graphs.memory_bytes / 2**20:.0f} MiB")
         log.info(msg)
         if self.config.show_progress:
             print(msg, flush=True)
+
+    def arm_graphs(self, capturer) -> None:
+        """The capture plan over ``capturer``'s graphs (``engine/graph_capture.py``); in startup
+        mode every graph is captured here."""
+        from kvserve.engine.graph_capture import GraphCapture
+        self.graph_capture = GraphCapture(self.config.cuda_graph_capture, capturer, _ends_the_engine)
+        self.graph_capture.start(lambda keys: progress(self.config.show_progress, "Capturing CUDA graphs", "graph",
+                                                      keys))

@@ -276,10 +276,13 @@ class LLMEngine(MemoryControls):
             self.pins.expire()
         cur, self._inflight = self._inflight, None
         if cur is None:
+            # Nothing in flight: a graph warmed by the last step is captured before the next.
+            self.runner.capture_graph(idle=False)
             cur = self._schedule_and_launch()
             if cur is None:
                 return []
-        if self.config.async_scheduling and lookahead.can_look_ahead(cur.out, self.store is not None):
+        if (self.config.async_scheduling and not self.runner.capture_due
+                and lookahead.can_look_ahead(cur.out, self.store is not None)):
             lookahead.advance(cur)
             try:
                 nxt = self._schedule_and_launch()
@@ -294,6 +297,14 @@ class LLMEngine(MemoryControls):
         except BaseException:
             self._drop_inflight()  # it was built on this step's tokens
             raise
+
+    def capture_idle_graph(self) -> bool:
+        """With no request in flight (and awake): capture one graph not captured yet, per
+        ``cuda_graph_capture``. Returns whether one was captured (the caller looks at its queue
+        again before the next)."""
+        if self.has_unfinished_requests() or self.is_sleeping():
+            return False
+        return self.runner.capture_graph(idle=True)
 
     def _drop_inflight(self) -> None:
         """Discard the step launched ahead, as a failed step: wait for its work (its buffers),

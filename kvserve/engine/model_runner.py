@@ -27,6 +27,7 @@ from kvserve.engine.step_metadata import StepMetadata
 from kvserve.layers.attention import ForwardContext, forward_context, get_backend
 from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
+from kvserve.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
                               f"{src.quant_method}); only unquantized weights are quantized at load")
         t0 = time.perf_counter()
-        with default_dtype(self.dtype), torch.device(self.device):
-            self.model = loader.build_model(src.arch, max_positions=max_model_len)
-        self.load_weights()
-        self.model.eval()
-        if config.quantization is not None:
-            quantize_model(self.model, config.quantization)
+        self.model = self._build_and_load()
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
@@ -83,6 +79,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.kv_cache: KVCache | None = None
         self.kv_groups = None  # kv_groups.KVGroups of the cache, set with it
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
+        self.graph_capture = None  # when each of them is captured (engine/graph_capture.py)
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
@@ -95,22 +92,45 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.kv_profile: dict | None = None
         self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
 
-    def load_weights(self) -> None:
-        """Fill the model's parameters from the source (at start-up, and on waking from sleep
-        level 2)."""
+    def _build_and_load(self) -> torch.nn.Module:
+        """The model with its weights from the source, quantized where configured."""
+        with default_dtype(self.dtype), torch.device(self.device):
+            model = loader.build_model(self.src.arch, max_positions=self.max_model_len)
+        self.load_weights(model)
+        model.eval()
+        if self.config.quantization is not None:
+            quantize_model(model, self.config.quantization)
+        return model
+
+    def reload_weights(self, into: dict[str, torch.Tensor]) -> None:
+        """Waking from sleep level 2: the model built and loaded again as at start-up (so a GGUF
+        or HF source is converted, and quantized, the same way), its parameters and buffers
+        copied into ``into`` (the sleeping model's, by name), then freed. Peak device memory is
+        the weights twice, with no KV pool allocated yet."""
+        fresh = self._build_and_load()
+        have = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+        if set(have) != set(into):
+            raise RuntimeError(f"the rebuilt model's tensors differ from the sleeping model's: "
+                               f"{sorted(set(have) ^ set(into))[:3]}")
+        with torch.no_grad():
+            for name, t in into.items():
+                t.copy_(have[name])
+        del fresh, have
+
+    def load_weights(self, model: torch.nn.Module | None = None) -> None:
+        """Fill ``model``'s parameters (None: the runner's) from the source."""
+        model = self.model if model is None else model
         src, config = self.src, self.config
         if src.kind == "dummy":
-            loader.init_dummy_weights(self.model, config.seed)
+            loader.init_dummy_weights(model, config.seed)
         elif src.kind == "snapshot":
-            snapshot.load_into(self.model, src.path, src.handle, self.device, config.show_progress)
+            snapshot.load_into(model, src.path, src.handle, self.device, config.show_progress)
         else:
             weights = loader.iter_weights(src)
             if config.show_progress:
-                from tqdm import tqdm
-                weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",
-                               unit="tensor", leave=False)
+                weights = progress(True, "Loading weights", "tensor", weights, total=loader.count_weights(src))
             with torch.no_grad():
-                self.model.load_weights(weights)
+                model.load_weights(weights)
 
     @property
     def source_fingerprint(self) -> str:
@@ -157,13 +177,36 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
 
     def release_kv_cache(self) -> None:
         """Sleep: the KV pool and the graphs that read it go (their memory with them)."""
-        self.graphs = None
+        self.graphs = self.graph_capture = None
         self.kv_cache = None
         self._sampled = None
 
     def restore_kv_cache(self) -> None:
         """Wake: the pool of the same plan again, so the block manager's accounting holds."""
         self.allocate_kv_cache(self._kv_plan)
+
+    # -- CUDA graphs captured between steps (engine/graph_capture.py) ------------------------
+    @property
+    def capture_due(self) -> bool:
+        """A graph waits to be captured after the step that warmed it: launch nothing ahead."""
+        return self.graph_capture is not None and self.graph_capture.due
+
+    def capture_graph(self, idle: bool) -> bool:
+        """Capture the one graph the plan names now (nothing may be in flight on the device).
+        Returns whether one was captured."""
+        cap = self.graph_capture
+        if cap is None or not (idle or cap.due):  # the common case, on every step: nothing to do
+            return False
+        t0 = time.perf_counter()
+        key = cap.capture_next(idle)
+        if key is not None:
+            log.debug("CUDA graph %s captured in %.3f s (%s)", key, time.perf_counter() - t0,
+                      "idle" if idle else "after its first step")
+            if cap.complete:
+                g = self.graphs
+                log.info("CUDA graphs: all %d captured (%.1f s, %.0f MiB)", len(cap.captured),
+                         g.capture_seconds, g.memory_bytes / 2**20)
+        return key is not None
 
     # -- one step -------------------------------------------------------------------------
     def fork_request(self, parent_id: str, child_id: str) -> None:
@@ -404,8 +447,13 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             if res_slots is not None:
                 res = (np.asarray(res_slots, dtype=np.int64),
                        self._residual_metadata(positions, seq_lens, query_start, res_slots)[0])
-            hidden = g.run(np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch,
-                           rows=as_rows)
+            args = (np.asarray(ids, dtype=np.int64), positions, slots, row_lens, row_tables, res, patch)
+            cap = self.graph_capture if model is None else None  # a draft's graphs are all captured
+            if cap is not None and not cap.ready(key := g.key(len(ids), as_rows)):
+                hidden = g.run(*args, rows=as_rows, replay=False)  # not captured yet: its warm-up
+                cap.ran_eagerly(key)
+            else:
+                hidden = g.run(*args, rows=as_rows)
             return hidden, query_start.tolist()
         # Eagerly as rows only where asked for (rows or "always"): past the graphs' sizes the
         # prefill kernel, which reads each context once, is the better choice.

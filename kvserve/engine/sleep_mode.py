@@ -2,10 +2,15 @@
 
     level 1   weights -> one host copy (pinned on CUDA, kept across cycles so a second sleep
               allocates nothing); KV pool, CUDA graphs and their memory pool freed
-    level 2   weights dropped; waking reloads them from the model's source (snapshot, HF
-              directory, GGUF file or the dummy seed)
+    level 2   weights dropped; waking rebuilds them from the model's source (snapshot, HF
+              directory, GGUF file or the dummy seed) as start-up did, quantization and dtype
+              included (``ModelRunner.reload_weights``): no snapshot is needed
     wake_up   "weights" back into one device buffer (one host->device copy at full bandwidth),
-              then "kv_cache": the pool of the same plan, zeroed, and the graphs recaptured
+              then "kv_cache": the pool of the same plan, zeroed, and the graphs re-armed
+              (captured again as ``cuda_graph_capture`` says: ``engine/graph_capture.py``)
+
+"Weights" are every parameter and buffer of the model: a quantized layer's packed weights and
+scales are buffers, and they leave the device with the rest.
 
 States (``asleep`` is the set of parts not on the device):
     awake: {}  --sleep-->  {"weights", "kv_cache"}  --wake_up(tags)-->  parts in tags leave the set
@@ -31,15 +36,20 @@ class SleepMode:
         self.runner = runner
         self.level = 0
         self.asleep: set[str] = set()
-        self._host: torch.Tensor | None = None  # flat copy of every parameter (level 1)
-        self._layout: list[tuple[torch.nn.Parameter, int, int, torch.Size]] | None = None
+        self._host: torch.Tensor | None = None  # flat copy of every weight (level 1)
+        # (tensor, byte offset, bytes, shape, name) of each parameter and buffer
+        self._layout: list[tuple[torch.Tensor, int, int, torch.Size, str]] | None = None
 
     def _params_layout(self) -> tuple[list, int]:
         if self._layout is None:
-            layout, off = [], 0
-            for p in self.runner.model.parameters():  # a tied weight is listed once
+            layout, off, seen = [], 0, set()
+            model = self.runner.model
+            for name, p in [*model.named_parameters(), *model.named_buffers()]:  # a tied weight is listed once
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
                 n = p.numel() * p.element_size()
-                layout.append((p, off, n, p.shape))
+                layout.append((p, off, n, p.shape, name))
                 off += -(-n // _ALIGN) * _ALIGN
             self._layout = layout
             self._total = off
@@ -52,7 +62,7 @@ class SleepMode:
         if level == 1:
             if self._host is None:
                 self._host = torch.empty(total, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-            for p, off, n, _ in layout:
+            for p, off, n, _, _ in layout:
                 self._host[off:off + n].copy_(p.data.reshape(-1).view(torch.uint8), non_blocking=True)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -96,18 +106,18 @@ class SleepMode:
         rt = self.runner
         layout, total = self._params_layout()
         flat = torch.empty(total, dtype=torch.uint8, device=rt.device)
-        for p, off, n, shape in layout:
+        for p, off, n, shape, _ in layout:
             p.data = flat[off:off + n].view(p.dtype).view(shape)
         if self._host is not None:
             flat.copy_(self._host, non_blocking=True)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
         else:
-            rt.load_weights()
+            rt.reload_weights({name: p for p, _, _, _, name in layout})
 
     def _drop_weights(self) -> None:
         layout, _ = self._params_layout()
-        for p, _, _, _ in layout:
+        for p, _, _, _, _ in layout:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _release(self) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from kvserve.errors import ModelLoadError
 from kvserve.models.arch import ModelArch
+from kvserve.progress import progress
 
 FORMAT_VERSION = 1
 MANIFEST = "kvserve_snapshot.json"
@@ -187,10 +188,7 @@ def load_into(model: torch.nn.Module, path: str, manifest: dict, device: torch.d
         digests = {f: pool.submit(_sha256, os.path.join(path, f)) for f in files if _check_size(path, f, files[f])}
         seen: set[str] = set()
         stager = _Stager(device) if device.type == "cuda" else None
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(params), desc="Loading snapshot", unit="tensor", leave=False)
+        bar = progress(show_progress, "Loading snapshot", "tensor", total=len(params))
         for fname in files:
             fpath = os.path.join(path, fname)
             try:

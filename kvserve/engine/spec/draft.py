@@ -64,7 +64,7 @@ class DraftModel:
             self.graphs = DecodeGraphs(self.model, self.kv.layers, runner.backend, dev, runner.graphs.max_batch,
                                        runner.graphs.max_blocks, self.block_size, src.arch.num_kv_heads,
                                        rows=True)
-            self.graphs.capture()
+            self.graphs.capture_all()  # before serving: the draft's graphs are small
 
     def drop(self, rid: str) -> None:
         self.pool.free(self.tables.pop(rid, [])[::-1])
