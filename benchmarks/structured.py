@@ -9,19 +9,24 @@ Three measurements in one run:
   constrained batch also spends steps with fewer rows, which lowers its tokens/s but not its
   step time;
 - the host time to fill one step's token bitmask for a batch's matchers (what the device's
-  forward has to hide), and the median time a constrained step's host path waited for its
-  mask (what was not hidden);
+  forward has to hide), the median time a constrained step's host path waited for its mask
+  (what was not hidden), and the engine thread's CPU time per full step (the host's share of
+  a step, free and constrained);
 - grammar compile time per schema, cold (a fresh compiler) and cached.
 
     python benchmarks/structured.py                                   # default model, CPU
     python benchmarks/structured.py --model dummy:tiny --batches 1,16 # seconds, on a small tokenizer
     python benchmarks/structured.py --model dummy:vocab-128k          # CPU: Llama 3's vocabulary, 2 thin layers
+    python benchmarks/structured.py --model dummy:vocab-128k --stub-forward --temperature 0 --async-scheduling on
+                                                   # CPU: the engine's host path alone, as on a GPU
     PYTHONPATH=$PWD python benchmarks/structured.py --model dummy:llama-3-8b --out $OUT   # GPU
 
 Dummy models borrow a tokenizer: the default model's (49,152 tokens, padded to the model's
 vocabulary) where it is installed and fits, else the byte-level one the tests train.
 ``dummy:vocab-128k`` is defined here, not in the engine: a model whose LM head and token mask
-dominate a CPU step the way they do a batch-64 step on a GPU.
+dominate a CPU step the way they do a batch-64 step on a GPU. ``--stub-forward`` replaces its
+forward with zeros and its LM head with fixed random logits, so that a CPU step is the engine's
+host work plus the sampling (greedy with ``--temperature 0``), as the host sees a GPU step.
 """
 from __future__ import annotations
 
@@ -131,26 +136,38 @@ def record_mask_waits() -> None:
     filler.start = timed_start
 
 
-def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> dict:
+def stub_forward(llm: LLM, seed: int = 0) -> None:
+    """The model's forward returns zeros and its LM head fixed random logits (one row per
+    position of the batch): a CPU step is then the engine's host work and the sampling."""
+    runner = llm.engine.runner
+    hidden, vocab = runner.arch.hidden_size, runner.arch.vocab_size
+    table = torch.randn(1024, vocab, generator=torch.Generator().manual_seed(seed))
+    runner.model.forward = lambda ids, positions: torch.zeros(ids.shape[0], hidden)
+    runner.model.compute_logits = lambda h: table[:h.shape[0]].clone()
+
+
+def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None, temperature: float = 1.0) -> dict:
     """``batch`` requests at once: output tok/s, and the median decode step with all of them
     running (each step() call timed: with async scheduling a call is one step's period)."""
     so = StructuredOutputsParams(json=schema) if schema is not None else None
     # Unseeded: a seeded row draws its noise on its own, which would be timed too.
-    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=so is None, structured_outputs=so)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=so is None,
+                            structured_outputs=so)
     eng = llm.engine
     rids = [f"bench-{next(_ids)}" for _ in range(batch)]
     t0 = time.perf_counter()
     for i, rid in enumerate(rids):
         eng.add_request(rid, f"Record {i} as JSON:", params)
-    outs, steps = {}, []
+    outs, steps, cpu = {}, [], []
     MASK_WAITS.clear()
     while eng.has_unfinished_requests():
-        ts = time.perf_counter()
+        ts, cs = time.perf_counter(), time.thread_time()
         for o in eng.step(only_finished=True):
             outs[o.request_id] = o
         last = eng.stats.last
         if last is not None and last.num_prompt_tokens == 0 and last.num_generated_tokens == batch:
             steps.append(time.perf_counter() - ts)
+            cpu.append(time.thread_time() - cs)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs.values())
     if so is not None:
@@ -158,9 +175,11 @@ def run_batch(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> dic
             if o.outputs[0].finish_reason == "stop":
                 json.loads(o.outputs[0].text)
     steps.sort()
+    cpu.sort()
     waits = sorted(MASK_WAITS)
     return {"tok_s": n / dt, "tokens": n, "seconds": dt, "full_steps": len(steps),
             "step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
+            "step_cpu_ms": cpu[len(cpu) // 2] * 1e3 if cpu else float("nan"),
             "mask_wait_ms": waits[len(waits) // 2] * 1e3 if waits else 0.0}
 
 
@@ -214,6 +233,9 @@ def main() -> None:
     ap.add_argument("--schema", default="long_records", choices=sorted(SCHEMAS))
     ap.add_argument("--async-scheduling", default=None, type=lambda v: v == "on", choices=[True, False],
                     metavar="{on,off}", help="default: the engine's (on with CUDA)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="zeros for the forward, fixed random logits for the LM head: the host's work alone")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--out", default="benchmarks/results", help="folder for structured.json")
@@ -225,6 +247,8 @@ def main() -> None:
     tok = args.tokenizer or borrowed_tokenizer(args.model)
     llm = LLM(args.model, tokenizer=tok, device=args.device, max_num_seqs=max(batches),
               kv_cache_memory=args.kv_cache_memory, async_scheduling=args.async_scheduling, show_progress=False)
+    if args.stub_forward:
+        stub_forward(llm)
     dev = llm.engine.runner.device
     schema = SCHEMAS[args.schema]
     result = {"date": time.strftime("%Y-%m-%d"), "model": args.model or "SmolLM2-135M-Instruct (default)",
@@ -232,6 +256,7 @@ def main() -> None:
               "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "async_scheduling": llm.engine.config.async_scheduling,
               "schema": args.schema, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "temperature": args.temperature, "stub_forward": args.stub_forward,
               "compile": compile_times(llm)}
     run_batch(llm, 2, 8, schema)  # warm-up: kernels, the grammar's cache entry
     run_batch(llm, 2, 8, None)
@@ -240,19 +265,22 @@ def main() -> None:
         # Alternated, best of --repeats each: a shared machine's noise hits both alike.
         plain, constrained = [], []
         for _ in range(args.repeats):
-            plain.append(run_batch(llm, batch, args.max_tokens, None))
-            constrained.append(run_batch(llm, batch, args.max_tokens, schema))
+            plain.append(run_batch(llm, batch, args.max_tokens, None, args.temperature))
+            constrained.append(run_batch(llm, batch, args.max_tokens, schema, args.temperature))
         p = max(plain, key=lambda r: r["tok_s"])
         c = max(constrained, key=lambda r: r["tok_s"])
         p_step = min(r["step_ms"] for r in plain)
         c_step = min(r["step_ms"] for r in constrained)
         c_wait = min(r["mask_wait_ms"] for r in constrained)
+        p_cpu = min(r["step_cpu_ms"] for r in plain)
+        c_cpu = min(r["step_cpu_ms"] for r in constrained)
         fill = fill_time(llm, batch, SCHEMAS["flat"])
         rows.append({"batch": batch, "plain_tok_s": p["tok_s"], "plain_tokens": p["tokens"],
                      "json_tok_s": c["tok_s"], "json_tokens": c["tokens"],
                      "json_over_plain": c["tok_s"] / p["tok_s"],
                      "plain_step_ms": p_step, "json_step_ms": c_step, "json_step_over_plain": c_step / p_step,
-                     "mask_wait_ms": c_wait, "runs": {"plain": plain, "json": constrained},
+                     "mask_wait_ms": c_wait, "plain_step_cpu_ms": p_cpu, "json_step_cpu_ms": c_cpu,
+                     "runs": {"plain": plain, "json": constrained},
                      "bitmask_fill_ms": fill * 1e3})
     result["throughput"] = rows
     os.makedirs(args.out, exist_ok=True)
@@ -261,13 +289,15 @@ def main() -> None:
         json.dump(result, f, indent=2)
 
     print(f"\n{result['model']} on {result['device']}, schema {args.schema!r}, up to {args.max_tokens} tokens, "
-          f"temperature 1, async scheduling {'on' if result['async_scheduling'] else 'off'}")
+          f"temperature {args.temperature:g}{', stubbed forward' if args.stub_forward else ''}, "
+          f"async scheduling {'on' if result['async_scheduling'] else 'off'}")
     print(f"{'batch':>6}{'plain tok/s':>13}{'JSON tok/s':>12}{'ratio':>7}{'plain step ms':>15}"
-          f"{'JSON step ms':>14}{'ratio':>7}{'mask fill ms':>14}{'mask wait ms':>14}")
+          f"{'JSON step ms':>14}{'ratio':>7}{'mask fill ms':>14}{'mask wait ms':>14}{'host ms free/JSON':>19}")
     for r in rows:
         print(f"{r['batch']:>6}{r['plain_tok_s']:>13.1f}{r['json_tok_s']:>12.1f}{r['json_over_plain']:>7.3f}"
               f"{r['plain_step_ms']:>15.2f}{r['json_step_ms']:>14.2f}{r['json_step_over_plain']:>7.3f}"
-              f"{r['bitmask_fill_ms']:>14.3f}{r['mask_wait_ms']:>14.3f}")
+              f"{r['bitmask_fill_ms']:>14.3f}{r['mask_wait_ms']:>14.3f}"
+              f"{r['plain_step_cpu_ms']:>10.3f} /{r['json_step_cpu_ms']:>7.3f}")
     print(f"\ntokenizer info for the grammar compiler: {result['compile']['tokenizer_info_s'] * 1e3:.0f} ms")
     print(f"{'schema':<12}{'cold ms':>10}{'cached ms':>11}")
     for name in SCHEMAS:

@@ -201,3 +201,70 @@ def test_a_failed_step_leaves_the_matchers_with_the_kept_tokens(tok_dir):
     for kind, i in (("json", 0), ("regex", 1), ("grammar", 2)):
         _check(kind, done[i].text)
     _no_leak(llm)
+
+
+def test_queued_tokens_reach_the_matchers_as_fed_one_by_one(tok_dir):
+    """Tokens queued in the step (``defer``) and fed by the fill give the masks of xgrammar's
+    own matchers fed token by token, on random walks through the grammars; a stop token ends
+    the grammar, a refused token leaves its row out and ends the output at the next token."""
+    import random
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    vocab = 600
+    comp = StructuredCompiler(tok, vocab, (tok.eos_token_id,))
+    specs = [S(json=SCHEMA), S(regex=REGEX), S(grammar=GRAMMAR), S(json=SCHEMA)]
+    ours = [comp.matcher(s) for s in specs]
+    refs = [xgr.GrammarMatcher(comp.compile(s)) for s in specs]
+    filler = BitmaskFiller(vocab, torch.device("cpu"))
+    rng = random.Random(7)
+    rows = list(range(len(specs)))
+    for step in range(40):
+        live = [k for k in rows if not refs[k].is_terminated()]
+        if not live:
+            break
+        mask, masked = filler.start(len(specs), live, [ours[k] for k in live]).result()
+        assert masked == live
+        for k in live:
+            ref = xgr.allocate_token_bitmask(1, vocab)
+            refs[k].fill_next_token_bitmask(ref)
+            assert torch.equal(mask[k], ref[0]), (step, k)
+            allowed = [t for t in range(vocab) if (int(ref[0, t // 32]) >> (t % 32)) & 1]
+            t = rng.choice(allowed)
+            assert refs[k].accept_token(t)
+            assert ours[k].defer(t) == refs[k].is_terminated() == (t == tok.eos_token_id)
+            if refs[k].is_terminated():
+                assert ours[k].terminated and not ours[k].pending
+    g = comp.matcher(S(choice=CHOICES))
+    assert g.defer(tok.convert_tokens_to_ids("x")) is False  # refused, found at the fill
+    mask, masked = filler.start(1, [0], [g]).result()
+    assert masked == [] and g.refused
+    assert g.defer(tok.convert_tokens_to_ids("r")) is True
+
+
+def test_the_engine_thread_feeds_no_matcher(tok_dir, monkeypatch):
+    """Under async scheduling a grammar row's token is fed to its matcher by the mask's fill
+    on the filler's thread, never by the engine's step; the outputs still validate and are
+    those of synchronous scheduling."""
+    import threading
+
+    import xgrammar as xgr
+    kinds, prompts, params = _mixed_batch()
+    ref = [o.outputs[0].token_ids for o in _tiny(tok_dir, async_scheduling=False).generate(prompts, params)]
+    llm = _tiny(tok_dir, async_scheduling=True)
+    fed_on: list[str] = []
+    for cls, name in ((xgr.GrammarMatcher, "accept_token"), (xgr.BatchGrammarMatcher, "batch_accept_token")):
+        real = getattr(cls, name)
+
+        def spy(*a, _real=real, **kw):
+            fed_on.append(threading.current_thread().name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(cls, name, staticmethod(spy) if name.startswith("batch") else spy)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for kind, o in zip(kinds, outs):
+        if kind != "free":
+            _check(kind, o.outputs[0].text)
+    assert fed_on and all(n.startswith("kvserve-bitmask") for n in fed_on), set(fed_on)
+    _no_leak(llm)

@@ -225,9 +225,9 @@ class Scheduler:
                                                      num_output_tokens=req.num_output_tokens))
                 continue
             core.num_generated_tokens += len(toks)
-            if len(toks) == 1 and not req.pending_forks and req.grammar is None:
-                # One token, no forks, no grammar: the common decode step, without the general
-                # loop's lists. Whatever the general loop learns to do per token must hold here too.
+            if len(toks) == 1 and not req.pending_forks:
+                # One token, no forks: the common decode step, without the general loop's
+                # lists. Whatever the general loop learns to do per token must hold here too.
                 tok = toks[0]
                 if advanced:
                     req.resolve_pending(tok)
@@ -235,6 +235,8 @@ class Scheduler:
                     req.all_token_ids.append(tok)
                     req.output_token_ids.append(tok)
                 status = self._stop_status(req, tok)
+                if req.grammar is not None and req.grammar.defer(tok) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     self.finish(req, status)
                     core.finished.append(req)
@@ -260,7 +262,7 @@ class Scheduler:
                     else:
                         r.append_token(tok)
                     status = self._stop_status(r, tok)
-                    if r.grammar is not None and not self._grammar_continues(r, tok) and status is None:
+                    if r.grammar is not None and r.grammar.defer(tok) and status is None:
                         status = RequestStatus.FINISHED_STOPPED
                     if status is not None:  # tokens accepted past a stop are dropped
                         n = k + 1
@@ -306,13 +308,6 @@ class Scheduler:
         if r.length_reached:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    @staticmethod
-    def _grammar_continues(r: Request, tok: int) -> bool:
-        """Feed the token to the request's matcher. False once the grammar has ended (its stop
-        token accepted), or for a token it refuses, which only a row left with nothing allowed
-        can produce: the output ends there either way, not outside the grammar."""
-        return r.grammar.accept([tok]) == 1 and not r.grammar.terminated
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark ``req`` finished and give its blocks back (it may be running or waiting). A

@@ -49,30 +49,73 @@ def _choice_grammar(choices: list[str]) -> str:
 
 class GrammarState:
     """One sequence's position in its grammar. Tokens go in as a list (a step may accept several
-    with speculative decoding) and can be rolled back."""
-    __slots__ = ("matcher",)
+    with speculative decoding) and can be rolled back.
+
+    The engine's step queues each sampled token (``defer``) instead of feeding it: the next
+    mask's fill feeds the queue off the engine's thread (``BitmaskFiller``), and every other
+    use of the matcher feeds it first. A queued token was sampled under this state's mask, so
+    the matcher accepts it, and it ends the grammar exactly when it is a stop token; a token
+    the matcher refuses anyway (a row left with nothing allowed) sets ``refused``."""
+    __slots__ = ("matcher", "stop_token_ids", "pending", "refused")
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.stop_token_ids = frozenset(matcher.stop_token_ids)
+        self.pending: list[int] = []  # sampled, not yet fed to the matcher
+        self.refused = False
 
-    def accept(self, token_ids: list[int]) -> int:
-        """Feed tokens in order; returns how many were accepted (stops at the first refused)."""
+    def defer(self, token_id: int) -> bool:
+        """Queue a token sampled under this state's mask. True if the grammar ends with it (its
+        stop token) or has already refused one: the output ends there either way."""
+        self.pending.append(token_id)
+        return self.refused or token_id in self.stop_token_ids
+
+    def feed_pending(self) -> None:
+        if self.pending:
+            toks, self.pending = self.pending, []
+            if self._accept(toks) < len(toks):
+                self.refused = True
+
+    def _accept(self, token_ids: list[int]) -> int:
         for k, t in enumerate(token_ids):
             if not self.matcher.accept_token(t):
                 return k
         return len(token_ids)
 
+    def accept(self, token_ids: list[int]) -> int:
+        """Feed tokens in order; returns how many were accepted (stops at the first refused)."""
+        self.feed_pending()
+        return self._accept(token_ids)
+
     def rollback(self, num_tokens: int) -> None:
+        self.feed_pending()
         if num_tokens:
             self.matcher.rollback(num_tokens)
 
     def fork(self) -> GrammarState:
-        return GrammarState(self.matcher.fork())
+        self.feed_pending()
+        child = GrammarState(self.matcher.fork())
+        child.refused = self.refused
+        return child
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: the output ends here."""
+        self.feed_pending()
         return self.matcher.is_terminated()
+
+
+def feed_pending(states: list[GrammarState]) -> None:
+    """Feed every state's queued tokens, one token each in one xgrammar call (the usual step)."""
+    single = [s for s in states if len(s.pending) == 1 and not s.refused]
+    if single:
+        ok = _xgr().BatchGrammarMatcher.batch_accept_token([s.matcher for s in single],
+                                                           [s.pending[0] for s in single])
+        for s, accepted in zip(single, ok):
+            s.pending.clear()
+            s.refused = not accepted
+    for s in states:
+        s.feed_pending()
 
 
 class StructuredCompiler:
@@ -222,30 +265,46 @@ class BitmaskFiller:
         return self.start(num_rows, rows, states).result()[0]
 
     def start(self, num_rows: int, rows: list[int], states: list[GrammarState]) -> Future:
-        """Fill ``rows`` of a ``num_rows`` mask from ``states`` on the worker thread. The future
-        gives (the mask, the rows written): a terminated matcher (its output complete) allows
-        nothing, so its row is left out and sampled unconstrained (the token is dropped). The
-        matchers must not move until the future is done."""
+        """Feed ``states`` their queued tokens and fill ``rows`` of a ``num_rows`` mask from them,
+        on the worker thread. The future gives (the mask, the rows written): a terminated or
+        refusing matcher allows nothing, so its row is left out and sampled unconstrained (the
+        token is dropped, or ends the output). The matchers must not move until the future is
+        done.
+
+        xgrammar's two calls (feed, fill) release the GIL while they run; the worker needs it
+        only briefly before, between and after them. What can be done in Python is done here,
+        and this thread waits until the worker has taken the job, so that the worker does not
+        queue for the GIL behind the engine's Python for a switch interval (5 ms)."""
         mask = self._buffer(num_rows)
         if self._worker is None:
             self._batch = _xgr().BatchGrammarMatcher(max_threads="auto")
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-bitmask")
-        return self._worker.submit(self._fill, mask, rows, states)
-
-    def _fill(self, mask: torch.Tensor, rows: list[int], states: list[GrammarState]):
         first: dict[int, int] = {}  # matcher -> the row filled from it (n > 1 draws share one)
-        fill_rows, fill_states, copies = [], [], []
+        own, copies = [], []
         for row, s in zip(rows, states):
-            if s.terminated:
-                continue
             src = first.setdefault(id(s), row)
             if src == row:
-                fill_rows.append(row)
-                fill_states.append(s.matcher)
+                own.append((row, s))
             else:
                 copies.append((row, src))
+        started = threading.Event()
+        job = self._worker.submit(self._fill, started, mask, own, copies)
+        started.wait()
+        return job
+
+    def _fill(self, started: threading.Event, mask: torch.Tensor, own: list[tuple[int, GrammarState]],
+              copies: list[tuple[int, int]]):
+        started.set()
+        feed_pending([s for _, s in own])
+        fill_rows, matchers = [], []
+        for row, s in own:
+            if not s.refused and not s.matcher.is_terminated():
+                fill_rows.append(row)
+                matchers.append(s.matcher)
         if fill_rows:
-            self._batch.batch_fill_next_token_bitmask(fill_states, mask, indices=fill_rows)
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, indices=fill_rows)
+        filled = set(fill_rows)
+        copies = [(row, src) for row, src in copies if src in filled]
         with torch.inference_mode():  # the buffer may be an inference tensor (made in the step)
             for row, src in copies:
                 mask[row] = mask[src]
