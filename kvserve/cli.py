@@ -348,7 +348,8 @@ def cmd_calibrate_kv(args) -> int:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
     path = calibrate(args.model, text=text, num_tokens=args.num_tokens, output=args.output, device=args.device,
-                     dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+                     dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                     tensor_parallel_size=args.tensor_parallel_size)
     print(f"KV scales written to {path}")
     return 0
 
