@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 
 import torch
@@ -30,7 +31,7 @@ from kvserve.layers.parallel import TPGroup
 log = logging.getLogger(__name__)
 
 _STOP = "stop"
-_JOIN_SECONDS = 10.0
+_JOIN_SECONDS = 30.0
 
 
 class WorkerDiedError(RuntimeError):
@@ -129,5 +130,7 @@ def _worker_main(rank: int, port: int, config: EngineConfig, max_model_len: int,
     while True:
         name, args = runner.tp.recv_object()
         if name == _STOP:
-            return
+            # Nothing to flush; the interpreter's teardown (torch's, the groups' with rank 0's still
+            # open) would only delay the exit rank 0 is waiting for.
+            os._exit(0)
         getattr(runner, name)(*args)
