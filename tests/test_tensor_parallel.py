@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.calibrate import calibrate
 from kvserve.config import EngineConfig, SpeculativeConfig
 from kvserve.engine.tp_workers import WorkerDiedError
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, ModelLoadError
+from kvserve.layers.linear import Linear
 from kvserve.layers.parallel import check_shape
+from kvserve.models import snapshot
 from tests.conftest import hf_greedy
 from tests.test_parity_qwen import _make
 
@@ -56,7 +58,10 @@ def test_two_ranks_match_transformers_and_one_rank(qwen, tp2):
     assert got == [hf_greedy(model, p, N_NEW, eos_token_id=None) for p in prompts]
     one = LLM(path, **ENGINE)
     assert _greedy(one, prompts) == got
-    assert "kvserve.engine.tp_workers" not in sys.modules or one.engine.runner.workers is None
+    # One rank builds the plain layers, with nothing split and no group.
+    rt = one.engine.runner
+    assert rt.tp is None and type(rt.model.layers[0].self_attn.o_proj) is Linear
+    assert not any(hasattr(p, "tp_shards") for p in rt.model.parameters())
     # The schedule really chunked, shared and preempted, and nothing leaked on rank 0's books.
     e = tp2.engine
     assert e.scheduler.num_preemptions > 0 and e.kv.prefix_hits > 0
@@ -77,14 +82,17 @@ def test_two_rank_logits_match_transformers(qwen, tp2):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-def test_compressed_kv_per_rank(qwen):
-    """int8 KV (a scale per token and head): each rank quantizes its own heads, as one rank does."""
+def test_compressed_kv_per_rank(qwen, tmp_path):
+    """int8 KV (a scale per token and head): each rank quantizes its own heads, as one rank does.
+    Such an engine writes no snapshot (each rank holds a slice of the weights)."""
     _, path = qwen
     prompts = _prompts()[:3]
     kw = dict(ENGINE, kv_cache_dtype="int8", block_size=16, kv_cache_memory="1MiB")
     one = _greedy(LLM(path, **kw), prompts)
     with LLM(path, tensor_parallel_size=2, **kw) as llm:
         assert _greedy(llm, prompts) == one
+        with pytest.raises(ModelLoadError, match="a snapshot is written from one rank"):
+            snapshot.write(llm.engine, str(tmp_path / "snap"))
         worker = llm.engine.runner.workers.procs[0]
     assert worker.exitcode == 0  # stopped on leaving the block
 
@@ -113,6 +121,16 @@ def test_fewer_kv_heads_than_ranks_then_a_killed_worker():
     llm.shutdown()
 
 
+@pytest.mark.slow  # three ranks of the default model's real weights (GGUF, dequantized per rank)
+def test_default_model_on_three_ranks(tokenizer):
+    """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    one = _greedy(LLM(show_progress=False, device="cpu"), prompts)
+    with LLM(show_progress=False, device="cpu", tensor_parallel_size=3) as llm:
+        assert llm.engine.runner.arch.num_kv_heads == 1
+        assert _greedy(llm, prompts) == one
+
+
 @pytest.mark.parametrize("bad", [0, -1, 65, 2**63, 1.5, float("nan"), "2", None, True])
 def test_bad_sizes_name_the_field(bad):
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size: must be an integer in \[1, 64\]"):
@@ -135,3 +153,5 @@ def test_shapes_and_options_refused():
         EngineConfig(tensor_parallel_size=2, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     with pytest.raises(ConfigError, match="^async_scheduling: is not supported"):
         EngineConfig(tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: calibration runs on one rank"):
+        calibrate("dummy:tiny", output="unused.json", tensor_parallel_size=2)
