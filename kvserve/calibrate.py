@@ -55,6 +55,8 @@ def calibrate(model: str | None = None, text: str | None = None, num_tokens: int
     ``chunk`` tokens; write and return the scales file."""
     from kvserve.llm import LLM
     from kvserve.sampling_params import SamplingParams
+    if llm_kwargs.get("tensor_parallel_size", 1) != 1:  # the recorder sees rank 0's KV heads only
+        raise ConfigError("tensor_parallel_size", "calibration runs on one rank; leave it at 1")
     output = output or default_path(model)
     if output is None:
         raise ConfigError("output", "dummy weights have no place beside them: give --output PATH")

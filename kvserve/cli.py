@@ -40,6 +40,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "output channel, int4 per group of input columns")
     g.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: input columns sharing a scale and a minimum: 32, 64 or 128 (default 128)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split every layer across N ranks: worker processes on this host, one GPU each on "
+                   "CUDA (N must divide the attention heads and the MLP width)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -155,7 +158,8 @@ def _make_llm(args):
                max_pinned_fraction=args.max_pinned_fraction, pin_ttl_seconds=args.pin_ttl_seconds,
                kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
                enable_sleep_mode=args.enable_sleep_mode,
-               quantization=args.quantization, quantization_group_size=args.quantization_group_size)
+               quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _params(args, n: int = 1):
@@ -351,7 +355,8 @@ def cmd_calibrate_kv(args) -> int:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
     path = calibrate(args.model, text=text, num_tokens=args.num_tokens, output=args.output, device=args.device,
-                     dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+                     dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                     tensor_parallel_size=args.tensor_parallel_size)
     print(f"KV scales written to {path}")
     return 0
 

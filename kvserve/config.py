@@ -345,9 +345,12 @@ class EngineConfig:
     # LLM.sleep / wake_up (engine/sleep_mode.py): the GPU memory of an idle engine is given back.
     enable_sleep_mode: bool = False
     quantization: QuantConfig | None = None  # weight-only quantization at load, off by default
+    # Ranks (processes, one GPU each on CUDA) each layer is split across (engine/tp_workers.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         spec = self.speculative
+        self._check_tensor_parallel()
         if spec is not None:
             # Combinations whose output speculation would change or that it cannot roll back.
             if self.async_scheduling:
@@ -383,3 +386,21 @@ class EngineConfig:
                               f"got {self.cuda_graph_capture!r:.50}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        """The size's range, and the options whose state lives outside the ranks' lockstep
+        (a draft model, the tiers' copies, sleep's weights, tokens patched in on the device)."""
+        n = self.tensor_parallel_size
+        if type(n) is not int or not 1 <= n <= 64:
+            raise ConfigError("tensor_parallel_size", f"must be an integer in [1, 64], got {n!r:.100}")
+        if n == 1:
+            return
+        for option, on in (("speculative_config", self.speculative is not None),
+                           ("enable_sleep_mode", self.enable_sleep_mode is True),
+                           ("async_scheduling", self.async_scheduling is True),
+                           ("cpu_kv_memory/disk_kv_dir/redis_url", self.cache.tiers_enabled)):
+            if on:
+                raise ConfigError(option, f"is not supported with tensor_parallel_size {n}; leave it unset")
+        # A graph captured between steps would be captured on rank 0 alone, while the workers'
+        # graphs are captured when their KV is allocated: with several ranks, all at start-up.
+        object.__setattr__(self, "cuda_graph_capture", "startup")

@@ -43,7 +43,8 @@ class LLM:
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
                  chat_template: str | None = None, speculative_config: dict | SpeculativeConfig | None = None,
                  enable_sleep_mode: bool = False,
-                 quantization: str | None = None, quantization_group_size: int | None = None):
+                 quantization: str | None = None, quantization_group_size: int | None = None,
+                 tensor_parallel_size: int = 1):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -65,6 +66,7 @@ class LLM:
                                    cuda_graph_max_batch=cuda_graph_max_batch,
                                    cuda_graph_capture=cuda_graph_capture, async_scheduling=async_scheduling,
                                    kernel=kernel or KernelConfig(), enable_sleep_mode=enable_sleep_mode,
+                                   tensor_parallel_size=tensor_parallel_size,
                                    quantization=(None if quantization is None and quantization_group_size is None
                                                  else QuantConfig(quantization, quantization_group_size)),
                                    speculative=(speculative_config
@@ -89,12 +91,15 @@ class LLM:
     def shutdown(self) -> None:
         """Write what the KV tiers lack of the GPU prefix cache and wait for the writes (a restart
         or another replica finds it). Idempotent; also runs at interpreter exit and on leaving a
-        ``with LLM(...) as llm:`` block."""
+        ``with LLM(...) as llm:`` block. Tensor-parallel workers stop here."""
         if self._shut_down:
             return
         self._shut_down = True
         atexit.unregister(self._at_exit)
-        self.engine.flush_kv_to_tiers()
+        try:
+            self.engine.flush_kv_to_tiers()
+        finally:
+            self.engine.close()
 
     def sleep(self, level: int = 1) -> None:
         """Give the GPU memory back (needs ``enable_sleep_mode=True``): level 1 keeps the

@@ -147,6 +147,8 @@ class AsyncEngine:
             self._thread.join(timeout)
         for s in list(self._streams.values()):
             s.put(EngineDeadError("the server is shutting down"))
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # the engine's thread no longer steps it
 
     # -- requests (event-loop thread) --------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -59,7 +59,7 @@ class CudaSetup:
         meta, positions = self._build_metadata(seqs)
         with torch.inference_mode(), forward_context(ForwardContext(meta, tmp.layers, self.backend)):
             hidden = self.model(ids, positions)
-            self._logits(hidden[-n_seqs:])
+            self.model.compute_logits(hidden[-n_seqs:])  # every tensor-parallel rank runs this forward
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         del tmp

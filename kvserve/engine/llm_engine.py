@@ -420,6 +420,10 @@ class LLMEngine(MemoryControls):
             prefix_hit_rate=self.kv.prefix_hits / q if q else 0.0,
             num_preemptions=self.scheduler.num_preemptions, step_time=dt)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); the engine cannot step after."""
+        self.runner.close()
+
     def check_invariants(self) -> None:
         live = [r for g in self.scheduler.groups.values() for r in g if not r.is_finished]
         self.kv.check_invariants(live, self.pins.held())

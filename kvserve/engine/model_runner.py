@@ -24,6 +24,7 @@ from kvserve.engine.sleep_mode import SleepMode
 from kvserve.engine.spec.verify_step import VerifyStep
 from kvserve.engine.step import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.step_metadata import StepMetadata
+from kvserve.engine.tp_runner import TensorParallel
 from kvserve.layers.attention import ForwardContext, forward_context, get_backend
 from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
@@ -34,13 +35,17 @@ log = logging.getLogger(__name__)
 
 
 
-class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
-    def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int):
+class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParallel):
+    def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int,
+                 tp_rank: int = 0, tp_store=None):
+        """``tp_rank``, ``tp_store``: a tensor-parallel worker's rank and rank 0's store
+        (``tp_workers.py``); rank 0 starts the workers itself."""
         self.device = resolve_device(config.device)
         if config.async_scheduling is None:
-            # Speculative decoding needs each step's accepted tokens before the next is scheduled.
+            # Speculative decoding needs each step's accepted tokens before the next is scheduled;
+            # tensor-parallel ranks take their input tokens from rank 0's host.
             config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda"
-                                         and config.speculative is None)
+                                         and config.speculative is None and config.tensor_parallel_size == 1)
         self.config = config
         if src.kind == "snapshot":  # runs in the dtype it was written in, on the device it was written for
             snapshot.check_compatible(src.handle, src.path, config.dtype, self.device)
@@ -53,6 +58,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.arch = src.arch
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
+        self._start_tp(tp_rank, tp_store)
         cache = config.cache
         name = config.attention_backend
         if name == "auto":
@@ -60,8 +66,8 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             name = ("triton" if self.device.type == "cuda" and kernels.has_triton()
                     and cache.kv_eviction == "none" else "torch")
         self.backend_name = name
-        self.kv_scales = kv_plan.load_scales(config, src, self.device)
-        self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
+        self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
+        self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
         if config.quantization is not None and src.quant_method is not None:
             from kvserve.errors import ConfigError
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
@@ -95,7 +101,8 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
     def _build_and_load(self) -> torch.nn.Module:
         """The model with its weights from the source, quantized where configured."""
         with default_dtype(self.dtype), torch.device(self.device):
-            model = loader.build_model(self.src.arch, max_positions=self.max_model_len)
+            model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
+                     else loader.build_model(self.src.arch, self.max_model_len, self.tp))
         self.load_weights(model)
         model.eval()
         if self.config.quantization is not None:
@@ -126,7 +133,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         elif src.kind == "snapshot":
             snapshot.load_into(model, src.path, src.handle, self.device, config.show_progress)
         else:
-            weights = loader.iter_weights(src)
+            weights = loader.iter_weights(src) if self.tp is None else loader.iter_weights(src, lazy=True)
             if config.show_progress:
                 weights = progress(True, "Loading weights", "tensor", weights, total=loader.count_weights(src))
             with torch.no_grad():
@@ -143,21 +150,25 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             return cache.kv_cache_memory
         if self.device.type != "cuda":
             return cache.cpu_default_kv_memory
-        return self._profile_cuda_kv_memory()
+        self._mirror("_profile_cuda_kv_memory")
+        with self._tp_guard():
+            return self._profile_cuda_kv_memory()
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """The final hidden states [T, H] of one prompt, for embeddings: an eager forward with a
         scratch KV cache of the prompt's size, so the paged pool and the batch are untouched."""
+        self._mirror("hidden_states", token_ids)
         n = len(token_ids)
         num_blocks = -(-n // self.block_size)
         scratch = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device)
         meta, positions = self._build_metadata([(0, n, list(range(num_blocks)))])
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(meta, scratch.layers, self.backend)):
+        with forward_context(ForwardContext(meta, scratch.layers, self.backend)), self._tp_guard():
             return self.model(ids, positions)
 
     def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
+        self._mirror("_worker_allocate", self.config, dataclasses.replace(plan, scales=None))
         self._kv_plan = plan
         self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
                                 plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales,
@@ -212,6 +223,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
     def fork_request(self, parent_id: str, child_id: str) -> None:
         """A forked child shares its parent's unsealed last block, so it gets a copy of the
         parent's residual row."""
+        self._mirror("fork_request", parent_id, child_id)
         self.kv_cache.fork(parent_id, child_id)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -234,14 +246,9 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             self.tiers.offload(kv.data, out.offloads)
             self.tiers.stats.offloaded_blocks += len(out.offloads)
             self.tiers.load(kv.data, out.loads)
-        for rid, blocks in out.swap_out.items():
-            kv.swap_out(rid, blocks)
-        if out.copies:
-            kv.copy_blocks(out.copies)
-        for rid, blocks in out.swap_in.items():
-            kv.swap_in(rid, blocks)
-        for rid in out.preempted:  # recomputed from scratch (or a block boundary) when resumed
-            kv.release(rid)
+        if out.swap_out or out.copies or out.swap_in or out.preempted:
+            self._mirror("_apply_kv_ops", out.swap_out, out.copies, out.swap_in, out.preempted)
+            self._apply_kv_ops(out.swap_out, out.copies, out.swap_in, out.preempted)
         sched = out.scheduled
         ids: list[int] = []
         pending_rows, pending_src = [], []  # async scheduling: input tokens sampled by the step in flight
@@ -283,10 +290,17 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             mask_job = self._fill_masks(n_rows, grammar_rows, grammar_reqs)
         if self.gpu_timer is not None:
             self.gpu_timer.start()
-        res_slots = kv.residual_rows([s.request.request_id for s in sched]) if self.kv_format.kivi else None
+        res_slots = None
+        if self.kv_format.kivi:
+            self._mirror("_kv", "residual_rows", [s.request.request_id for s in sched])
+            res_slots = kv.residual_rows([s.request.request_id for s in sched])
         budgets = [s.request.params.kv_budget for s in sched]
-        hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs=group_seqs,
-                                            kv_budgets=budgets if any(b is not None for b in budgets) else None)
+        budgets = budgets if any(b is not None for b in budgets) else None
+        assert patch is None or self.tp is None, "tensor-parallel ranks read input tokens from rank 0's host"
+        self._mirror("_forward", ids, seqs, res_slots, None, None, None, group_seqs, budgets)
+        with self._tp_guard():
+            hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs=group_seqs,
+                                                kv_budgets=budgets)
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -475,9 +489,24 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head, under the backend's kernel choices (its skinny-GEMM row limit, PDL)."""
-        with forward_context(ForwardContext(None, [], self.backend)):
+        self._share_rows(hidden)
+        with forward_context(ForwardContext(None, [], self.backend)), self._tp_guard():
             return self.model.compute_logits(hidden)
+
+    def _apply_kv_ops(self, swap_out: dict[str, list[int]], copies: list[tuple[int, int]],
+                      swap_in: dict[str, list[int]], preempted: list[str]) -> None:
+        """The step's KV moves, before its forward writes anything."""
+        kv = self.kv_cache
+        for rid, blocks in swap_out.items():
+            kv.swap_out(rid, blocks)
+        if copies:
+            kv.copy_blocks(copies)
+        for rid, blocks in swap_in.items():
+            kv.swap_in(rid, blocks)
+        for rid in preempted:  # recomputed from scratch (or a block boundary) when resumed
+            kv.release(rid)
 
     def drop_request(self, request_id: str) -> None:
         if self.kv_cache is not None:
+            self._mirror("drop_request", request_id)
             self.kv_cache.drop(request_id)

@@ -52,6 +52,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tp = None  # a row-parallel layer's group: the products are summed over its ranks
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, quant: QuantConfig) -> QuantLinear:
@@ -60,9 +61,12 @@ class QuantLinear(nn.Module):
         N, K = w.shape
         if quant.method == "int8":
             q, s = quantize_int8(w, w.dtype)
-            return cls("int8", K, N, 0, q, s, None, layer.bias)
-        q, s, m = quantize_int4(w, quant.group_size, w.dtype)
-        return cls("int4", K, N, quant.group_size, q, s, m, layer.bias)
+            out = cls("int8", K, N, 0, q, s, None, layer.bias)
+        else:
+            q, s, m = quantize_int4(w, quant.group_size, w.dtype)
+            out = cls("int4", K, N, quant.group_size, q, s, m, layer.bias)
+        out.tp = getattr(layer, "tp", None)
+        return out
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else ""
@@ -75,6 +79,8 @@ class QuantLinear(nn.Module):
             y = self._cuda(x.contiguous(), kernel_config())
         else:
             y = self._cpu(x.contiguous())
+        if self.tp is not None:
+            y = self.tp.all_reduce(y)
         return y.view(*shape[:-1], self.out_features)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,19 +15,22 @@ from kvserve.errors import ModelLoadError
 from kvserve.layers.attention import get_forward_context
 from kvserve.layers.linear import Linear, gate_up_silu, linear
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.parallel import Shard, TPGroup, column_linear, embedding, row_linear, take
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.arch import ModelArch
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        d = arch.head_dim
+        q, kv = _heads(arch.num_heads, d, tp), _heads(arch.num_kv_heads, d, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = q.local // d, kv.local // d, d
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = column_linear(arch.hidden_size, [q, kv, kv], arch.attention_bias, tp)
+        self.o_proj = row_linear(q, arch.hidden_size, tp)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rope = rope
@@ -49,20 +52,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, tp: TPGroup | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        i = arch.intermediate_size
+        cols = Shard(i, i, 0) if tp is None else tp.cols(i)
+        self.gate_up_proj = column_linear(arch.hidden_size, [cols, cols], False, tp)
+        self.down_proj = row_linear(cols, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gate_up_silu(x, self.gate_up_proj))
 
 
+def _heads(n: int, head_dim: int, tp: TPGroup | None) -> Shard:
+    return Shard(n * head_dim, n * head_dim, 0) if tp is None else tp.heads(n, head_dim)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = Attention(arch, layer_idx, rope)
-        self.mlp = MLP(arch)
+        self.self_attn = Attention(arch, layer_idx, rope, tp)
+        self.mlp = MLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -77,15 +86,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int):
+    """``tp``: this rank's group when the layers are split across ranks (``layers/parallel.py``)."""
+
+    def __init__(self, arch: ModelArch, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
-        self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.arch, self.tp = arch, tp
+        self.embed_tokens = embedding(arch.vocab_size, arch.hidden_size, tp)
         rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.rope = rope
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, rope) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, rope, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None
+        if not arch.tie_word_embeddings:
+            self.lm_head = (Linear(arch.hidden_size, arch.vocab_size, bias=False) if tp is None
+                            else column_linear(arch.hidden_size, [tp.cols(arch.vocab_size, pad=True)], False, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -94,9 +108,14 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in float32; split across ranks: rank 0's (gathered), None elsewhere."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w, kind="logits").float()
+        logits = linear(hidden, w, kind="logits")
+        if self.tp is not None:
+            logits = self.tp.gather_last_dim(logits)
+            return None if logits is None else logits[:, :self.arch.vocab_size].float()
+        return logits.float()
 
     # -- weights ---------------------------------------------------------------------------
     # HF name suffix -> (our parameter suffix, shard index in the merged matrix)
@@ -124,13 +143,24 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ModelLoadError(f"unexpected weight {name!r} for {a.family} model")
             p = params[target]
-            if shard is None:
+            split = getattr(p, "tp_shards", None)  # this rank's slice of a split weight
+            if split is not None:
+                cut = split[shard or 0]
+                dst = p.data.narrow(p.tp_dim, sum(c.local for c in split[:shard or 0]), cut.local)
+                want = tuple(cut.full if d == p.tp_dim else n for d, n in enumerate(dst.shape))
+            elif shard is None:
                 dst = p.data
             else:
                 o = offsets[target.split(".")[-2]]
                 dst = p.data[o[shard]:o[shard + 1]]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+            if shape != (want if split is not None else tuple(dst.shape)):
+                raise ModelLoadError(f"weight {name!r} has shape {shape}, expected "
+                                     f"{want if split is not None else tuple(dst.shape)}")
+            if split is not None:
+                tensor = take(tensor, p.tp_dim, cut)
+            elif not isinstance(tensor, torch.Tensor):
+                tensor = tensor[:]  # a lazy slice of a file, read whole: a weight every rank holds
             dst.copy_(tensor)
             loaded.add(f"{target}#{shard}")
         expected = set()

@@ -125,17 +125,20 @@ def resolve(model: str | None) -> ModelSource:
     return ModelSource("gguf", model, gguf_loader.read_arch(reader, model), reader)
 
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ModelSource, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``lazy``: safetensors weights as slices not yet read (indexing one reads just that part:
+    a tensor-parallel rank reads its slice). GGUF tensors come whole: a quantized tensor is
+    dequantized whole before any rank can cut its slice."""
     if src.kind == "gguf":
         from kvserve.models import gguf_loader
         yield from gguf_loader.iter_weights(src.handle, src.path, src.arch)
     elif src.kind == "hf":
-        yield from _iter_safetensors(src.path)
+        yield from _iter_safetensors(src.path, lazy)
     else:
         raise ValueError("dummy models have no weights to iterate")
 
 
-def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(directory: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
@@ -145,13 +148,20 @@ def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key)
+                    yield key, f.get_slice(key) if lazy else f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
-def build_model(arch: ModelArch, max_positions: int) -> torch.nn.Module:
-    """The model of ``arch``'s family, its weights not yet loaded."""
+def build_model(arch: ModelArch, max_positions: int, tp=None) -> torch.nn.Module:
+    """The model of ``arch``'s family, its weights not yet loaded; ``tp``: this rank's
+    ``TPGroup`` when its layers are split across ranks."""
+    if tp is not None:
+        if arch.family == "gemma3":
+            from kvserve.errors import ConfigError
+            raise ConfigError("tensor_parallel_size", f"Gemma 3 models run on one rank; got {tp.size}")
+        from kvserve.models.llama import LlamaForCausalLM
+        return LlamaForCausalLM(arch, max_positions, tp)
     if arch.family == "gemma3":
         from kvserve.models.gemma3 import Gemma3ForCausalLM
         return Gemma3ForCausalLM(arch, max_positions)
@@ -167,7 +177,10 @@ def count_weights(src: ModelSource) -> int | None:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of a real shape: speed depends on shapes, not values."""
+    """Random weights of a real shape: speed depends on shapes, not values. A tensor-parallel
+    rank draws each split weight whole, as one rank would, and keeps its slice: every size
+    runs the same model."""
+    from kvserve.layers.parallel import full_shape, shard_full
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -175,5 +188,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
+            elif hasattr(p, "tp_shards"):
+                full = torch.empty(full_shape(p), dtype=p.dtype, device=p.device)
+                p.copy_(shard_full(p, full.normal_(0.0, 0.02, generator=gen)))
             else:
                 p.normal_(0.0, 0.02, generator=gen)

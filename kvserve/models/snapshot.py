@@ -120,6 +120,9 @@ def write(engine, out_dir: str) -> dict:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ModelLoadError(f"{out_dir}: exists and is not an empty directory; choose a new --out")
     rt = engine.runner
+    if rt.tp is not None:
+        raise ModelLoadError("a snapshot is written from one rank (tensor_parallel_size 1): this engine's "
+                             "ranks each hold a slice of the weights")
     tmp = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
