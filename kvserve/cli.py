@@ -68,9 +68,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bars while loading weights and capturing CUDA graphs (they show only on a "
                    "terminal anyway)")
-    g.add_argument("--cuda-graph-capture", default="background", choices=["startup", "lazy", "background"],
-                   help="when decode CUDA graphs are captured: startup (all before serving), lazy (each batch "
-                   "size after its first step), background (lazy, and the rest in idle gaps; the default)")
+    g.add_argument("--cuda-graph-capture", default="startup", choices=["startup", "lazy", "background"],
+                   help="when decode CUDA graphs are captured: startup (all before serving; the default), lazy "
+                   "(each batch size after its first step), background (lazy, and the rest in idle gaps)")
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="allow sleep/wake_up: an idle engine gives its GPU memory back (server: POST /sleep)")
     g.add_argument("--speculative-config", type=_json_object, default=None,

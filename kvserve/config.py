@@ -335,8 +335,10 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
     # When the graphs are captured (engine/graph_capture.py): startup (all before serving), lazy
-    # (each at its batch size's first use), background (lazy, and the rest in idle gaps).
-    cuda_graph_capture: str = "background"
+    # (each at its batch size's first use), background (lazy, and the rest in idle gaps). startup is
+    # the default: with lazy capture a batch size's first eager step also pays its kernels' JIT
+    # compilation, which start-up capture pays before serving.
+    cuda_graph_capture: str = "startup"
     # Schedule and launch each step before the previous step's tokens reach the host, so the
     # host's bookkeeping overlaps the device (see LLMEngine.step). None: on for CUDA (same tokens
     # as synchronous on an H200), off on the CPU, whose steps compute before they return.

@@ -32,7 +32,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, show_progress: bool = True,
                  attention_backend: str = "auto", enforce_eager: bool = False,
-                 cuda_graph_max_batch: int | None = None, cuda_graph_capture: str = "background",
+                 cuda_graph_max_batch: int | None = None, cuda_graph_capture: str = "startup",
                  cpu_kv_memory: int | str = 0,
                  disk_kv_dir: str | None = None, disk_kv_size: int | str = "16GiB",
                  redis_url: str | None = None, idle_offload_seconds: float = 30.0,
