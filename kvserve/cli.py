@@ -67,6 +67,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    g.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                   help='disaggregated prefill/decode, vLLM\'s JSON: \'{"kv_connector": "TorchDistributedConnector", '
+                        '"kv_role": "kv_producer"}\' (or kv_consumer; KVTierConnector: through --disk-kv-dir/--redis-url)')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
                         "the GPU (default: on for CUDA, off on the CPU)")
@@ -147,7 +150,7 @@ def _make_llm(args):
                max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
                max_pinned_fraction=args.max_pinned_fraction, pin_ttl_seconds=args.pin_ttl_seconds,
                kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
-               enable_sleep_mode=args.enable_sleep_mode,
+               enable_sleep_mode=args.enable_sleep_mode, kv_transfer_config=args.kv_transfer_config,
                quantization=args.quantization, quantization_group_size=args.quantization_group_size)
 
 
