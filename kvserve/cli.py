@@ -69,7 +69,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     g.add_argument("--kv-transfer-config", type=_json_object, default=None,
                    help='disaggregated prefill/decode, vLLM\'s JSON: \'{"kv_connector": "TorchDistributedConnector", '
-                        '"kv_role": "kv_producer"}\' (or kv_consumer; KVTierConnector: through --disk-kv-dir/--redis-url)')
+                        '"kv_role": "kv_producer"}\' (or kv_consumer; KVTierConnector: through '
+                        '--disk-kv-dir/--redis-url)')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
                         "the GPU (default: on for CUDA, off on the CPU)")
