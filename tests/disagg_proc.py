@@ -13,9 +13,18 @@ import os
 import sys
 
 
+def make_llm(cfg: dict):
+    from kvserve import LLM
+    cfg = dict(cfg)
+    if cfg.pop("context_sensitive", False):
+        from tests.kvtier.tierutil import context_sensitive
+        return context_sensitive(LLM(**cfg))
+    return LLM(**cfg)
+
+
 def serve(cfg: dict) -> None:
-    from kvserve import LLM, SamplingParams
-    llm = LLM(**cfg)
+    from kvserve import SamplingParams
+    llm = make_llm(cfg)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -26,11 +35,9 @@ def serve(cfg: dict) -> None:
 def die_mid_transfer(cfg: dict) -> None:
     import torch
 
-    from kvserve import LLM
     from kvserve.kvtier.transfer import MAGIC, Channel
-    # The layout a real producer would send: the engine's own, then its channel is taken over.
-    cfg = dict(cfg, kv_transfer_config=None)
-    llm = LLM(**cfg)
+    # The layout a real producer would send: an engine's own, built without a channel.
+    llm = make_llm(dict(cfg, kv_transfer_config=None))
     eng = llm.engine
     from kvserve.config import KVTransferConfig
     kt = KVTransferConfig.from_dict(json.loads(sys.argv[1])["kv_transfer_config"])

@@ -15,14 +15,25 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import KVTransferConfig
 from kvserve.errors import ConfigError, InvalidRequestError
+from tests.kvtier.tierutil import BLOCK, MODEL, Prompts, context_sensitive, prefix_keys
 from tests.prompts import LONG_DOC, ZEN
 from tests.server.server_proc import free_port
 
-PROMPTS = [ZEN[:400], LONG_DOC[:300], "Q: What is 12 times 12?\nA:" + ZEN[500:700]]
-BLOCK = 16
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-ENGINE = {"kv_cache_memory": "48MiB", "show_progress": False, "max_model_len": 1024}
+SMOL = {"kv_cache_memory": "48MiB", "show_progress": False, "max_model_len": 1024}
+SMOL_PROMPTS = [ZEN[:400], LONG_DOC[:300], "Q: What is 12 times 12?\nA:" + ZEN[500:700]]
+# The fault paths on the context-sensitive dummy:tiny (tests/kvtier/tierutil.py), seconds each.
+TINY = {"model": MODEL, "device": "cpu", "dtype": "float32", "kv_cache_memory": "4MiB", "show_progress": False,
+        "context_sensitive": True}
+_P = Prompts()
+TINY_PROMPTS = [{"prompt_token_ids": t} for t in (_P.a, _P.b[:200], _P.other + _P.tail)]
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disagg_proc.py")
+
+
+def make_llm(cfg: dict, **kw) -> LLM:
+    cfg = {**cfg, **kw}
+    redraw = cfg.pop("context_sensitive", False)
+    llm = LLM(**cfg)
+    return context_sensitive(llm) if redraw else llm
 
 
 def torch_cfg(role: str, port: int, **kw) -> dict:
@@ -43,118 +54,136 @@ class Producer:
         self.proc.stdin.flush()
         return self.proc.stdout.readline()
 
-    def prefill(self, prompts: list[str]) -> list[dict]:
+    def prefill(self, prompts: list) -> list[dict]:
+        assert self.proc.stdout.readline().strip() == "ready"
         return json.loads(self.ask(prompts))
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
 
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw)
+
+
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
+def tiny_reference() -> list[list[int]]:
     """One engine, no disaggregation: the tokens every decode instance must produce."""
-    llm = LLM(**ENGINE)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return [o.outputs[0].token_ids for o in make_llm(TINY).generate(TINY_PROMPTS, greedy())]
 
 
-def decode(llm: LLM, params: list[dict]):
-    ps = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, kv_transfer_params=p) for p in params]
-    outs = llm.generate(PROMPTS, ps)
+def decode(llm: LLM, prompts: list, params: list[dict]):
+    outs = llm.generate(prompts, [greedy(kv_transfer_params=p) for p in params])
     llm.engine.check_invariants()
     assert llm.engine.kv.pool.num_used_blocks == 0  # no block leaked
     return outs
 
 
-def full_blocks(llm: LLM, prompt: str) -> int:
+def full_blocks(llm: LLM, prompt) -> int:
+    """Prompt tokens in full blocks a decode instance can load (one token is always computed)."""
     return (len(llm.engine.tokenize_prompt(prompt)[1]) - 1) // BLOCK * BLOCK
 
 
-def test_gloo_prefill_then_decode_matches_one_engine(reference):
+@pytest.mark.slow
+def test_gloo_prefill_then_decode_matches_one_engine():
+    reference = [o.outputs[0].token_ids for o in make_llm(SMOL).generate(SMOL_PROMPTS, greedy())]
     port = free_port()
-    producer = Producer({**ENGINE, "kv_transfer_config": torch_cfg("kv_producer", port)})
+    producer = Producer({**SMOL, "kv_transfer_config": torch_cfg("kv_producer", port)})
     try:
-        llm = LLM(**ENGINE, kv_transfer_config=torch_cfg("kv_consumer", port))  # meets the producer
-        assert producer.proc.stdout.readline().strip() == "ready"
-        params = producer.prefill(PROMPTS)
+        llm = make_llm(SMOL, kv_transfer_config=torch_cfg("kv_consumer", port))  # meets the producer
+        params = producer.prefill(SMOL_PROMPTS)
         assert all(p["do_remote_prefill"] and p["transfer_id"] and p["num_blocks"] > 0 for p in params)
-        outs = decode(llm, params)
+        outs = decode(llm, SMOL_PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == reference
         # Every full block the decode side needed came from the producer, none computed here.
-        assert [o.num_cached_tokens for o in outs] == [full_blocks(llm, p) for p in PROMPTS]
+        assert [o.num_cached_tokens for o in outs] == [full_blocks(llm, p) for p in SMOL_PROMPTS]
         assert llm.engine.kv_transfer.consumer.failed_transfers == 0
         # Without kv_transfer_params a request is served as on any engine.
-        plain = llm.generate(["Hello there, " + PROMPTS[0][:50]], GREEDY)
+        plain = llm.generate(["Hello there, " + SMOL_PROMPTS[0][:50]], greedy())
         assert plain[0].num_cached_tokens == 0
     finally:
         producer.close()
 
 
-def test_producer_dying_mid_transfer_means_local_prefill(reference):
+def test_gloo_on_random_weights(tiny_reference):
     port = free_port()
-    producer = Producer({**ENGINE, "kv_transfer_config": torch_cfg("kv_producer", port)}, die=True)
+    producer = Producer({**TINY, "kv_transfer_config": torch_cfg("kv_producer", port)})
     try:
-        llm = LLM(**ENGINE, kv_transfer_config=torch_cfg("kv_consumer", port,
-                                                         kv_connector_extra_config={"transfer_timeout_s": 120}))
-        _, ids = llm.engine.tokenize_prompt(PROMPTS[0])
-        from kvserve.engine.request import Request
-        req = Request("probe", ids, GREEDY)
-        llm.engine.kv._update_hashes(req)
-        keys = [h.hex() for h in req.block_hashes[:(len(ids) - 1) // BLOCK]]
-        assert producer.ask(keys).strip() == "announced"  # header sent, bytes never
-        producer.proc.wait(timeout=30)
+        llm = make_llm(TINY, kv_transfer_config=torch_cfg("kv_consumer", port))
+        params = producer.prefill(TINY_PROMPTS)
+        outs = decode(llm, TINY_PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_reference
+        assert [o.num_cached_tokens for o in outs] == [full_blocks(llm, p) for p in TINY_PROMPTS]
+    finally:
+        producer.close()
+
+
+def test_producer_dying_mid_transfer_means_local_prefill(tiny_reference):
+    port = free_port()
+    producer = Producer({**TINY, "kv_transfer_config": torch_cfg("kv_producer", port)}, die=True)
+    try:
+        llm = make_llm(TINY, kv_transfer_config=torch_cfg("kv_consumer", port,
+                                                          kv_connector_extra_config={"transfer_timeout_s": 120}))
+        keys = [k.hex() for k in prefix_keys(llm, TINY_PROMPTS[0]["prompt_token_ids"])]
+        assert producer.ask(keys).strip() == "announced"  # header and keys sent, blocks never
+        producer.proc.wait(timeout=60)
         t0 = time.monotonic()
-        outs = decode(llm, [{"do_remote_prefill": True, "transfer_id": "x1"}] * len(PROMPTS))
+        outs = decode(llm, TINY_PROMPTS, [{"do_remote_prefill": True, "transfer_id": "x1"}] * len(TINY_PROMPTS))
         assert time.monotonic() - t0 < 60  # did not wait for the 120 s timeout
-        assert [o.outputs[0].token_ids for o in outs] == reference
-        assert [o.num_cached_tokens for o in outs] == [0] * len(PROMPTS)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_reference
+        assert [o.metrics.num_loaded_tokens for o in outs] == [0] * len(TINY_PROMPTS)  # all computed here
         assert llm.engine.kv_transfer.consumer.dead
     finally:
         producer.close()
 
 
-def test_transfer_timeout_means_local_prefill(reference):
+def test_transfer_timeout_means_local_prefill(tiny_reference):
     """A consumer whose producer never sends: the request waits ``transfer_timeout_s``, no more."""
     port = free_port()
-    producer = Producer({**ENGINE, "kv_transfer_config": torch_cfg("kv_producer", port)})
+    producer = Producer({**TINY, "kv_transfer_config": torch_cfg("kv_producer", port)})
     try:
-        llm = LLM(**ENGINE, kv_transfer_config=torch_cfg("kv_consumer", port,
-                                                         kv_connector_extra_config={"transfer_timeout_s": 0.5}))
-        outs = decode(llm, [{"do_remote_prefill": True, "transfer_id": "neverSent"}] * len(PROMPTS))
-        assert [o.outputs[0].token_ids for o in outs] == reference
-        assert llm.engine.kv_transfer.consumer.timeouts == len(PROMPTS)
+        llm = make_llm(TINY, kv_transfer_config=torch_cfg("kv_consumer", port,
+                                                          kv_connector_extra_config={"transfer_timeout_s": 0.5}))
+        outs = decode(llm, TINY_PROMPTS, [{"do_remote_prefill": True, "transfer_id": "neverSent"}] * 3)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_reference
+        assert [o.metrics.num_loaded_tokens for o in outs] == [0] * len(TINY_PROMPTS)  # all computed here
+        # (b's prompt lies inside a's: found in the prefix cache here if a ran before b's wait ended)
+        assert llm.engine.kv_transfer.consumer.timeouts >= len(TINY_PROMPTS) - 1
     finally:
         producer.close()
 
 
-def test_disk_tier_prefill_then_decode_matches_one_engine(reference, tmp_path):
+def test_disk_tier_prefill_then_decode_matches_one_engine(tiny_reference, tmp_path):
     tiers = {"disk_kv_dir": str(tmp_path / "kv"), "kv_tier_secret": "s" * 32}
-    producer = Producer({**ENGINE, **tiers, "kv_transfer_config": {"kv_connector": "KVTierConnector",
-                                                                   "kv_role": "kv_producer"}})
+    kvt = {"kv_connector": "KVTierConnector"}
+    producer = Producer({**TINY, **tiers, "kv_transfer_config": {**kvt, "kv_role": "kv_producer"}})
     try:
         # The consumer starts first: its disk index is empty and must pick up the producer's chunks.
-        llm = LLM(**ENGINE, **tiers, kv_transfer_config={"kv_connector": "KVTierConnector", "kv_role": "kv_consumer"})
-        assert producer.proc.stdout.readline().strip() == "ready"
-        params = producer.prefill(PROMPTS)
+        llm = make_llm(TINY, **tiers, kv_transfer_config={**kvt, "kv_role": "kv_consumer"})
+        params = producer.prefill(TINY_PROMPTS)
         assert all(p["do_remote_prefill"] and p["num_blocks"] > 0 for p in params)
-        outs = decode(llm, params)
-        assert [o.outputs[0].token_ids for o in outs] == reference
-        assert [o.num_cached_tokens for o in outs] == [full_blocks(llm, p) for p in PROMPTS]
-        assert llm.engine.store.load_stats.tokens_loaded["disk"] == sum(full_blocks(llm, p) for p in PROMPTS)
+        outs = decode(llm, TINY_PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_reference
+        assert [o.num_cached_tokens for o in outs] == [full_blocks(llm, p) for p in TINY_PROMPTS]
+        # Each distinct block came from the disk once (b's lie inside a's: the later one hits the GPU).
+        distinct = {k for p in TINY_PROMPTS for k in prefix_keys(llm, p["prompt_token_ids"][:full_blocks(llm, p)])}
+        assert llm.engine.store.load_stats.tokens_loaded["disk"] == len(distinct) * BLOCK
+        assert sum(o.metrics.num_loaded_tokens for o in outs) == len(distinct) * BLOCK
     finally:
         producer.close()
 
 
 def test_mismatched_kv_cache_dtype_is_refused():
     port = free_port()
-    producer = Producer({**ENGINE, "kv_cache_dtype": "int8", "kv_transfer_config": torch_cfg("kv_producer", port)})
+    producer = Producer({**TINY, "kv_cache_dtype": "int8", "kv_transfer_config": torch_cfg("kv_producer", port)})
     try:
         with pytest.raises(ConfigError, match=r"kv_cache_dtype.*'int8'.*'auto'"):
-            LLM(**ENGINE, kv_transfer_config=torch_cfg("kv_consumer", port))
+            make_llm(TINY, kv_transfer_config=torch_cfg("kv_consumer", port))
         assert producer.proc.wait(timeout=60) != 0  # refused on its side too
     finally:
         producer.close()

@@ -104,7 +104,16 @@ class Channel:
         else:
             theirs, _ = self.recv_message(0)
             self.send_message(layout)
-        check_layouts(layout, theirs, "consumer" if self.rank == 0 else "producer")
+        try:
+            check_layouts(layout, theirs, "consumer" if self.rank == 0 else "producer")
+        except ConfigError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Drop the connection now (not when the last reference to the channel goes), so the
+        peer's process can end."""
+        self.pg = self.store = None
 
 
 class Producer:
