@@ -237,6 +237,15 @@ def cmd_serve(args) -> int:
     return serve(args, make_engine)
 
 
+def cmd_disagg_proxy(args) -> int:
+    from kvserve.server.disagg_proxy import serve_proxy
+    for name in ("prefill", "decode"):
+        url = getattr(args, name)
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(name, f"must be an http:// or https:// URL, got {url!r}")
+    return serve_proxy(args)
+
+
 def make_engine(args):
     return _make_llm(args).engine
 
@@ -433,6 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--output", default=None, help="where to write (default: beside the model)")
     _engine_args(k)
     k.set_defaults(func=cmd_calibrate_kv)
+    d = sub.add_parser("disagg-proxy", help="one OpenAI endpoint over a prefill and a decode instance "
+                       "(serve --kv-transfer-config): each request is prefilled on one, decoded on the other")
+    d.add_argument("--prefill", required=True, metavar="URL", help="the kv_producer server, e.g. http://host:8100")
+    d.add_argument("--decode", required=True, metavar="URL", help="the kv_consumer server, e.g. http://host:8200")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--timeout", type=float, default=600.0, help="seconds either instance may take to answer")
+    d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    d.set_defaults(func=cmd_disagg_proxy)
     _bench_args(sub)
     return p
 
