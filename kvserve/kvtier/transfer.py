@@ -183,7 +183,7 @@ class Consumer:
                 blocks = payload.cpu().view(dtype).view((len(keys),) + tuple(shape))
             except Exception as e:
                 if not self.dead:
-                    log.error("KV transfer from the producer stopped; prompts are computed here: %s", e)
+                    log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
                 self.dead = True
                 return
             n = sum(self.store.staging.put(k, blocks[i].clone(), tag="remote") for i, k in enumerate(keys))
