@@ -76,6 +76,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    g.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                   help='disaggregated prefill/decode, vLLM\'s JSON: \'{"kv_connector": "TorchDistributedConnector", '
+                        '"kv_role": "kv_producer"}\' (or kv_consumer; KVTierConnector: through '
+                        '--disk-kv-dir/--redis-url)')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
                         "the GPU (default: on for CUDA, off on the CPU)")
@@ -157,7 +161,7 @@ def _make_llm(args):
                max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
                max_pinned_fraction=args.max_pinned_fraction, pin_ttl_seconds=args.pin_ttl_seconds,
                kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
-               enable_sleep_mode=args.enable_sleep_mode,
+               enable_sleep_mode=args.enable_sleep_mode, kv_transfer_config=args.kv_transfer_config,
                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
                tensor_parallel_size=args.tensor_parallel_size)
 
@@ -242,6 +246,15 @@ def cmd_serve(args) -> int:
         return serve_replicas(args, make_engine)
     from kvserve.server.launcher import serve
     return serve(args, make_engine)
+
+
+def cmd_disagg_proxy(args) -> int:
+    from kvserve.server.disagg_proxy import serve_proxy
+    for name in ("prefill", "decode"):
+        url = getattr(args, name)
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(name, f"must be an http:// or https:// URL, got {url!r}")
+    return serve_proxy(args)
 
 
 def make_engine(args):
@@ -441,6 +454,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--output", default=None, help="where to write (default: beside the model)")
     _engine_args(k)
     k.set_defaults(func=cmd_calibrate_kv)
+    d = sub.add_parser("disagg-proxy", help="one OpenAI endpoint over a prefill and a decode instance "
+                       "(serve --kv-transfer-config): each request is prefilled on one, decoded on the other")
+    d.add_argument("--prefill", required=True, metavar="URL", help="the kv_producer server, e.g. http://host:8100")
+    d.add_argument("--decode", required=True, metavar="URL", help="the kv_consumer server, e.g. http://host:8200")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--timeout", type=float, default=600.0, help="seconds either instance may take to answer")
+    d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    d.set_defaults(func=cmd_disagg_proxy)
     _bench_args(sub)
     return p
 

@@ -1,6 +1,7 @@
 """Engine configuration: frozen dataclasses, validated when built."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -316,6 +317,113 @@ class SpeculativeConfig:
         return self.verify_token_budget // 2  # one draft per request at least
 
 
+KV_CONNECTORS = ("TorchDistributedConnector", "KVTierConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_EXTRA_KEYS = ("transfer_timeout_s", "connect_timeout_s")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill and decode (kvserve/kvtier/transfer.py), with vLLM's names. A
+    producer (prefill instance) hands each finished prompt's full KV blocks, keyed by their chained
+    block hashes, to a consumer (decode instance), which loads them as prefix hits.
+
+    ``TorchDistributedConnector``: one producer (``kv_rank`` 0) and one consumer (``kv_rank`` 1)
+    meet at ``kv_ip:kv_port`` (the producer listens) and send blocks with torch.distributed
+    (gloo on the CPU, NCCL on CUDA). ``KVTierConnector``: the producer writes through to the disk
+    or Redis tier both instances are configured with; the consumer loads by hash from there.
+    ``kv_connector_extra_config``: ``transfer_timeout_s`` (how long a request waits for its KV
+    before computing its prompt itself, default 30), ``connect_timeout_s`` (default 300)."""
+    kv_connector: str
+    kv_role: str
+    kv_rank: int | None = None  # None: 0 for a producer, 1 for a consumer
+    kv_parallel_size: int = 2
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_buffer_size: float = 1e9  # bytes of received KV held until its request loads it
+    kv_connector_extra_config: dict = field(default_factory=dict, hash=False)
+    kv_load_failure_policy: str = "recompute"  # KV that does not arrive: the consumer computes it
+
+    _FIELDS = ("kv_connector", "kv_role", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_size",
+               "kv_connector_extra_config", "kv_load_failure_policy")
+
+    @classmethod
+    def from_dict(cls, d) -> KVTransferConfig:
+        """``kv_transfer_config`` as the user wrote it (a dict or JSON text, as in vLLM)."""
+        if isinstance(d, str):
+            import json
+            try:
+                d = json.loads(d)
+            except ValueError as e:
+                raise ConfigError("kv_transfer_config", f"is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError("kv_transfer_config", f"must be a dict (JSON object), got {type(d).__name__}")
+        unknown = sorted(set(map(str, d)) - set(cls._FIELDS))
+        if unknown:
+            raise ConfigError(f"kv_transfer_config.{unknown[0]}", f"unknown field; known: {', '.join(cls._FIELDS)}")
+        for name in ("kv_connector", "kv_role"):
+            if d.get(name) is None:
+                raise ConfigError(f"kv_transfer_config.{name}", "is required")
+        return cls(**d)
+
+    @property
+    def rank(self) -> int:
+        return self.kv_rank if self.kv_rank is not None else (0 if self.is_producer else 1)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, name: str) -> float:
+        return self.kv_connector_extra_config.get(name, {"transfer_timeout_s": 30.0, "connect_timeout_s": 300.0}[name])
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise ConfigError(f"kv_transfer_config.{name}", msg)
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if self.kv_connector not in KV_CONNECTORS:
+            bad("kv_connector", f"must be one of {', '.join(KV_CONNECTORS)}; got {self.kv_connector!r}"[:300])
+        if self.kv_role not in KV_ROLES:
+            bad("kv_role", f"must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}"[:300])
+        if not is_int(self.kv_parallel_size) or self.kv_parallel_size != 2:
+            bad("kv_parallel_size", f"must be 2 (one producer, one consumer), got {self.kv_parallel_size!r}"[:300])
+        if self.kv_rank is not None and not (is_int(self.kv_rank) and 0 <= self.kv_rank < self.kv_parallel_size):
+            bad("kv_rank", f"must be an integer in [0, {self.kv_parallel_size - 1}], got {self.kv_rank!r}"[:300])
+        if self.kv_connector == "TorchDistributedConnector":
+            if self.kv_role == "kv_both":
+                bad("kv_role", "'kv_both' needs a shared store (KVTierConnector); TorchDistributedConnector "
+                    "links one kv_producer to one kv_consumer")
+            want = 0 if self.kv_role == "kv_producer" else 1
+            if self.kv_rank is not None and self.kv_rank != want:
+                bad("kv_rank", f"must be {want} for a {self.kv_role} (the producer is rank 0), got {self.kv_rank}")
+        if not isinstance(self.kv_ip, str) or not 0 < len(self.kv_ip) <= 253 or any(c.isspace() for c in self.kv_ip):
+            bad("kv_ip", f"must be a host name or IP address, got {self.kv_ip!r}"[:300])
+        if not is_int(self.kv_port) or not 1 <= self.kv_port <= 65535:
+            bad("kv_port", f"must be an integer in [1, 65535], got {self.kv_port!r}"[:300])
+        if not is_num(self.kv_buffer_size) or not 2**20 <= self.kv_buffer_size <= 2**50:
+            bad("kv_buffer_size", f"must be a number of bytes in [2^20, 2^50], got {self.kv_buffer_size!r}"[:300])
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            bad("kv_connector_extra_config", f"must be a dict (JSON object), got {type(extra).__name__}")
+        for k, v in extra.items():
+            if k not in KV_EXTRA_KEYS:
+                bad(f"kv_connector_extra_config.{k}"[:100], f"unknown field; known: {', '.join(KV_EXTRA_KEYS)}")
+            if not is_num(v) or not 0 < v <= 86400:
+                bad(f"kv_connector_extra_config.{k}", f"must be a number of seconds in (0, 86400], got {v!r}"[:300])
+        if self.kv_load_failure_policy != "recompute":
+            bad("kv_load_failure_policy", f"must be 'recompute', got {self.kv_load_failure_policy!r}"[:300])
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
@@ -349,6 +457,8 @@ class EngineConfig:
     quantization: QuantConfig | None = None  # weight-only quantization at load, off by default
     # Ranks (processes, one GPU each on CUDA) each layer is split across (engine/tp_workers.py).
     tensor_parallel_size: int = 1
+    # Disaggregated prefill/decode: this instance's side of the KV hand-over; None: off.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self):
         spec = self.speculative
@@ -373,6 +483,15 @@ class EngineConfig:
             if self.attention_backend == "triton":
                 raise ConfigError("kv_eviction", "'streaming' runs on the torch attention backend; use "
                                   "attention_backend torch or auto")
+        kt = self.kv_transfer_config
+        if kt is not None:
+            if kt.kv_connector == "KVTierConnector" and not (self.cache.disk_kv_dir or self.cache.redis_url):
+                raise ConfigError("kv_transfer_config.kv_connector", "KVTierConnector hands KV over through the "
+                                  "disk or Redis tier: set disk_kv_dir or redis_url on both instances")
+            if spec is not None:
+                raise ConfigError("kv_transfer_config", "is not supported with speculative decoding")
+            if not self.cache.enable_prefix_caching:
+                raise ConfigError("kv_transfer_config", "needs prefix caching (blocks are handed over by hash)")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ConfigError("enable_sleep_mode", f"must be True or False, got {self.enable_sleep_mode!r}")
         if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":
@@ -400,7 +519,8 @@ class EngineConfig:
         for option, on in (("speculative_config", self.speculative is not None),
                            ("enable_sleep_mode", self.enable_sleep_mode is True),
                            ("async_scheduling", self.async_scheduling is True),
-                           ("cpu_kv_memory/disk_kv_dir/redis_url", self.cache.tiers_enabled)):
+                           ("cpu_kv_memory/disk_kv_dir/redis_url", self.cache.tiers_enabled),
+                           ("kv_transfer_config", self.kv_transfer_config is not None)):
             if on:
                 raise ConfigError(option, f"is not supported with tensor_parallel_size {n}; leave it unset")
         # A graph captured between steps would be captured on rank 0 alone, while the workers'

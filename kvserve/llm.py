@@ -11,6 +11,7 @@ from kvserve.config import (
     CacheConfig,
     EngineConfig,
     KernelConfig,
+    KVTransferConfig,
     QuantConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -43,6 +44,7 @@ class LLM:
                  async_scheduling: bool | None = None, kernel: KernelConfig | None = None,
                  chat_template: str | None = None, speculative_config: dict | SpeculativeConfig | None = None,
                  enable_sleep_mode: bool = False,
+                 kv_transfer_config: dict | str | KVTransferConfig | None = None,
                  quantization: str | None = None, quantization_group_size: int | None = None,
                  tensor_parallel_size: int = 1):
         cache = CacheConfig(
@@ -71,7 +73,10 @@ class LLM:
                                                  else QuantConfig(quantization, quantization_group_size)),
                                    speculative=(speculative_config
                                                 if isinstance(speculative_config, (SpeculativeConfig, type(None)))
-                                                else SpeculativeConfig.from_dict(speculative_config)))
+                                                else SpeculativeConfig.from_dict(speculative_config)),
+                                   kv_transfer_config=(kv_transfer_config
+                                                       if isinstance(kv_transfer_config, (KVTransferConfig, type(None)))
+                                                       else KVTransferConfig.from_dict(kv_transfer_config)))
         self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # with the device's defaults resolved
         if chat_template is not None:  # a file or the template text; replaces the model's own

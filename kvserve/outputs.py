@@ -63,3 +63,6 @@ class RequestOutput:
     # Prompt tokens whose KV was reused instead of computed: GPU prefix-cache hits plus tokens
     # loaded from the KV tiers (vLLM's name). None: the engine did not report it.
     num_cached_tokens: int | None = None
+    # Disaggregated prefill (vLLM's name): what a decode instance's request passes on to find
+    # this prompt's KV, set by a kv_producer when the request finishes.
+    kv_transfer_params: dict | None = None

@@ -100,6 +100,29 @@ class StructuredOutputsParams:
         return k, v
 
 
+_KV_TRANSFER_FLAGS = ("do_remote_prefill", "do_remote_decode")
+
+
+def _check_kv_transfer_params(p) -> None:
+    if p is None:
+        return
+    if not isinstance(p, dict):
+        raise InvalidRequestError("kv_transfer_params", f"must be an object or null, got {type(p).__name__}")
+    for k, v in p.items():
+        if k in _KV_TRANSFER_FLAGS:
+            ok, allowed = isinstance(v, bool), "true or false"
+        elif k == "transfer_id":
+            ok = isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum()
+            allowed = "an alphanumeric string of 1 to 64 characters"
+        elif k == "num_blocks":
+            ok, allowed = _is_int(v) and 0 <= v <= MAX_COUNT, f"an integer in [0, {MAX_COUNT}]"
+        else:
+            raise InvalidRequestError("kv_transfer_params", f"unknown field {str(k)[:50]!r}; known: "
+                                      "do_remote_prefill, do_remote_decode, transfer_id, num_blocks")
+        if not ok:
+            raise InvalidRequestError(f"kv_transfer_params.{k}", f"must be {allowed}, got {v!r}"[:300])
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -125,6 +148,9 @@ class SamplingParams:
     # Tokens of KV the request may hold with streaming eviction (``--kv-eviction streaming``):
     # its first block plus its latest blocks; the range needing the model is the engine's check.
     kv_budget: int | None = None
+    # Disaggregated prefill/decode (vLLM's name): {"do_remote_prefill": true, "transfer_id": ...}
+    # as a prefill instance's output returned it, or {"do_remote_decode": true} for a kv_both one.
+    kv_transfer_params: dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -159,6 +185,7 @@ class SamplingParams:
         int_in("logprobs", 0, MAX_LOGPROBS, optional=True)
         int_in("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         int_in("kv_budget", 1, MAX_COUNT, optional=True)
+        _check_kv_transfer_params(self.kv_transfer_params)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is None:
             stops = []

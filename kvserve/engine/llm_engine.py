@@ -86,7 +86,10 @@ class LLMEngine(MemoryControls):
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
                                  groups.windows)
         self.pins = PrefixPins(self.kv, config.cache.max_pinned_fraction, config.cache.pin_ttl_seconds)
-        self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
+        kt = config.kv_transfer_config
+        # A consumer receives KV into the store's staging memory, tiers or not.
+        self.store = (self._make_store(config.cache, kt) if config.cache.tiers_enabled or (kt and kt.is_consumer)
+                      else None)
         self.tiers = self._connector(self.store) if self.store is not None else None
         self.runner.tiers = self.tiers
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, plan.swap_blocks,
@@ -98,6 +101,7 @@ class LLMEngine(MemoryControls):
         self._inflight: InFlight | None = None  # async scheduling: the step launched ahead
         self._failed: dict[str, RequestFailedError] = {}  # see pop_failed
         self.eos_token_ids = self._eos_ids()
+        self.kv_transfer = self._kv_transfer() if kt is not None else None
         self.structured = StructuredCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         log.info("KV cache: %s", plan.describe())
         # What start-up left alive (modules, weights, tokenizer tables: most of the heap) stays
@@ -394,6 +398,8 @@ class LLMEngine(MemoryControls):
                 self.speculator.drop_request(req.request_id)
             if req.session_id is not None:
                 self._end_session_turn(req.session_id, list(req.block_hashes))
+        if self.kv_transfer is not None and finished:
+            self.kv_transfer.finished(finished, outputs)
         self.stats.num_requests_finished += sum(o.finished for o in outputs)
         n_prompt = cur.num_prompt_tokens + core.num_prompt_tokens
         n_gen = core.num_generated_tokens

@@ -25,7 +25,14 @@ class MemoryControls:
         from kvserve.kvtier.connector import TierConnector
         return TierConnector(store)
 
-    def _make_store(self, cache):
+    def _kv_transfer(self):
+        from kvserve.engine.kv_transfer import KVTransfer
+        kt = KVTransfer(self)
+        if kt.consumer is not None:
+            self.tiers.remote = kt.consumer
+        return kt
+
+    def _make_store(self, cache, kv_transfer=None):
         from kvserve.errors import ConfigError
         from kvserve.kvtier import TieredStore
         if not cache.enable_prefix_caching:
@@ -49,7 +56,8 @@ class MemoryControls:
             secret = tier_secret(cache.kv_tier_secret, cache.disk_kv_dir)
         return TieredStore(shape, dtype, rt.device, cpu_bytes=cache.cpu_kv_memory, disk_dir=cache.disk_kv_dir,
                            disk_bytes=cache.disk_kv_size, redis_url=cache.redis_url, block_size=cache.block_size,
-                           secret=secret, encrypt=cache.kv_tier_encrypt)
+                           secret=secret, encrypt=cache.kv_tier_encrypt,
+                           staging_bytes=int(kv_transfer.kv_buffer_size) if kv_transfer is not None else 0)
 
     def offload_idle_sessions(self, force: bool = False, only: str | None = None) -> int:
         """Move the KV of sessions idle for ``idle_offload_seconds`` (all, with ``force``) from

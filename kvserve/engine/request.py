@@ -84,6 +84,8 @@ class Request:
         self.swapped_out = False  # KV lives in CPU swap space while preempted
         self.prefetch_state: str | None = None  # tiered store: None, "pending", "done"
         self.prefetch_token = 0
+        # Disaggregated decode: when waiting for the prefill instance's KV stops (-1: stopped).
+        self.kv_transfer_until: float | None = None
         self.session_id: str | None = None
         self.cache_salt: str | None = None  # scopes its prefix-cache keys (kv_cache_manager.salt_root)
         self.stop_reason: int | None = None  # the stop token that ended it

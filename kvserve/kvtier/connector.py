@@ -19,6 +19,7 @@ from kvserve.kvtier.store import TieredStore
 class TierConnector:
     def __init__(self, store: TieredStore):
         self.store = store
+        self.remote = None  # disaggregated decode: the KV transfer's Consumer (kvtier/transfer.py)
 
     @property
     def stats(self):
@@ -30,6 +31,13 @@ class TierConnector:
         once per request, only when there are lower tiers and the first chunk missing from
         memory may be below: otherwise the request goes on now (what is in memory loads, the
         rest is computed)."""
+        if self.remote is not None and req.prefetch_state != "done":
+            # First the producer's blocks (if it sends any), then the tiers for what is missing.
+            if self.remote.waiting(req, keys):
+                req.prefetch_state = "pending"
+                return True
+            if req.prefetch_state == "pending" and req.prefetch_token == 0:  # (no tier prefetch started yet)
+                req.prefetch_state = None
         store = self.store
         if not store.lower or req.prefetch_state == "done":
             return False
@@ -61,6 +69,8 @@ class TierConnector:
         """Of the blocks the prefix cache evicted, those the tiers do not hold yet (keys are
         content hashes: most evicted blocks were loaded from the CPU tier or written there at
         the end of their session's turn, and need no copy)."""
+        if not self.store.keeps_spills:
+            return []
         out = [(b, k) for b, k in evicted if not self.store.holds(k)]
         self.stats.offloads_skipped += len(evicted) - len(out)
         return out
@@ -82,6 +92,8 @@ class TierConnector:
         full write-behind queue instead of dropping the write (shutdown); ``defer``: queue the
         copies behind the step's work without waiting, ``commit`` after the step (write-through).
         Returns blocks copied."""
+        if not self.store.keeps_spills:
+            return 0
         return self.store.offload(data, blocks, wait=wait, defer=defer)
 
     def commit(self, ok: bool = True) -> None:

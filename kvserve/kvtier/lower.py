@@ -69,6 +69,21 @@ class DiskTier:
     def holds(self, key: bytes) -> bool:
         return key in self.files
 
+    def adopt(self, key: bytes) -> bool:
+        """Whether ``key``'s chunk is here, taking into the index one that another process
+        wrote since the index was built (a disaggregated prefill instance sharing the directory)."""
+        if key in self.files:
+            return True
+        try:
+            size = os.stat(self.path(key)).st_size
+        except OSError:
+            return False
+        with self.lock:
+            if key not in self.files:
+                self.files[key] = size
+                self.used += size
+        return True
+
     def _stop_writes(self, why: str) -> None:
         if self.stats.writable:
             log.warning("disk KV tier: writes off (%s); reads continue, writes tried again every %.0f s",

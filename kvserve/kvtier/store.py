@@ -87,9 +87,10 @@ class TieredStore:
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  cpu_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
                  redis_url: str | None = None, block_size: int = 16, secret: bytes | None = None,
-                 encrypt: bool = False, write_queue: int = 512):
+                 encrypt: bool = False, write_queue: int = 512, staging_bytes: int = 0):
         """``secret``: authenticates (``encrypt``: and encrypts) the disk and Redis chunks
-        (``kvtier.secret.tier_secret``); needed when either is on."""
+        (``kvtier.secret.tier_secret``); needed when either is on. ``staging_bytes``: at least
+        this much staging memory (a disaggregated decode instance receives KV there)."""
         self.block_shape, self.dtype, self.device = tuple(block_shape), dtype, device
         self.block_size = block_size
         self.chunk_bytes = dtype.itemsize
@@ -99,7 +100,7 @@ class TieredStore:
         slot = self.chunk_bytes if pin else None  # pinned memory: in slots of large slabs
         self.cpu = CpuTier(cpu_bytes, pin, slot) if cpu_bytes else None
         # Where prefetched chunks wait for the GPU when there is no CPU tier to hold them.
-        self.staging = self.cpu or CpuTier(max(64 * self.chunk_bytes, 256 << 20), pin, slot)
+        self.staging = self.cpu or CpuTier(max(64 * self.chunk_bytes, 256 << 20, staging_bytes), pin, slot)
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
         self.redis = RedisTier(redis_url) if redis_url else None
         self.lower = [t for t in (self.disk, self.redis) if t is not None]
@@ -120,6 +121,12 @@ class TieredStore:
                 t = threading.Thread(target=target, daemon=True, name=f"kvtier-{target.__name__[1:]}")
                 t.start()
                 self._threads.append(t)
+
+    @property
+    def keeps_spills(self) -> bool:
+        """Whether blocks leaving the GPU have a tier to go to (a store with staging memory only,
+        for received KV, has none)."""
+        return self.cpu is not None or bool(self.lower)
 
     @property
     def tiers(self):

@@ -116,7 +116,8 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
                                   finish_reason=_finish_reason(c.finish_reason, calls, tool_mode),
                                   logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k))
                                   if req.logprobs else None))
-    return ChatCompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage([out]))
+    return ChatCompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage([out]),
+                                  kv_transfer_params=out.kv_transfer_params)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, streams, k: int,

@@ -108,7 +108,8 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
             lp = _logprobs(c, 0, len(c.token_ids), req.logprobs, len(head))
             choices.append(CompletionChoice(index=i * req.n + j, text=head + c.text, logprobs=_joined(head_lp, lp),
                                             finish_reason=c.finish_reason))
-    return CompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage(outs))
+    return CompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage(outs),
+                              kv_transfer_params=outs[0].kv_transfer_params if len(outs) == 1 else None)
 
 
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams,

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

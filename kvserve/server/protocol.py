@@ -149,6 +149,7 @@ class _SamplingFields(_Request):
     min_tokens: int_in(0, MAX_COUNT) = 0
     stop_token_ids: list[int_in(0, MAX_COUNT)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     kv_budget: TokenCount | None = None  # kvserve: KV tokens held with streaming eviction
+    kv_transfer_params: dict | None = None  # vLLM's: disaggregated prefill/decode (kvserve disagg-proxy)
     logit_bias: dict[str, number_in(-100, 100)] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's spelling
@@ -166,7 +167,7 @@ class _SamplingFields(_Request):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 structured_outputs=self._structured_outputs(), logit_bias=self._logit_bias(),
-                kv_budget=self.kv_budget)
+                kv_budget=self.kv_budget, kv_transfer_params=self.kv_transfer_params)
         except InvalidRequestError as e:
             raise self.as_sent(e) from None
 

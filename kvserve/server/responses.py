@@ -41,6 +41,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict | None = None  # a prefill instance's: what its decode request passes on
 
 
 class Embedding(BaseModel):
@@ -121,6 +122,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict | None = None  # a prefill instance's: what its decode request passes on
 
 
 class ChatCompletionChunk(BaseModel):
