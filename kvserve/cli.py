@@ -35,9 +35,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-scales", default=None,
                    help="calibrated fp8/int8 KV scales from 'kvserve calibrate-kv' (default: the file beside the "
                    "model if there is one; 'off': per-token scales)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "none"],
                    help="quantize the linear layers' weights at load (round-to-nearest; weight-only): int8 per "
-                   "output channel, int4 per group of input columns")
+                   "output channel, int4 per group of input columns; none: float weights, a GGUF's blocks "
+                   "dequantized at load (default: a GGUF keeps its blocks packed, other models are float)")
     g.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: input columns sharing a scale and a minimum: 32, 64 or 128 (default 128)")
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -324,6 +325,7 @@ def cmd_snapshot(args) -> int:
 
     from kvserve.models import snapshot
     args.model = args.model_path or args.model
+    args.quantization = args.quantization or "none"  # a snapshot holds float weights
     t0 = time.perf_counter()
     llm = _make_llm(args)
     manifest = snapshot.write(llm.engine, args.out)

@@ -61,17 +61,23 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.backend_name = name
         self.kv_scales = kv_plan.load_scales(config, src, self.device)
         self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
-        if config.quantization is not None and src.quant_method is not None:
+        quant = config.quantization
+        if quant is not None and quant.method != "none" and src.quant_method is not None:
             from kvserve.errors import ConfigError
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
                               f"{src.quant_method}); only unquantized weights are quantized at load")
         t0 = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = loader.build_model(src.arch, max_positions=max_model_len)
+        # GGUF tensors kept in their block format (no quantization asked for): not reloaded
+        self.packed_weights: frozenset[str] = frozenset()
+        if src.kind == "gguf" and quant is None:
+            from kvserve.models import gguf_loader
+            self.packed_weights = gguf_loader.pack_projections(self.model, src.handle, src.path, src.arch)
         self.load_weights()
         self.model.eval()
-        if config.quantization is not None:
-            quantize_model(self.model, config.quantization)
+        if quant is not None and quant.method != "none":
+            quantize_model(self.model, quant)
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
@@ -104,7 +110,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         elif src.kind == "snapshot":
             snapshot.load_into(self.model, src.path, src.handle, self.device, config.show_progress)
         else:
-            weights = loader.iter_weights(src)
+            weights = loader.iter_weights(src, self.packed_weights)
             if config.show_progress:
                 from tqdm import tqdm
                 weights = tqdm(weights, total=loader.count_weights(src), desc="Loading weights",

@@ -2,8 +2,9 @@
 ``dummy:<preset>`` random weights.
 
 Every source becomes (ModelArch, an iterator of (Hugging Face name, tensor)); the model's
-``load_weights`` does the rest. GGUF tensors are dequantized to the engine dtype at load, and
-llama.cpp's RoPE permutation of ``attn_q`` / ``attn_k`` rows is undone.
+``load_weights`` does the rest. GGUF tensors are dequantized to the engine dtype at load but for
+the projections kept packed (``gguf_loader.pack_projections``), and llama.cpp's RoPE permutation
+of ``attn_q`` / ``attn_k`` rows is undone.
 """
 from __future__ import annotations
 
@@ -125,10 +126,11 @@ def resolve(model: str | None) -> ModelSource:
     return ModelSource("gguf", model, gguf_loader.read_arch(reader, model), reader)
 
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ModelSource, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's tensors but those named in ``skip`` (GGUF tensors kept packed)."""
     if src.kind == "gguf":
         from kvserve.models import gguf_loader
-        yield from gguf_loader.iter_weights(src.handle, src.path, src.arch)
+        yield from gguf_loader.iter_weights(src.handle, src.path, src.arch, skip)
     elif src.kind == "hf":
         yield from _iter_safetensors(src.path)
     else:

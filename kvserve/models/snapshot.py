@@ -119,6 +119,9 @@ def write(engine, out_dir: str) -> dict:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ModelLoadError(f"{out_dir}: exists and is not an empty directory; choose a new --out")
     rt = engine.runner
+    if any(n.endswith(".qweight") for n, _ in rt.model.named_buffers()):
+        raise ModelLoadError("a snapshot holds float weights, and this model's are quantized; write it "
+                             "from the model loaded with quantization none")
     tmp = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
