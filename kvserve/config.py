@@ -214,7 +214,7 @@ class KernelConfig:
                 "logits": self.gemv_max_rows_logits}[kind]
 
 
-QUANT_METHODS = ("int8", "int4", "none")
+QUANT_METHODS = ("int8", "int4", "fp8", "awq", "gptq", "none")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -223,6 +223,8 @@ class QuantConfig:
     """Weight-only quantization of the decoder's linear layers at load, by round-to-nearest
     (formats: kvserve/layers/rtn.py). int8: symmetric, one scale per output channel; int4:
     asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte.
+    fp8: W8A8, e4m3 weights per output channel, activations per token (layers/fp8_linear.py).
+    awq, gptq: an AutoAWQ / GPTQ 4-bit checkpoint's own weights, repacked (models/awq_gptq.py).
     none: the weights in the model dtype, a GGUF's blocks dequantized at load (without any
     QuantConfig a GGUF keeps its blocks packed where a kernel reads them)."""
     method: str
@@ -232,7 +234,7 @@ class QuantConfig:
         if not isinstance(self.method, str) or self.method not in QUANT_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANT_METHODS)} or None; got {self.method!r}")
         g = self.group_size
-        if self.method in ("int8", "none"):
+        if self.method in ("int8", "fp8", "awq", "gptq", "none"):
             if g is not None:
                 raise ConfigError("quantization_group_size", f"{self.method} takes no group size; "
                                   "a group size applies to int4 only")

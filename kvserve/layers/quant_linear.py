@@ -17,7 +17,7 @@ product, never to a whole matrix at rest.
           multiplies that, so no whole float matrix exists.
 
 ``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
-at load; the embedding and the output head keep the model's dtype.
+(or with ``fp8_linear.Fp8Linear``) at load; the embedding and the output head keep the model's dtype.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, method: str, in_features: int, out_features: int, group_size: int,
                  qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bias: torch.Tensor | None, fmt: str | None = None):
+                 bias: torch.Tensor | None, fmt: str | None = None, perm: torch.Tensor | None = None):
         super().__init__()
         self.method, self.in_features, self.out_features = method, in_features, out_features
         self.group_size = group_size  # int8: 0 per output channel, else group-wise
@@ -57,6 +57,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        # GPTQ's act-order: the input columns in the order the packed weight holds them
+        self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -85,6 +87,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
         if kernels.available(x):
             y = self._cuda(x.contiguous(), kernel_config())
         else:
@@ -134,8 +138,11 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     group size does not divide."""
     targets = [(name, mod) for name, mod in model.named_modules()
                if name.rsplit(".", 1)[-1] in QUANTIZED_LAYERS]
-    if any(isinstance(mod, QuantLinear) for _, mod in targets):
+    from kvserve.layers.fp8_linear import Fp8Linear, check_device
+    if any(isinstance(mod, (QuantLinear, Fp8Linear)) for _, mod in targets):
         raise ConfigError("quantization", "the model's weights are already quantized")
+    if quant.method == "fp8" and targets:
+        check_device(targets[0][1].weight.device)
     if quant.method == "int4":
         for name, mod in targets:
             if mod.in_features % quant.group_size:
@@ -146,5 +153,6 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         assert isinstance(mod, Linear), f"{name} is {type(mod).__name__}, not a Linear"
         parent, _, attr = name.rpartition(".")
         with torch.no_grad():
-            setattr(model.get_submodule(parent), attr, QuantLinear.from_linear(mod, quant))
+            new = Fp8Linear.from_linear(mod) if quant.method == "fp8" else QuantLinear.from_linear(mod, quant)
+            setattr(model.get_submodule(parent), attr, new)
     return len(targets)
