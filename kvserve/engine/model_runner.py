@@ -62,7 +62,13 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.kv_scales = kv_plan.load_scales(config, src, self.device)
         self.kv_format = kv_plan.make_format(cache, src.arch, self.dtype, self.device, self.kv_scales)
         quant = config.quantization
-        if quant is not None and quant.method != "none" and src.quant_method is not None:
+        checkpoint = src.quant_method.lower() if src.quant_method else None
+        if quant is not None and quant.method in ("awq", "gptq") and checkpoint != quant.method:
+            from kvserve.errors import ConfigError
+            raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
+                              f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
+                              f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
+        if quant is not None and quant.method not in ("none", "awq", "gptq") and checkpoint is not None:
             from kvserve.errors import ConfigError
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
                               f"{src.quant_method}); only unquantized weights are quantized at load")
@@ -74,9 +80,13 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         if src.kind == "gguf" and quant is None:
             from kvserve.models import gguf_loader
             self.packed_weights = gguf_loader.pack_projections(self.model, src.handle, src.path, src.arch)
+        elif src.kind == "hf" and checkpoint is not None and (quant is None or quant.method == checkpoint):
+            from kvserve.models import awq_gptq
+            packed = {k: t for k, t in loader.iter_weights(src) if k.endswith(awq_gptq.TENSORS)}
+            self.packed_weights = awq_gptq.pack_projections(self.model, packed, src.quant_config or {}, src.name)
         self.load_weights()
         self.model.eval()
-        if quant is not None and quant.method != "none":
+        if quant is not None and quant.method not in ("none", "awq", "gptq"):
             quantize_model(self.model, quant)
         self.load_time = time.perf_counter() - t0
         name = self.backend_name

@@ -35,6 +35,7 @@ class ModelSource:
     handle: object = None  # an open reader (GGUF), parsed once: its metadata takes seconds to read;
     # a snapshot's manifest
     quant_method: str | None = None  # a checkpoint's own quantization (config.json's quantization_config)
+    quant_config: dict | None = None  # ... all of it (or AutoGPTQ's quantize_config.json)
 
     @property
     def name(self) -> str:
@@ -120,7 +121,12 @@ def resolve(model: str | None) -> ModelSource:
                 cfg = {**cfg, "eos_token_id": sorted(merged)}
         qcfg = cfg.get("quantization_config")
         quant = None if not qcfg else str(qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg)
-        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path), quant_method=quant)
+        from kvserve.models.awq_gptq import read_config
+        qdict = read_config(model, cfg)
+        if quant is None and qdict is not None:
+            quant = str(qdict.get("quant_method"))
+        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path), quant_method=quant,
+                           quant_config=qdict)
     from kvserve.models import gguf_loader
     reader = gguf_loader.open_reader(model)
     return ModelSource("gguf", model, gguf_loader.read_arch(reader, model), reader)
@@ -132,7 +138,7 @@ def iter_weights(src: ModelSource, skip: frozenset[str] = frozenset()) -> Iterat
         from kvserve.models import gguf_loader
         yield from gguf_loader.iter_weights(src.handle, src.path, src.arch, skip)
     elif src.kind == "hf":
-        yield from _iter_safetensors(src.path)
+        yield from ((k, t) for k, t in _iter_safetensors(src.path) if k not in skip)
     else:
         raise ValueError("dummy models have no weights to iterate")
 
