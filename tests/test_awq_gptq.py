@@ -157,5 +157,7 @@ def test_method_must_match_checkpoint(tmp_path):
         LLM(str(qdir), quantization="gptq", show_progress=False, kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match="awq loads awq checkpoints.*not quantized"):
         LLM(str(fdir), quantization="awq", show_progress=False, kv_cache_memory="16MiB")
+    with pytest.raises(ConfigError, match="none: .*awq checkpoint"):
+        LLM(str(qdir), quantization="none", show_progress=False, kv_cache_memory="16MiB")
     llm = LLM(str(qdir), quantization="awq", show_progress=False, kv_cache_memory="16MiB")
     assert isinstance(llm.engine.runner.model.layers[1].mlp.gate_up_proj, QuantLinear)

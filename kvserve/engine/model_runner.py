@@ -68,6 +68,10 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
             raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
                               f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
                               f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
+        if quant is not None and quant.method == "none" and checkpoint is not None:
+            from kvserve.errors import ConfigError
+            raise ConfigError("quantization", f"none: {src.name} is a {checkpoint} checkpoint, whose weights load "
+                              f"packed; leave quantization unset")
         if quant is not None and quant.method not in ("none", "awq", "gptq") and checkpoint is not None:
             from kvserve.errors import ConfigError
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
@@ -75,7 +79,8 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         t0 = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = loader.build_model(src.arch, max_positions=max_model_len)
-        # GGUF tensors kept in their block format (no quantization asked for): not reloaded
+        # Checkpoint tensors kept packed (a GGUF's blocks, an AWQ/GPTQ checkpoint's int4): the
+        # model's weight loading skips them
         self.packed_weights: frozenset[str] = frozenset()
         if src.kind == "gguf" and quant is None:
             from kvserve.models import gguf_loader
