@@ -1,5 +1,5 @@
-"""Weight-only quantization (``LLM(quantization="int8" | "int4")``): speed on the GPU, speed and
-quality on the CPU, peers in the same run.
+"""Weight quantization (``LLM(quantization="int8" | "int4" | "fp8")``, GGUF blocks kept packed):
+speed on the GPU, speed and quality on the CPU, peers in the same run.
 
     PYTHONPATH=$PWD python benchmarks/weight_quant.py --out $OUT              # H200: everything below
     PYTHONPATH=$PWD python benchmarks/weight_quant.py --device cpu --out DIR  # the CPU sections
@@ -10,14 +10,16 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
             cuBLAS and kvserve's skinny kernel) against the three quantized shapes (skinny,
             tiled with in-register dequantization, dequantize-then-cuBLAS); the fastest per row
             count, the choice ``KernelConfig``'s rule makes, and the rule the sweep implies
-  engine    per format (bf16, int8, int4 g128): batch-1 decode (512-token prompt, 256 new
+  engine    per format (bf16, int8, int4 g128, fp8 W8A8, and GGUF Q4_K / Q8_0 blocks: random
+            valid blocks of the same shape, since speed depends on shapes): batch-1 decode (512-token prompt, 256 new
             tokens) and offline throughput (256 requests, prompts U[128, 1024], 256 new each);
             the decoded tokens (CUDA graphs, skinny kernels) checked against one prefill of
             prompt + output (eager, the large-batch path): the share it ranks first
   peer      PyTorch's weight-only path as gpt-fast uses it (weight_quant_peer.py): a plain
             Llama of the same shape, decode step under torch.compile, bf16 / int8 / int4 g128
 CPU sections (the default model, SmolLM2-135M, float32 activations):
-  cpu       batch-1 decode tok/s (64 new tokens) per format
+  cpu       batch-1 decode tok/s (64 new tokens) per format: fp32 (the GGUF dequantized at
+            load), the GGUF's Q4_1 blocks kept packed, RTN int8 / int4, fp8
   quality   perplexity over a held-out text (Python's own reference documentation,
             ``pydoc_data.topics``, first 1,024 tokens) per format, against the unquantized model
 """
@@ -43,11 +45,16 @@ from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
 
 GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
-               "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}
+               "int4-g128": {"quantization": "int4", "quantization_group_size": 128},
+               "fp8": {"quantization": "fp8"}, "gguf-Q4_K": {}, "gguf-Q8_0": {}}
 # The default model is 576 wide: int4 groups of 128 do not divide it.
-CPU_FORMATS = {"fp32": {}, "int8": {"quantization": "int8"},
+CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {}, "int8": {"quantization": "int8"},
                "int4-g64": {"quantization": "int4", "quantization_group_size": 64},
-               "int4-g32": {"quantization": "int4", "quantization_group_size": 32}}
+               "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
+               "fp8": {"quantization": "fp8"}}
+# Random GGUF blocks whose weights have a std of about 0.02, as the dummy ones: the float16 super-
+# block scale d per type (Q4_K's dmin = 7.5 d centres its codes).
+_GGUF_D = {"Q4_K": 8e-5, "Q8_0": 2.7e-4}
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 
@@ -134,6 +141,36 @@ def weight_bytes(llm) -> int:
     return total - m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()
 
 
+def random_gguf_rows(qtype: str, N: int, K: int, device: str) -> torch.Tensor:
+    """[N, bytes per row] of valid random ``qtype`` blocks (any byte is a valid code or 6-bit
+    scale; the float16 scales are set)."""
+    from kvserve.layers.gguf_blocks import FORMATS
+    cols, nbytes = FORMATS[qtype][:2]
+    raw = torch.randint(0, 256, (N, K // cols, nbytes), dtype=torch.uint8, device=device)
+    d = torch.full((N, K // cols, 1), _GGUF_D[qtype], dtype=torch.float16, device=device)
+    raw[..., 0:2] = d.view(torch.uint8)
+    if qtype == "Q4_K":
+        raw[..., 2:4] = (d * 7.5).view(torch.uint8)
+    return raw.view(N, -1)
+
+
+def pack_as_gguf(llm, qtype: str) -> None:
+    """Replace the dummy model's projections by random ``qtype`` blocks kept packed, then capture
+    the decode graphs again (they hold the old weights)."""
+    from kvserve.layers.quant_linear import QUANTIZED_LAYERS, QuantLinear
+    rt = llm.engine.runner
+    for name, mod in list(rt.model.named_modules()):
+        if name.rsplit(".", 1)[-1] in QUANTIZED_LAYERS:
+            raw = random_gguf_rows(qtype, mod.out_features, mod.in_features, "cuda")
+            parent, _, attr = name.rpartition(".")
+            setattr(rt.model.get_submodule(parent), attr, QuantLinear.from_gguf(qtype, raw, mod.in_features))
+    if rt.graphs is not None:
+        rt.graphs = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        rt.capture_graphs()
+
+
 @section("engine")
 def run_engine(n_req: int):
     from kvserve.bench.quality import teacher_forced_agreement
@@ -146,6 +183,8 @@ def run_engine(n_req: int):
         t0 = time.perf_counter()
         llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory="40GiB", max_num_seqs=256,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)
+        if name.startswith("gguf-"):
+            pack_as_gguf(llm, name.removeprefix("gguf-"))
         start = time.perf_counter() - t0
         wb = weight_bytes(llm)
         run_requests(llm, [decode_prompt[:64]], 4)  # warm
@@ -204,11 +243,12 @@ def heldout_ids(tok, n: int) -> list[int]:
 
 
 @section("cpu")
-def run_cpu(new_tokens: int, quality_tokens: int, reps: int):
+def run_cpu(new_tokens: int, quality_tokens: int, reps: int, formats: list[str]):
     from kvserve.bench.quality import perplexity
     out = {}
     ids = None
-    for name, kw in CPU_FORMATS.items():
+    for name in ["fp32"] + [f for f in formats if f != "fp32"]:  # the reference first
+        kw = CPU_FORMATS[name]
         llm = LLM(show_progress=False, max_model_len=2048, **kw)
         if ids is None:
             ids = heldout_ids(llm.get_tokenizer(), quality_tokens)
@@ -243,6 +283,8 @@ def main():
     ap.add_argument("--cpu-new-tokens", type=int, default=64)
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed generations per format (the best counts)")
+    ap.add_argument("--cpu-formats", default=",".join(CPU_FORMATS),
+                    help=f"CPU formats, comma-separated (fp32 always runs): {', '.join(CPU_FORMATS)}")
     args = ap.parse_args()
     gpu_check.OUT_PATH = os.path.join(args.out, f"weight_quant_{args.device}.json")
     only = set((args.only or ("tests,dispatch,engine,peer" if args.device == "cuda" else "cpu")).split(","))
@@ -250,7 +292,8 @@ def main():
     RESULTS["torch"] = torch.__version__
     sections = {"tests": run_tests, "dispatch": run_dispatch, "engine": lambda: run_engine(args.requests),
                 "peer": run_peer,
-                "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps)}
+                "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
+                                       args.cpu_formats.split(","))}
     for name, run in sections.items():
         if name in only:
             run()

@@ -215,7 +215,7 @@ class KernelConfig:
                 "logits": self.gemv_max_rows_logits}[kind]
 
 
-QUANT_METHODS = ("int8", "int4")
+QUANT_METHODS = ("int8", "int4", "fp8", "awq", "gptq", "none")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -223,7 +223,11 @@ INT4_GROUP_SIZES = (32, 64, 128)
 class QuantConfig:
     """Weight-only quantization of the decoder's linear layers at load, by round-to-nearest
     (formats: kvserve/layers/rtn.py). int8: symmetric, one scale per output channel; int4:
-    asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte."""
+    asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte.
+    fp8: W8A8, e4m3 weights per output channel, activations per token (layers/fp8_linear.py).
+    awq, gptq: an AutoAWQ / GPTQ 4-bit checkpoint's own weights, repacked (models/awq_gptq.py).
+    none: the weights in the model dtype, a GGUF's blocks dequantized at load (without any
+    QuantConfig a GGUF keeps its blocks packed where a kernel reads them)."""
     method: str
     group_size: int | None = None  # int4 only; None: 128
 
@@ -231,9 +235,9 @@ class QuantConfig:
         if not isinstance(self.method, str) or self.method not in QUANT_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANT_METHODS)} or None; got {self.method!r}")
         g = self.group_size
-        if self.method == "int8":
+        if self.method in ("int8", "fp8", "awq", "gptq", "none"):
             if g is not None:
-                raise ConfigError("quantization_group_size", "int8 has one scale per output channel; "
+                raise ConfigError("quantization_group_size", f"{self.method} takes no group size; "
                                   "a group size applies to int4 only")
             return
         if g is None:
@@ -520,7 +524,8 @@ class EngineConfig:
                            ("enable_sleep_mode", self.enable_sleep_mode is True),
                            ("async_scheduling", self.async_scheduling is True),
                            ("cpu_kv_memory/disk_kv_dir/redis_url", self.cache.tiers_enabled),
-                           ("kv_transfer_config", self.kv_transfer_config is not None)):
+                           ("kv_transfer_config", self.kv_transfer_config is not None),
+                           ("quantization", self.quantization is not None and self.quantization.method == "fp8")):
             if on:
                 raise ConfigError(option, f"is not supported with tensor_parallel_size {n}; leave it unset")
         # A graph captured between steps would be captured on rank 0 alone, while the workers'

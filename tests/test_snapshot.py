@@ -43,7 +43,7 @@ def tiny_snapshot(tmp_path_factory):
 def smol(tmp_path_factory):
     """The default model (GGUF, Q4_1 dequantized to float32), its snapshot and their outputs."""
     out = str(tmp_path_factory.mktemp("snap") / "smol")
-    llm = LLM(kv_cache_memory="64MiB", show_progress=False)
+    llm = LLM(kv_cache_memory="64MiB", show_progress=False, quantization="none")
     prompts = [{"prompt_token_ids": llm.apply_chat_template(CHAT)}, "The quick brown fox"]
     snapshot.write(llm.engine, out)
     return out, prompts, llm

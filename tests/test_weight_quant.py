@@ -60,7 +60,7 @@ def test_cpu_layer_equals_dequantize_then_matmul(method, group, M, bias):
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(show_progress=False, max_model_len=1024)
+    return LLM(show_progress=False, max_model_len=1024, quantization="none")
 
 
 def _logits(llm, model, ids):

@@ -68,11 +68,27 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         self.backend_name = name
         self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
         self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
-        if config.quantization is not None and src.quant_method is not None:
+        quant = config.quantization
+        checkpoint = src.quant_method.lower() if src.quant_method else None
+        if quant is not None and quant.method in ("awq", "gptq") and checkpoint != quant.method:
+            from kvserve.errors import ConfigError
+            raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
+                              f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
+                              f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
+        if checkpoint is not None and self.tp is not None:
+            from kvserve.errors import ConfigError
+            raise ConfigError("tensor_parallel_size", f"{src.name} is a {checkpoint} checkpoint, whose packed "
+                              f"weights load on one rank; use tensor_parallel_size 1")
+        if quant is not None and quant.method == "none" and checkpoint is not None:
+            from kvserve.errors import ConfigError
+            raise ConfigError("quantization", f"none: {src.name} is a {checkpoint} checkpoint, whose weights load "
+                              f"packed; leave quantization unset")
+        if quant is not None and quant.method not in ("none", "awq", "gptq") and checkpoint is not None:
             from kvserve.errors import ConfigError
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
                               f"{src.quant_method}); only unquantized weights are quantized at load")
         t0 = time.perf_counter()
+        self.packed_weights: frozenset[str] = frozenset()
         self.model = self._build_and_load()
         self.load_time = time.perf_counter() - t0
         name = self.backend_name
@@ -103,10 +119,21 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         with default_dtype(self.dtype), torch.device(self.device):
             model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
                      else loader.build_model(self.src.arch, self.max_model_len, self.tp))
+        # Checkpoint tensors kept packed (a GGUF's blocks, an AWQ/GPTQ checkpoint's int4): the
+        # model's weight loading skips them. Under tensor parallelism a GGUF is dequantized at load.
+        src, quant = self.src, self.config.quantization
+        checkpoint = src.quant_method.lower() if src.quant_method else None
+        if src.kind == "gguf" and quant is None and self.tp is None:
+            from kvserve.models import gguf_loader
+            self.packed_weights = gguf_loader.pack_projections(model, src.handle, src.path, src.arch)
+        elif src.kind == "hf" and checkpoint is not None and (quant is None or quant.method == checkpoint):
+            from kvserve.models import awq_gptq
+            packed = {k: t for k, t in loader.iter_weights(src) if k.endswith(awq_gptq.TENSORS)}
+            self.packed_weights = awq_gptq.pack_projections(model, packed, src.quant_config or {}, src.name)
         self.load_weights(model)
         model.eval()
-        if self.config.quantization is not None:
-            quantize_model(model, self.config.quantization)
+        if quant is not None and quant.method not in ("none", "awq", "gptq"):
+            quantize_model(model, quant)
         return model
 
     def reload_weights(self, into: dict[str, torch.Tensor]) -> None:
@@ -133,7 +160,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         elif src.kind == "snapshot":
             snapshot.load_into(model, src.path, src.handle, self.device, config.show_progress)
         else:
-            weights = loader.iter_weights(src) if self.tp is None else loader.iter_weights(src, lazy=True)
+            weights = loader.iter_weights(src, self.packed_weights, lazy=self.tp is not None)
             if config.show_progress:
                 weights = progress(True, "Loading weights", "tensor", weights, total=loader.count_weights(src))
             with torch.no_grad():

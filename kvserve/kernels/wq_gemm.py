@@ -2,6 +2,7 @@
 memory and are dequantized in registers, tile by tile (formats: ``kvserve/layers/rtn.py``).
 
     int8  W [N, K] int8, scale [N]:            y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
+          or scale [N, K/g] (group-wise, no min; GGUF's Q8_0 and Q6_K, ``layers/gguf_blocks.py``)
     int4  W [N, K/2] uint8 (2 codes a byte),   y[m, n] = sum_groups scale[n, j] * sum_(k in j) x[m, k] q[n, k]
           scale, min [N, K/g]                                  + min[n, j] * sum_(k in j) x[m, k]
 
@@ -50,19 +51,25 @@ def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The tile's int4 scales and mins, [BLOCK_N, BLOCK_K / GROUP] each, float32 (0 past K)."""
+def _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HAS_MIN: tl.constexpr):
+    """The tile's group scales and mins, [BLOCK_N, BLOCK_K / GROUP] each, float32 (0 past K;
+    mins all 0 without HAS_MIN)."""
     rg = tl.arange(0, BLOCK_K // GROUP)
     ok = (k0 + rg * GROUP < K)[None, :]
     off = rn_safe[:, None] * stride_sn + k0 // GROUP + rg[None, :]
     s = tl.load(S + off, mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(Z + off, mask=ok, other=0.0).to(tl.float32)
+    if HAS_MIN:
+        z = tl.load(Z + off, mask=ok, other=0.0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s)
     return s, z
 
 
 @triton.jit
 def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                  INT4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                  INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -72,18 +79,21 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     rk = tl.arange(0, BLOCK_K)
     NG: tl.constexpr = BLOCK_K // GROUP
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, NG] if INT4 else [BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, NG] if GROUPED else [BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(X + k0 + rk).to(tl.float32)
             else:
                 x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-            if INT4:
-                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K)
+            if GROUPED:
+                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
                 qx = tl.sum(tl.reshape(q * x[None, :], [BLOCK_N, NG, GROUP]), axis=2)
-                xg = tl.sum(tl.reshape(x, [NG, GROUP]), axis=1)
-                acc += qx * s + z * xg[None, :]
+                if HAS_MIN:
+                    xg = tl.sum(tl.reshape(x, [NG, GROUP]), axis=1)
+                    acc += qx * s + z * xg[None, :]
+                else:
+                    acc += qx * s
             else:
                 acc += q * x[None, :]
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
@@ -98,15 +108,17 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            if INT4:
-                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K)
-                w = tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None] + z[:, :, None]
+            if GROUPED:
+                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
+                w = tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None]
+                if HAS_MIN:
+                    w += z[:, :, None]
                 w = tl.reshape(w, [BLOCK_N, BLOCK_K])
             else:
                 w = q
             acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=PRECISION)
         y = acc
-    if not INT4:
+    if not GROUPED:
         y = y * tl.load(S + rn_safe).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)[None, :]
@@ -117,15 +129,16 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
 
 @triton.jit
 def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
-                    INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     rk = tl.arange(0, BLOCK_K)
     q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, False)
-    if INT4:
+    if GROUPED:
         NG: tl.constexpr = BLOCK_K // GROUP
-        s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K)
+        s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
         w = tl.reshape(tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None] + z[:, :, None], [BLOCK_N, BLOCK_K])
     else:
         w = q * tl.load(S + rn_safe).to(tl.float32)[:, None]
@@ -148,7 +161,8 @@ def default_config(M: int, N: int, K: int, int4: bool) -> dict:
 
 def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
            group_size: int) -> tuple[int, int, bool]:
-    """(N, K, int4) of a packed weight, its parameters checked against each other and x."""
+    """(N, K, int4) of a packed weight, its parameters checked against each other and x. Group-wise
+    int8 (``group_size`` > 0) takes groups of 16 or more and mins optionally."""
     int4 = qweight.dtype == torch.uint8
     assert int4 or qweight.dtype == torch.int8, f"packed weights are int8 or uint8 (int4), got {qweight.dtype}"
     assert qweight.dim() == 2 and qweight.stride(1) == 1, "the packed weight must be row-major [N, K(/2)]"
@@ -159,6 +173,11 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
         assert mins is not None and scales.shape == mins.shape == (N, K // group_size), \
             f"int4 scales/mins must be [{N}, {K // group_size}], got {tuple(scales.shape)}"
         assert scales.stride(1) == 1 and mins.stride() == scales.stride()
+    elif group_size:
+        assert group_size in (16, 32, 64, 128) and K % group_size == 0, f"int8: group {group_size} must divide K={K}"
+        assert scales.shape == (N, K // group_size) and scales.stride(1) == 1, \
+            f"group-wise int8 scales must be [{N}, {K // group_size}], got {tuple(scales.shape)}"
+        assert mins is None or (mins.shape == scales.shape and mins.stride() == scales.stride())
     else:
         assert scales.shape == (N,) and scales.is_contiguous(), f"int8 scales must be [{N}], got {tuple(scales.shape)}"
     if x is not None:
@@ -169,7 +188,8 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
 def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
           group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [M, K] times the dequantized weight's transpose -> [M, N] in x's dtype. ``qweight``: int8
-    [N, K] with ``scales`` [N], or uint8 [N, K/2] (int4) with ``scales``/``mins`` [N, K/g];
+    [N, K] with ``scales`` [N] (``group_size`` 0) or [N, K/g] (and optional ``mins``), or uint8
+    [N, K/2] (int4) with ``scales``/``mins`` [N, K/g];
     ``config``: the tile (None: ``default_config``)."""
     N, K, int4 = _check(x, qweight, scales, mins, group_size)
     M = x.shape[0]
@@ -181,12 +201,14 @@ def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: to
     cfg = dict(config or default_config(M, N, K, int4))
     block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     assert block_m == 1 or block_m >= 16, "BLOCK_M: 1 (the elementwise path) or a tl.dot tile of 16+"
-    group = group_size if int4 else 1
+    group = group_size or 1
     block_k = max(group, min(block_k, triton.next_power_of_2(K)))
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-    _wq_mm_kernel[grid](x, qweight, scales, mins if int4 else scales, bias if bias is not None else scales, y,
+    _wq_mm_kernel[grid](x, qweight, scales, scales if mins is None else mins,
+                        bias if bias is not None else scales, y,
                         M, N, K, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                        INT4=int4, GROUP=group, HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
+                        INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group,
+                        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                         PRECISION=dot_precision(x.dtype), **cfg)
     return y
@@ -200,11 +222,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     if out is None:
         out = torch.empty(N, K, dtype=dtype, device=qweight.device)
     assert out.shape == (N, K) and out.stride(1) == 1
-    group = group_size if int4 else 1
+    group = group_size or 1
     block_n, block_k = 32, max(group, min(256, triton.next_power_of_2(K)))
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    _dequant_kernel[grid](qweight, scales, mins if int4 else scales, out, N, K, qweight.stride(0),
-                          scales.stride(0), out.stride(0), INT4=int4, GROUP=group,
+    _dequant_kernel[grid](qweight, scales, scales if mins is None else mins, out, N, K, qweight.stride(0),
+                          scales.stride(0), out.stride(0), INT4=int4, GROUPED=group_size > 0,
+                          HAS_MIN=mins is not None, GROUP=group,
                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
@@ -212,11 +235,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
                    group_size: int = 0) -> torch.Tensor:
     """Plain PyTorch, float32: the formats' definitions."""
-    if qweight.dtype == torch.int8:
+    if qweight.dtype == torch.int8 and not group_size:
         return qweight.float() * scales.float()[:, None]
     N = qweight.shape[0]
-    q = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(N, -1, group_size).float()
-    return (q * scales.float()[..., None] + mins.float()[..., None]).view(N, -1)
+    q = qweight if qweight.dtype == torch.int8 else torch.stack((qweight & 15, qweight >> 4), dim=-1)
+    q = q.reshape(N, -1, group_size).float() * scales.float()[..., None]
+    return (q if mins is None else q + mins.float()[..., None]).view(N, -1)
 
 
 def wq_mm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,

@@ -1,5 +1,6 @@
-"""Weight-only quantized linear layers: the weights stay packed (int8 or int4, ``rtn.py``) on every
-device and are dequantized inside the product, never to a whole matrix at rest.
+"""Weight-only quantized linear layers: the weights stay packed (int8 or int4, ``rtn.py``; GGUF's
+blocks repacked as either, ``gguf_blocks.py``) on every device and are dequantized inside the
+product, never to a whole matrix at rest.
 
     CUDA  the Triton kernels of ``kernels/wq_gemm.py``, picked per product by the rows of x and
           the step's ``KernelConfig``:
@@ -11,10 +12,12 @@ device and are dequantized inside the product, never to a whole matrix at rest.
     CPU   PyTorch's packed CPU kernels: ``_weight_int8pack_mm`` (int8 [N, K], scale [N]) and
           ``_weight_int4pack_mm_for_cpu`` (its own int4 layout, converted once at load, with
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
-          (q - 8) * scale + zero).
+          (q - 8) * scale + zero). Group-wise int8 (GGUF's Q8_0, Q6_K), which neither packed CPU
+          kernel takes, dequantizes ``_CPU_TILE_ROWS`` rows at a time into a float tile and
+          multiplies that, so no whole float matrix exists.
 
 ``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
-at load; the embedding and the output head keep the model's dtype.
+(or with ``fp8_linear.Fp8Linear``) at load; the embedding and the output head keep the model's dtype.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.rtn import quantize_int4, quantize_int8
 
 _CPU_INT4_INNER_K_TILES = 2  # the CPU int4 layout's inner tiling (2, 4 or 8: the same numbers)
+_CPU_TILE_ROWS = 512  # rows of a group-wise int8 weight dequantized at a time on the CPU
 
 
 class QuantLinear(nn.Module):
@@ -37,20 +41,24 @@ class QuantLinear(nn.Module):
 
     def __init__(self, method: str, in_features: int, out_features: int, group_size: int,
                  qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bias: torch.Tensor | None):
+                 bias: torch.Tensor | None, fmt: str | None = None, perm: torch.Tensor | None = None):
         super().__init__()
         self.method, self.in_features, self.out_features = method, in_features, out_features
-        self.group_size = group_size
+        self.group_size = group_size  # int8: 0 per output channel, else group-wise
+        self.fmt = fmt or method  # what the weights came as, e.g. "gguf Q4_K"
         self.cpu = qweight.device.type == "cpu"
         if self.cpu and method == "int4":
             codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(out_features, in_features)
             qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32),
                                                                          _CPU_INT4_INNER_K_TILES)
+            # (q - 8) * s + (min + 8 s): equal to q * s + min up to float32 rounding
             scales = torch.stack((scales, mins + 8 * scales), dim=-1).transpose(0, 1).contiguous()
             mins = None
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        # GPTQ's act-order: the input columns in the order the packed weight holds them
+        self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = None  # a row-parallel layer's group: the products are summed over its ranks
 
@@ -68,13 +76,23 @@ class QuantLinear(nn.Module):
         out.tp = getattr(layer, "tp", None)
         return out
 
+    @classmethod
+    def from_gguf(cls, qtype: str, raw: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
+                  ) -> QuantLinear:
+        """A GGUF tensor's rows (uint8 [N, bytes per row], on the target device), repacked."""
+        from kvserve.layers.gguf_blocks import repack
+        method, q, s, m, g = repack(raw, qtype, in_features, raw.device.type == "cpu")
+        return cls(method, in_features, raw.shape[0], g, q, s, m, bias, fmt=f"gguf {qtype}")
+
     def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.method == "int4" else ""
-        return f"{self.method}, in_features={self.in_features}, out_features={self.out_features}{g}"
+        g = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}{g}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
         if kernels.available(x):
             y = self._cuda(x.contiguous(), kernel_config())
         else:
@@ -84,12 +102,25 @@ class QuantLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if self.method == "int8":
+        if self.method == "int8" and self.group_size:
+            y = self._cpu_grouped_int8(x)
+        elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales.to(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
                                                            self.scales.to(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def _cpu_grouped_int8(self, x: torch.Tensor) -> torch.Tensor:
+        N, K, g = self.out_features, self.in_features, self.group_size
+        y = torch.empty(x.shape[0], N, dtype=x.dtype)
+        for n0 in range(0, N, _CPU_TILE_ROWS):
+            q = self.qweight[n0:n0 + _CPU_TILE_ROWS]
+            w = q.view(q.shape[0], K // g, g).to(x.dtype) * self.scales[n0:n0 + q.shape[0], :, None].to(x.dtype)
+            if self.mins is not None:
+                w += self.mins[n0:n0 + q.shape[0], :, None].to(x.dtype)
+            y[:, n0:n0 + q.shape[0]] = x @ w.view(q.shape[0], K).t()
+        return y
 
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
         from kvserve.kernels import wq_gemm
@@ -113,8 +144,11 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     group size does not divide."""
     targets = [(name, mod) for name, mod in model.named_modules()
                if name.rsplit(".", 1)[-1] in QUANTIZED_LAYERS]
-    if any(isinstance(mod, QuantLinear) for _, mod in targets):
+    from kvserve.layers.fp8_linear import Fp8Linear, check_device
+    if any(isinstance(mod, (QuantLinear, Fp8Linear)) for _, mod in targets):
         raise ConfigError("quantization", "the model's weights are already quantized")
+    if quant.method == "fp8" and targets:
+        check_device(targets[0][1].weight.device)
     if quant.method == "int4":
         for name, mod in targets:
             if mod.in_features % quant.group_size:
@@ -125,5 +159,6 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         assert isinstance(mod, Linear), f"{name} is {type(mod).__name__}, not a Linear"
         parent, _, attr = name.rpartition(".")
         with torch.no_grad():
-            setattr(model.get_submodule(parent), attr, QuantLinear.from_linear(mod, quant))
+            new = Fp8Linear.from_linear(mod) if quant.method == "fp8" else QuantLinear.from_linear(mod, quant)
+            setattr(model.get_submodule(parent), attr, new)
     return len(targets)

@@ -1,4 +1,6 @@
-"""GGUF files (llama.cpp): architecture from the metadata, weights dequantized with ``gguf``."""
+"""GGUF files (llama.cpp): architecture from the metadata; the decoder's projections kept in their
+block format where a kernel reads it (``pack_projections``), every other tensor dequantized with
+``gguf``."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -27,6 +29,12 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                  "post_attention_norm.weight": "post_attention_layernorm.weight",
                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# GGUF tensor (after "blk.N.") -> (our merged projection, its part); llama.cpp keeps q/k/v and
+# gate/up apart, our layers hold them as one matrix each (their rows stacked in this order).
+_PROJECTIONS = {"attn_q.weight": ("self_attn.qkv_proj", 0), "attn_k.weight": ("self_attn.qkv_proj", 1),
+                "attn_v.weight": ("self_attn.qkv_proj", 2), "attn_output.weight": ("self_attn.o_proj", 0),
+                "ffn_gate.weight": ("mlp.gate_up_proj", 0), "ffn_up.weight": ("mlp.gate_up_proj", 1),
+                "ffn_down.weight": ("mlp.down_proj", 0)}
 _FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "gemma3": "Gemma3ForCausalLM"}
 
@@ -113,12 +121,59 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(r, path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) of every tensor, with Hugging Face's values: llama.cpp
-    stores Gemma's norm weights as ``1 + w`` (its RMSNorm multiplies by the weight alone)."""
+def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> frozenset[str]:
+    """Replace each decoder projection whose GGUF parts share one block format with a kernel
+    (``layers/gguf_blocks.py``) by a ``QuantLinear`` holding those blocks, repacked on the
+    model's device; returns the GGUF tensors taken. A projection whose parts differ in type
+    (llama.cpp's mixes, e.g. Q4_K q/k with a Q6_K v) or of another type keeps its float weight."""
+    from kvserve.layers.gguf_blocks import FORMATS
+    from kvserve.layers.quant_linear import QuantLinear
+    parts: dict[str, dict[int, object]] = {}
+    for t in r.tensors:
+        if t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
+            if rest in _PROJECTIONS:
+                module, part = _PROJECTIONS[rest]
+                parts.setdefault(f"layers.{layer}.{module}", {})[part] = t
+    taken: set[str] = set()
+    for module, ts in parts.items():
+        types = {t.tensor_type.name for t in ts.values()}
+        n_parts = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+        if len(types) != 1 or types.pop() not in FORMATS or sorted(ts) != list(range(n_parts)):
+            continue
+        old = model.get_submodule(module)
+        rows = []
+        for _, t in sorted(ts.items()):
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).to(old.weight.device)
+            if arch.family == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                # rows are whole blocks: llama.cpp's RoPE permutation is undone on the packed rows
+                raw = _unpermute(raw, arch.num_heads if t.name.endswith("attn_q.weight") else arch.num_kv_heads)
+            rows.append(raw)
+        raw = torch.cat(rows) if len(rows) > 1 else rows[0]
+        K = int(ts[0].shape[0])
+        if (raw.shape[0], K) != (old.out_features, old.in_features):
+            raise ModelLoadError(f"{path}: {module} is [{raw.shape[0]}, {K}] in the file, expected "
+                                 f"[{old.out_features}, {old.in_features}]")
+        try:
+            new = QuantLinear.from_gguf(ts[0].tensor_type.name, raw, K, old.bias)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {module}: {e}") from None
+        parent, _, attr = module.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+        taken |= {t.name for t in ts.values()}
+    return frozenset(taken)
+
+
+def iter_weights(r, path: str, arch: ModelArch, skip: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) of every tensor but those in ``skip``, with Hugging
+    Face's values: llama.cpp stores Gemma's norm weights as ``1 + w`` (its RMSNorm multiplies by
+    the weight alone)."""
     import gguf
     layer_names = _GEMMA3_NAMES if arch.family == "gemma3" else _LAYER_NAMES
     for t in r.tensors:
+        if t.name in skip:
+            continue
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             if rest not in layer_names:

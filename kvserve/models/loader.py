@@ -2,8 +2,9 @@
 ``dummy:<preset>`` random weights.
 
 Every source becomes (ModelArch, an iterator of (Hugging Face name, tensor)); the model's
-``load_weights`` does the rest. GGUF tensors are dequantized to the engine dtype at load, and
-llama.cpp's RoPE permutation of ``attn_q`` / ``attn_k`` rows is undone.
+``load_weights`` does the rest. GGUF tensors are dequantized to the engine dtype at load but for
+the projections kept packed (``gguf_loader.pack_projections``), and llama.cpp's RoPE permutation
+of ``attn_q`` / ``attn_k`` rows is undone.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class ModelSource:
     handle: object = None  # an open reader (GGUF), parsed once: its metadata takes seconds to read;
     # a snapshot's manifest
     quant_method: str | None = None  # a checkpoint's own quantization (config.json's quantization_config)
+    quant_config: dict | None = None  # ... all of it (or AutoGPTQ's quantize_config.json)
 
     @property
     def name(self) -> str:
@@ -119,21 +121,28 @@ def resolve(model: str | None) -> ModelSource:
                 cfg = {**cfg, "eos_token_id": sorted(merged)}
         qcfg = cfg.get("quantization_config")
         quant = None if not qcfg else str(qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg)
-        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path), quant_method=quant)
+        from kvserve.models.awq_gptq import read_config
+        qdict = read_config(model, cfg)
+        if quant is None and qdict is not None:
+            quant = str(qdict.get("quant_method"))
+        return ModelSource("hf", model, ModelArch.from_hf_config(cfg, cfg_path), quant_method=quant,
+                           quant_config=qdict)
     from kvserve.models import gguf_loader
     reader = gguf_loader.open_reader(model)
     return ModelSource("gguf", model, gguf_loader.read_arch(reader, model), reader)
 
 
-def iter_weights(src: ModelSource, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """``lazy``: safetensors weights as slices not yet read (indexing one reads just that part:
-    a tensor-parallel rank reads its slice). GGUF tensors come whole: a quantized tensor is
+def iter_weights(src: ModelSource, skip: frozenset[str] = frozenset(),
+                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's tensors but those named in ``skip`` (GGUF tensors kept packed). ``lazy``:
+    safetensors weights as slices not yet read (indexing one reads just that part: a
+    tensor-parallel rank reads its slice). GGUF tensors come whole: a quantized tensor is
     dequantized whole before any rank can cut its slice."""
     if src.kind == "gguf":
         from kvserve.models import gguf_loader
-        yield from gguf_loader.iter_weights(src.handle, src.path, src.arch)
+        yield from gguf_loader.iter_weights(src.handle, src.path, src.arch, skip)
     elif src.kind == "hf":
-        yield from _iter_safetensors(src.path, lazy)
+        yield from ((k, t) for k, t in _iter_safetensors(src.path, lazy) if k not in skip)
     else:
         raise ValueError("dummy models have no weights to iterate")
 

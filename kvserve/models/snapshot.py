@@ -123,6 +123,9 @@ def write(engine, out_dir: str) -> dict:
     if rt.tp is not None:
         raise ModelLoadError("a snapshot is written from one rank (tensor_parallel_size 1): this engine's "
                              "ranks each hold a slice of the weights")
+    if any(n.endswith(".qweight") for n, _ in rt.model.named_buffers()):
+        raise ModelLoadError("a snapshot holds float weights, and this model's are quantized; write it "
+                             "from the model loaded with quantization none")
     tmp = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

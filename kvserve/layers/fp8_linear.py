@@ -1,0 +1,84 @@
+"""FP8 W8A8 linear layers: e4m3 weights with one scale per output channel, activations quantized
+to e4m3 per token at run time, one ``torch._scaled_mm`` for the product.
+
+    weights      w[n, k] ~ qw[n, k] * sw[n],   sw[n] = max_k |w[n, k]| / 448    (at load)
+    activations  x[m, k] ~ qx[m, k] * sx[m],   sx[m] = max_k |x[m, k]| / 448    (every product)
+    product      y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k]  (+ bias)
+
+448 is e4m3's largest finite value, so the largest element of a row or channel lands on it and
+nothing saturates. ``_scaled_mm`` takes these row-wise scales on Hopper (bfloat16 out) and on
+the CPU in PyTorch 2.13; elsewhere the layer multiplies the dequantized operands in x's dtype
+(``fp8_mm_ref``, the same math) so every device runs it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, K] -> (e4m3 codes [R, K], float32 scales [R, 1]), one scale per row."""
+    scale = (t.detach().abs().amax(dim=-1, keepdim=True).float() / E4M3_MAX).clamp(min=_TINY)
+    q = (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_mm_ref(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Plain PyTorch: x quantized per token, both operands dequantized to ``dtype``, multiplied."""
+    qx, sx = quantize_rows(x)
+    return (qx.to(dtype) * sx.to(dtype)) @ (qweight.to(dtype) * wscale.to(dtype)[:, None]).t()
+
+
+def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``_scaled_mm`` takes row-wise scales here: the CPU, or a CUDA GPU of compute
+    capability 9.0+ with bfloat16 out."""
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+class Fp8Linear(nn.Module):
+    """``x @ W.T + bias`` in FP8 W8A8 (see the module's docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, qweight: torch.Tensor, wscale: torch.Tensor,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", qweight)  # [N, K] e4m3
+        self.register_buffer("wscale", wscale)  # [N] float32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> Fp8Linear:
+        q, s = quantize_rows(layer.weight)
+        return cls(layer.in_features, layer.out_features, q, s.view(-1), layer.bias)
+
+    def extra_repr(self) -> str:
+        return f"fp8 e4m3, in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if scaled_mm_supported(x.device, x.dtype):
+            qx, sx = quantize_rows(x)
+            y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx, scale_b=self.wscale.view(1, -1),
+                                 out_dtype=x.dtype)
+        else:
+            y = fp8_mm_ref(x, self.qweight, self.wscale, x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse FP8 on a GPU without FP8 arithmetic (before compute capability 8.9)."""
+    from kvserve.errors import ConfigError
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError("quantization", f"fp8 needs a GPU with FP8 support (compute capability 8.9 or "
+                          f"later); {torch.cuda.get_device_name(device)} is {major}.{minor}: use int8 or int4")

@@ -1,0 +1,159 @@
+"""AutoAWQ and GPTQ 4-bit checkpoints (Hugging Face directories), repacked at load into the int4
+layout of ``layers/quant_linear.py`` (codes [N, K/2], scale and min per group of input columns).
+
+Both store, per projection ``P`` (``P.qweight``, ``P.qzeros``, ``P.scales``, GPTQ also ``P.g_idx``),
+eight 4-bit codes per int32, nibble i at bits 4i..4i+3, and define
+
+    w[n, k] = (q[k, n] - z[g(k), n]) * s[g(k), n]   ->   q * s + min with min = -z * s
+
+    AutoAWQ (GEMM)  qweight [K, N/8], qzeros [G, N/8]: nibble i holds output column 8c + ORDER[i],
+                    ORDER = 0 2 4 6 1 3 5 7; scales [G, N]; g(k) = k // group_size
+    GPTQ            qweight [K/8, N]: nibble i of row r holds input row 8r + i; qzeros [G, N/8]:
+                    nibble i holds column 8c + i, and the stored zero is z - 1 (symmetric: 7);
+                    scales [G, N]; g(k) = g_idx[k] (act-order, desc_act, permutes it)
+
+With act-order the input columns of a group are scattered: the layer keeps them sorted by group
+(a permutation of K it applies to x first), so its groups are contiguous again. q/k/v (and
+gate/up) share their input, hence their act-order, and are stacked by rows as one matrix.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from kvserve.errors import ConfigError, ModelLoadError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx")  # a packed projection's tensors
+# our merged projection -> its checkpoint parts, in row order
+_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def read_config(directory: str, cfg: dict) -> dict | None:
+    """The checkpoint's quantization config: config.json's ``quantization_config``, else AutoGPTQ's
+    quantize_config.json (None: an unquantized checkpoint)."""
+    q = cfg.get("quantization_config")
+    path = os.path.join(directory, "quantize_config.json")
+    if q is None and os.path.exists(path):
+        with open(path) as f:
+            q = {"quant_method": "gptq", **json.load(f)}
+    return q if isinstance(q, dict) else None
+
+
+def check_config(q: dict, name: str) -> tuple[str, int, bool]:
+    """(method, group size, desc_act) of a config this reader loads; ConfigError naming the field
+    otherwise."""
+    method = str(q.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ConfigError("quantization", f"{name}'s quant_method {q.get('quant_method')!r} is not loaded; "
+                          f"supported: awq, gptq")
+    if q.get("bits", q.get("w_bit")) != 4:
+        raise ConfigError("quantization", f"{name}: bits {q.get('bits', q.get('w_bit'))!r}; the int4 kernels take 4")
+    g = q.get("group_size", q.get("q_group_size"))
+    if g not in (32, 64, 128):
+        raise ConfigError("quantization", f"{name}: group_size {g!r}; the int4 kernels take 32, 64 or 128")
+    if method == "awq" and (str(q.get("version", "gemm")).lower() != "gemm" or not q.get("zero_point", True)):
+        raise ConfigError("quantization", f"{name}: AWQ version {q.get('version')!r} / zero_point "
+                          f"{q.get('zero_point')!r}; AutoAWQ's GEMM layout with zero points is loaded")
+    if method == "gptq" and str(q.get("checkpoint_format", "gptq")).lower() != "gptq":
+        raise ConfigError("quantization", f"{name}: checkpoint_format {q.get('checkpoint_format')!r}; "
+                          f"GPTQ's own (v1) layout is loaded")
+    return method, g, bool(q.get("desc_act", False))
+
+
+def _nibbles(p: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> [R, C, 8]: nibble i of each word."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.device)
+    return (p.to(torch.int32).unsqueeze(-1) >> shifts) & 15
+
+
+def unpack_awq(qweight, qzeros, scales, g: int):
+    """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32, g_idx None)."""
+    order = torch.tensor(AWQ_ORDER)
+    q = torch.empty_like(_nibbles(qweight))
+    q[..., order] = _nibbles(qweight)
+    z = torch.empty_like(_nibbles(qzeros))
+    z[..., order] = _nibbles(qzeros)
+    K = qweight.shape[0]
+    return (q.reshape(K, -1).t().to(torch.uint8), scales.float().t(),
+            z.reshape(z.shape[0], -1).t().float(), None)
+
+
+def unpack_gptq(qweight, qzeros, scales, g_idx):
+    """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32, g_idx [K])."""
+    q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [K, N]
+    z = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1
+    return q.t().to(torch.uint8), scales.float().t(), z.t().float(), g_idx.long()
+
+
+def repack(codes, scales, zeros, g_idx, g: int, name: str):
+    """-> (codes [N, K] with the columns sorted by group, scales and mins [N, G], the column order
+    or None where it is the identity)."""
+    N, K = codes.shape
+    if K % g or scales.shape != (N, K // g) or zeros.shape != scales.shape:
+        raise ModelLoadError(f"{name}: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not fit "
+                             f"{K} input columns in groups of {g}")
+    perm = None
+    if g_idx is not None:
+        if g_idx.shape != (K,) or g_idx.min() < 0 or g_idx.max() >= K // g:
+            raise ModelLoadError(f"{name}: g_idx does not map {K} columns to {K // g} groups")
+        if not torch.equal(g_idx, torch.arange(K) // g):
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(torch.bincount(g_idx, minlength=K // g), torch.full((K // g,), g)):
+                raise ModelLoadError(f"{name}: g_idx puts other than {g} columns in a group")
+            codes = codes[:, perm]
+    return codes, scales, -zeros * scales, perm
+
+
+def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q: dict, name: str
+                     ) -> frozenset[str]:
+    """Replace each decoder projection by a ``QuantLinear`` of the checkpoint's packed tensors
+    (``tensors``: every tensor by name, loaded lazily is fine); returns the names taken."""
+    from kvserve.layers.gguf_blocks import compact
+    from kvserve.layers.quant_linear import QuantLinear
+    from kvserve.layers.rtn import pack_int4
+    method, g, _ = check_config(q, name)
+    taken: set[str] = set()
+    for i, _ in enumerate(model.layers):
+        for ours, parts in _PARTS.items():
+            rows, perms = [], []
+            for part in parts:
+                p = f"model.layers.{i}.{part}"
+                need = ("qweight", "qzeros", "scales") + (("g_idx",) if method == "gptq" else ())
+                missing = [f"{p}.{t}" for t in need if f"{p}.{t}" not in tensors]
+                if missing:
+                    raise ModelLoadError(f"{name}: quantization_config says {method}, but {missing[0]} is missing")
+                t = [tensors[f"{p}.{x}"] for x in need]
+                try:
+                    u = unpack_awq(*t, g) if method == "awq" else unpack_gptq(*t)
+                except RuntimeError as e:
+                    raise ModelLoadError(f"{name}: {p} is not in {method}'s layout ({e})") from None
+                codes, s, m, perm = repack(*u, g, p)
+                rows.append((codes, s, m))
+                perms.append(perm)
+                taken |= {f"{p}.{x}" for x in need}
+            if any(not _same(perms[0], x) for x in perms[1:]):
+                raise ModelLoadError(f"{name}: layer {i}'s {', '.join(parts)} order their input columns "
+                                     f"differently (act-order); they share one input and must agree")
+            old = model.get_submodule(f"layers.{i}.{ours}")
+            codes, s, m = (torch.cat(x) for x in zip(*rows))
+            if codes.shape != (old.out_features, old.in_features):
+                raise ModelLoadError(f"{name}: layer {i}'s {ours} unpacks to {tuple(codes.shape)}, expected "
+                                     f"[{old.out_features}, {old.in_features}]")
+            dev = old.weight.device
+            if dev.type != "cpu":  # the CPU kernel takes float32; CUDA ones the narrowest exact dtype
+                s, m = compact(s, m)
+            new = QuantLinear("int4", old.in_features, old.out_features, g, pack_int4(codes).to(dev),
+                              s.to(dev), m.to(dev), old.bias, fmt=method,
+                              perm=None if perms[0] is None else perms[0].to(dev))
+            parent, _, attr = f"layers.{i}.{ours}".rpartition(".")
+            setattr(model.get_submodule(parent), attr, new)
+    return frozenset(taken)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
