@@ -139,28 +139,6 @@ def _private_state_dir(tmp_path_factory):
         os.environ["KVSERVE_STATE_DIR"] = old
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _gguf_header_read_once():
-    """One parsed GGUF header per file and version for the whole run: an engine reads its model's
-    header two or three times while it starts (the source, the weights, the default KV scales),
-    and parsing it (tens of thousands of vocabulary strings through numpy memmaps) is most of a
-    real-model engine's start-up on the CPU. The reader is only read from; a file rewritten in
-    place has another size or mtime and is parsed again; errors are not cached."""
-    from kvserve.models import gguf_loader
-    parse = gguf_loader.open_reader
-    readers: dict[tuple, object] = {}
-
-    def open_reader(path: str):
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-        if key not in readers:
-            readers[key] = parse(path)
-        return readers[key]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_loader, "open_reader", open_reader)
-        yield
-
-
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from kvserve.models.loader import default_model_path

@@ -3,6 +3,7 @@ block format where a kernel reads it (``pack_projections``), every other tensor 
 ``gguf``."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -39,12 +40,32 @@ _FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": 
              "gemma3": "Gemma3ForCausalLM"}
 
 
+# Parsed headers by (real path, size, mtime): an engine reads its model's header several times
+# while it starts (the source, the weights, the default KV scales; again on a level-2 wake), and
+# parsing it (tens of thousands of vocabulary strings through numpy memmaps) costs seconds of
+# CPU. Readers are only read from; a file rewritten in place has another size or mtime and is
+# parsed again; a failed parse is not kept. The two most recent files stay (a target and a draft).
+_READERS: dict[tuple, object] = {}
+_READERS_KEPT = 2
+
+
 def open_reader(path: str):
     import gguf
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError, struct.error... on bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read the GGUF file ({e.strerror})") from None
+    reader = _READERS.pop(key, None)
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError, IndexError, struct.error... on bad files
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    _READERS[key] = reader  # most recent last
+    while len(_READERS) > _READERS_KEPT:
+        del _READERS[next(iter(_READERS))]
+    return reader
 
 
 def _field(reader, key: str, default=None):
