@@ -55,9 +55,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window-kv", default="free", choices=["free", "keep"],
                    help="sliding-window layers: free their KV blocks that no future query reads (default), "
                    "or keep every layer's KV of every token")
-    g.add_argument("--kv-eviction", default="none", choices=["none", "streaming"],
+    g.add_argument("--kv-eviction", default="none", choices=["none", "streaming", "snapkv", "h2o"],
                    help="streaming: a request with kv_budget keeps its first block and its latest blocks "
-                   "(at most kv_budget tokens) and frees those between (StreamingLLM)")
+                   "(at most kv_budget tokens) and frees those between (StreamingLLM); snapkv, h2o: its "
+                   "latest blocks and the blocks attention scores highest (prompt's last queries; all "
+                   "queries, accumulated)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")

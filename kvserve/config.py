@@ -54,7 +54,9 @@ class CacheConfig:
     # every future query's window back to the pool; "keep" keeps every layer's KV of every token.
     window_kv: str = "free"
     # "streaming": a request with a ``kv_budget`` keeps its first block (attention sinks) and its
-    # most recent blocks and gives the blocks between back to the pool (StreamingLLM); "none".
+    # most recent blocks and gives the blocks between back to the pool (StreamingLLM); "snapkv",
+    # "h2o": it keeps its recent blocks and the blocks attention scores highest
+    # (``kv_eviction.py``); "none".
     kv_eviction: str = "none"
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
@@ -87,14 +89,15 @@ class CacheConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         if self.window_kv not in ("free", "keep"):
             raise ConfigError("window_kv", f"must be 'free' or 'keep', got {self.window_kv!r}")
-        if self.kv_eviction not in ("none", "streaming"):
-            raise ConfigError("kv_eviction", f"must be 'none' or 'streaming', got {self.kv_eviction!r}")
-        if self.kv_eviction == "streaming":
+        if self.kv_eviction not in ("none", "streaming", "snapkv", "h2o"):
+            raise ConfigError("kv_eviction", f"must be one of none, streaming, snapkv, h2o; got {self.kv_eviction!r}")
+        if self.kv_eviction != "none":
             for name, off, why in (("kv_cache_dtype", self.kv_cache_dtype == "auto", "the model dtype ('auto')"),
                                    ("preemption_mode", self.preemption_mode == "recompute", "'recompute'"),
                                    ("cpu_kv_memory", not self.tiers_enabled, "no KV tiers")):
                 if not off:
-                    raise ConfigError(name, f"kv_eviction 'streaming' needs {why}; got {getattr(self, name)!r}")
+                    raise ConfigError(name, f"kv_eviction {self.kv_eviction!r} needs {why}; "
+                                      f"got {getattr(self, name)!r}")
         if self.kv_cache_dtype in ("int4", "int2") and self.preemption_mode == "swap":
             raise ConfigError("preemption_mode", f"'swap' is not supported with kv_cache_dtype "
                               f"{self.kv_cache_dtype} (a sequence's unsealed keys live outside its blocks); "
@@ -359,12 +362,16 @@ class EngineConfig:
             if self.cache.tiers_enabled:
                 raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url",
                                   "the KV tiers are not supported with speculative decoding")
-        if self.cache.kv_eviction == "streaming":
+        ev = self.cache.kv_eviction
+        if ev != "none":
             if spec is not None:
-                raise ConfigError("kv_eviction", "'streaming' is not supported with speculative decoding")
+                raise ConfigError("kv_eviction", f"{ev!r} is not supported with speculative decoding")
             if self.attention_backend == "triton":
-                raise ConfigError("kv_eviction", "'streaming' runs on the torch attention backend; use "
-                                  "attention_backend torch or auto")
+                raise ConfigError("kv_eviction", f"{ev!r} runs on the torch attention backend (the Triton "
+                                  "kernels neither mask nor score evicted keys); use attention_backend torch or auto")
+            if ev != "streaming" and self.async_scheduling:
+                raise ConfigError("async_scheduling", f"is not supported with kv_eviction {ev!r} (a step's "
+                                  "evictions need the previous step's attention scores); leave it unset")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ConfigError("enable_sleep_mode", f"must be True or False, got {self.enable_sleep_mode!r}")
         if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":

@@ -122,8 +122,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-    # Tokens of KV the request may hold with streaming eviction (``--kv-eviction streaming``):
-    # its first block plus its latest blocks; the range needing the model is the engine's check.
+    # Tokens of KV the request may hold with KV eviction (``--kv-eviction streaming|snapkv|h2o``,
+    # ``kv_eviction.py``); the range needing the model is the engine's check.
     kv_budget: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 

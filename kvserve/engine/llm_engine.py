@@ -78,13 +78,14 @@ class LLMEngine(MemoryControls):
             config = dataclasses.replace(config, scheduler=dataclasses.replace(
                 config.scheduler, max_num_seqs=plan.max_num_seqs))
             self.config = rt.config = config
-        if config.cache.kv_eviction == "streaming" and groups.windowed:
-            raise ConfigError("kv_eviction", f"'streaming' is for full-attention models; {src.name} has "
-                              "sliding-window layers, whose blocks out of the window are freed already")
+        if config.cache.kv_eviction != "none" and groups.windowed:
+            raise ConfigError("kv_eviction", f"{config.cache.kv_eviction!r} is for full-attention models; "
+                              f"{src.name} has sliding-window layers, whose blocks out of the window are "
+                              "freed already")
         rt.allocate_kv_cache(plan)
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
-                                 groups.windows)
+                                 groups.windows, eviction=config.cache.kv_eviction)
         self.pins = PrefixPins(self.kv, config.cache.max_pinned_fraction, config.cache.pin_ttl_seconds)
         self.store = self._make_store(config.cache) if config.cache.tiers_enabled else None
         self.tiers = self._connector(self.store) if self.store is not None else None
@@ -192,11 +193,12 @@ class LLMEngine(MemoryControls):
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         if params.kv_budget is not None:
             lo = kv_budget_min(self.config.cache.block_size)
-            if self.config.cache.kv_eviction != "streaming":
-                raise InvalidRequestError("kv_budget", "needs the server started with --kv-eviction streaming")
+            if self.config.cache.kv_eviction == "none":
+                raise InvalidRequestError("kv_budget", "needs the server started with --kv-eviction "
+                                          "streaming, snapkv or h2o")
             if not lo <= params.kv_budget <= self.max_model_len:
                 raise InvalidRequestError("kv_budget", f"must be an integer in [{lo}, {self.max_model_len}] "
-                                          f"(the sink block, one more block and the step's token; at most "
+                                          f"(two blocks and the step's token; at most "
                                           f"max_model_len), got {params.kv_budget}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # a spec that does not compile stops here
@@ -206,10 +208,11 @@ class LLMEngine(MemoryControls):
             if params.prompt_logprobs is not None:
                 raise InvalidRequestError("prompt_logprobs", "is not supported with speculative decoding on")
         longest = mt if mt is not None else self.max_model_len - n
-        need = self.scheduler.blocks_to_finish(n, longest, params.n)
+        need = self.scheduler.blocks_to_finish(n, longest, params.n, params.kv_budget)
         if need > self.num_kv_blocks:
             # Name n when one sequence would fit: lowering max_tokens is then not the only way.
-            field = "n" if params.n > 1 and self.scheduler.blocks_to_finish(n, longest, 1) <= self.num_kv_blocks \
+            field = "n" if params.n > 1 and self.scheduler.blocks_to_finish(n, longest, 1, params.kv_budget) \
+                <= self.num_kv_blocks \
                 else "max_tokens"
             raise InvalidRequestError(field, f"the request needs {need} KV blocks at its longest "
                                       f"(prompt {n} + max_tokens {mt} tokens, n={params.n}) but the KV pool "
