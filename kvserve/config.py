@@ -58,6 +58,9 @@ class CacheConfig:
     # "h2o": it keeps its recent blocks and the blocks attention scores highest
     # (``kv_eviction.py``); "none".
     kv_eviction: str = "none"
+    # "auto": the engine picks the KV format and window freeing from the model and the pool
+    # (``engine/kv_policy.py``); "manual": as set here.
+    kv_policy: str = "manual"
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
@@ -91,6 +94,8 @@ class CacheConfig:
             raise ConfigError("window_kv", f"must be 'free' or 'keep', got {self.window_kv!r}")
         if self.kv_eviction not in ("none", "streaming", "snapkv", "h2o"):
             raise ConfigError("kv_eviction", f"must be one of none, streaming, snapkv, h2o; got {self.kv_eviction!r}")
+        if self.kv_policy not in ("manual", "auto"):
+            raise ConfigError("kv_policy", f"must be 'manual' or 'auto', got {self.kv_policy!r}")
         if self.kv_eviction != "none":
             for name, off, why in (("kv_cache_dtype", self.kv_cache_dtype == "auto", "the model dtype ('auto')"),
                                    ("preemption_mode", self.preemption_mode == "recompute", "'recompute'"),

@@ -14,7 +14,7 @@ import logging
 import time
 
 from kvserve.config import EngineConfig
-from kvserve.engine import kv_plan, lookahead
+from kvserve.engine import kv_plan, kv_policy, lookahead
 from kvserve.engine.faults import RequestFailedError
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.lookahead import InFlight
@@ -70,8 +70,15 @@ class LLMEngine(MemoryControls):
         self.runner = ModelRunner(config, src, self.max_model_len)
         self.config = config = self.runner.config  # with the device's defaults resolved
         rt = self.runner
+        kv_bytes = rt.determine_kv_memory()
+        self.kv_policy: kv_policy.KVPolicyChoice | None = None  # what kv_policy "auto" chose, and why
+        if config.cache.kv_policy == "auto":
+            chosen, self.kv_policy = kv_policy.choose(config, src.arch, rt, kv_bytes, self.max_model_len)
+            if chosen.cache != config.cache:
+                rt.use_cache_config(chosen.cache)
+            self.config = config = rt.config
         groups = kv_plan.groups_for(config, src.arch, rt.kv_format)
-        plan = kv_plan.plan(rt.kv_format, rt.kv_scales, groups.page_layers, rt.determine_kv_memory(),
+        plan = kv_plan.plan(rt.kv_format, rt.kv_scales, groups.page_layers, kv_bytes,
                             config.cache, config.scheduler.max_num_seqs)
         self.kv_plan = plan = dataclasses.replace(plan, groups=groups)
         if plan.max_num_seqs != config.scheduler.max_num_seqs:

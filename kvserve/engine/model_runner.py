@@ -99,6 +99,14 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep):
         self.kv_profile: dict | None = None
         self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
 
+    def use_cache_config(self, cache) -> None:
+        """Take a changed ``CacheConfig`` (``kv_policy`` auto) before the KV cache exists: its
+        block size, scales and format."""
+        self.config = dataclasses.replace(self.config, cache=cache)
+        self.block_size = cache.block_size
+        self.kv_scales = kv_plan.load_scales(self.config, self.src, self.device)
+        self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
+
     def load_weights(self) -> None:
         """Fill the model's parameters from the source (at start-up, and on waking from sleep
         level 2)."""
