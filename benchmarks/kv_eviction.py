@@ -1,17 +1,18 @@
-"""Streaming KV eviction (``--kv-eviction streaming``, ``SamplingParams.kv_budget``) on the CPU,
+"""KV eviction (``--kv-eviction streaming|snapkv|h2o``, ``SamplingParams.kv_budget``) on the CPU,
 on the default model (SmolLM2-135M, fp32, 16-token blocks), against full KV in the same run:
 
     PYTHONPATH=$PWD python benchmarks/kv_eviction.py --out DIR
 
   perplexity  over a held-out text (Python's reference documentation, ``pydoc_data.topics``,
-              the first ``--tokens`` tokens) at each budget: every token given the sink block
-              and its recent blocks, as a request decoding under that budget sees them (the
-              engine's prefill applies the same per-query mask, so it equals token-by-token
-              decoding under the budget)
+              the first ``--tokens`` tokens) at each budget, per policy: every token given what
+              the policy holds when it is computed. Streaming's prefill applies its per-query
+              mask, so it equals token-by-token decoding under the budget; H2O's prefill evicts
+              block by block as decoding would; SnapKV holds the prompt whole until its end, so
+              its prompt perplexity is full KV's by construction (not run)
   passkey     a five-digit number hidden at a few depths of ~``--passkey-tokens`` tokens of
-              filler, then asked for: found (greedy output holds it) or not, per budget. Tokens
-              outside the sinks and the recent window are gone, so a needle evicted is lost:
-              StreamingLLM's known weakness
+              filler, then asked for: found (greedy output holds it) or not, per policy at one
+              budget. Streaming loses a needle that left its window (its known weakness); the
+              scored policies keep what attention pointed at
 """
 from __future__ import annotations
 
@@ -66,31 +67,44 @@ def main():
     ap.add_argument("--passkey-tokens", type=int, default=1024)
     ap.add_argument("--passkey-budget", type=int, default=256)
     ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--policies", default="streaming,snapkv,h2o")
+    ap.add_argument("--no-perplexity", action="store_true", help="passkey retrieval only")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
-    llm = LLM(show_progress=False, max_model_len=max(args.tokens, args.passkey_tokens) + 64,
-              kv_eviction="streaming", enable_prefix_caching=False)
-    tok = llm.engine.tokenizer
-    ids = heldout_ids(tok, args.tokens)
-    res = {"model": llm.engine.model_name, "block_size": llm.config.cache.block_size, "tokens": len(ids),
-           "perplexity": {}, "passkey": []}
-    print(f"perplexity over {len(ids)} tokens of pydoc_data.topics")
-    for b in [None] + budgets:
-        t0 = time.perf_counter()
-        ppl = perplexity(llm, ids, b)
-        res["perplexity"]["full" if b is None else str(b)] = ppl
-        print(f"  budget {'full' if b is None else b:>5}: {ppl:8.3f}   ({time.perf_counter() - t0:.1f} s)", flush=True)
-    depths = [float(d) for d in args.depths.split(",")]
-    print(f"passkey, ~{args.passkey_tokens} tokens")
-    for d, key, text in passkey_prompts(tok, args.passkey_tokens, depths):
-        n = len(tok.encode(text))
-        for b in (None, args.passkey_budget):
-            out = llm.generate([text], SamplingParams(max_tokens=8, temperature=0, kv_budget=b), use_tqdm=False)[0]
-            got = out.outputs[0].text
-            res["passkey"].append({"depth": d, "prompt_tokens": n, "budget": b, "key": key, "output": got,
-                                   "found": key in got})
-            print(f"  depth {d:.1f} ({n} tokens) budget {'full' if b is None else b:>5}: "
-                  f"{'found' if key in got else 'lost '} {got!r}", flush=True)
+    res = {"perplexity": {}, "passkey": []}
+    for policy in args.policies.split(","):
+        llm = LLM(show_progress=False, max_model_len=max(args.tokens, args.passkey_tokens) + 64,
+                  kv_eviction=policy, enable_prefix_caching=False)
+        tok = llm.engine.tokenizer
+        ids = heldout_ids(tok, args.tokens)
+        res.update(model=llm.engine.model_name, block_size=llm.config.cache.block_size, tokens=len(ids))
+        ppl_of = res["perplexity"].setdefault(policy, {})
+        if not args.no_perplexity:
+            print(f"{policy}: perplexity over {len(ids)} tokens of pydoc_data.topics")
+        for b in [] if args.no_perplexity else ([None] if "full" not in res else []) + (
+                budgets if policy != "snapkv" else []):
+            t0 = time.perf_counter()
+            ppl = perplexity(llm, ids, b)
+            if b is None:
+                res["full"] = ppl
+            else:
+                ppl_of[str(b)] = ppl
+            print(f"  budget {'full' if b is None else b:>5}: {ppl:8.3f}   ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+        depths = [float(d) for d in args.depths.split(",")]
+        print(f"{policy}: passkey, ~{args.passkey_tokens} tokens")
+        for d, key, text in passkey_prompts(tok, args.passkey_tokens, depths):
+            n = len(tok.encode(text))
+            for b in (None, args.passkey_budget):
+                if b is None and any(r["budget"] is None and r["depth"] == d for r in res["passkey"]):
+                    continue  # full KV: once
+                out = llm.generate([text], SamplingParams(max_tokens=8, temperature=0, kv_budget=b),
+                                   use_tqdm=False)[0]
+                got = out.outputs[0].text
+                res["passkey"].append({"policy": None if b is None else policy, "depth": d, "prompt_tokens": n,
+                                       "budget": b, "key": key, "output": got, "found": key in got})
+                print(f"  depth {d:.1f} ({n} tokens) budget {'full' if b is None else b:>5}: "
+                      f"{'found' if key in got else 'lost '} {got!r}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kv_eviction_cpu.json"), "w") as f:
         json.dump(res, f, indent=1)

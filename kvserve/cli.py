@@ -61,9 +61,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window-kv", default="free", choices=["free", "keep"],
                    help="sliding-window layers: free their KV blocks that no future query reads (default), "
                    "or keep every layer's KV of every token")
-    g.add_argument("--kv-eviction", default="none", choices=["none", "streaming"],
+    g.add_argument("--kv-eviction", default="none", choices=["none", "streaming", "snapkv", "h2o"],
                    help="streaming: a request with kv_budget keeps its first block and its latest blocks "
-                   "(at most kv_budget tokens) and frees those between (StreamingLLM)")
+                   "(at most kv_budget tokens) and frees those between (StreamingLLM); snapkv, h2o: its "
+                   "latest blocks and the blocks attention scores highest (prompt's last queries; all "
+                   "queries, accumulated)")
+    g.add_argument("--kv-policy", default="manual", choices=["manual", "auto"],
+                   help="auto: free sliding-window blocks and pick the KV format (model dtype, int8, int4) "
+                   "whose pool holds 8 full-length sequences; logs the choice and why")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
@@ -153,6 +158,7 @@ def _make_llm(args):
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                swap_space=args.swap_space, window_kv=args.window_kv, kv_eviction=args.kv_eviction,
+               kv_policy=args.kv_policy,
                max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,

@@ -55,8 +55,13 @@ class CacheConfig:
     # every future query's window back to the pool; "keep" keeps every layer's KV of every token.
     window_kv: str = "free"
     # "streaming": a request with a ``kv_budget`` keeps its first block (attention sinks) and its
-    # most recent blocks and gives the blocks between back to the pool (StreamingLLM); "none".
+    # most recent blocks and gives the blocks between back to the pool (StreamingLLM); "snapkv",
+    # "h2o": it keeps its recent blocks and the blocks attention scores highest
+    # (``kv_eviction.py``); "none".
     kv_eviction: str = "none"
+    # "auto": the engine picks the KV format and window freeing from the model and the pool
+    # (``engine/kv_policy.py``); "manual": as set here.
+    kv_policy: str = "manual"
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
@@ -88,14 +93,17 @@ class CacheConfig:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         if self.window_kv not in ("free", "keep"):
             raise ConfigError("window_kv", f"must be 'free' or 'keep', got {self.window_kv!r}")
-        if self.kv_eviction not in ("none", "streaming"):
-            raise ConfigError("kv_eviction", f"must be 'none' or 'streaming', got {self.kv_eviction!r}")
-        if self.kv_eviction == "streaming":
+        if self.kv_eviction not in ("none", "streaming", "snapkv", "h2o"):
+            raise ConfigError("kv_eviction", f"must be one of none, streaming, snapkv, h2o; got {self.kv_eviction!r}")
+        if self.kv_policy not in ("manual", "auto"):
+            raise ConfigError("kv_policy", f"must be 'manual' or 'auto', got {self.kv_policy!r}")
+        if self.kv_eviction != "none":
             for name, off, why in (("kv_cache_dtype", self.kv_cache_dtype == "auto", "the model dtype ('auto')"),
                                    ("preemption_mode", self.preemption_mode == "recompute", "'recompute'"),
                                    ("cpu_kv_memory", not self.tiers_enabled, "no KV tiers")):
                 if not off:
-                    raise ConfigError(name, f"kv_eviction 'streaming' needs {why}; got {getattr(self, name)!r}")
+                    raise ConfigError(name, f"kv_eviction {self.kv_eviction!r} needs {why}; "
+                                      f"got {getattr(self, name)!r}")
         if self.kv_cache_dtype in ("int4", "int2") and self.preemption_mode == "swap":
             raise ConfigError("preemption_mode", f"'swap' is not supported with kv_cache_dtype "
                               f"{self.kv_cache_dtype} (a sequence's unsealed keys live outside its blocks); "
@@ -481,12 +489,16 @@ class EngineConfig:
             if self.cache.tiers_enabled:
                 raise ConfigError("cpu_kv_memory/disk_kv_dir/redis_url",
                                   "the KV tiers are not supported with speculative decoding")
-        if self.cache.kv_eviction == "streaming":
+        ev = self.cache.kv_eviction
+        if ev != "none":
             if spec is not None:
-                raise ConfigError("kv_eviction", "'streaming' is not supported with speculative decoding")
+                raise ConfigError("kv_eviction", f"{ev!r} is not supported with speculative decoding")
             if self.attention_backend == "triton":
-                raise ConfigError("kv_eviction", "'streaming' runs on the torch attention backend; use "
-                                  "attention_backend torch or auto")
+                raise ConfigError("kv_eviction", f"{ev!r} runs on the torch attention backend (the Triton "
+                                  "kernels neither mask nor score evicted keys); use attention_backend torch or auto")
+            if ev != "streaming" and self.async_scheduling:
+                raise ConfigError("async_scheduling", f"is not supported with kv_eviction {ev!r} (a step's "
+                                  "evictions need the previous step's attention scores); leave it unset")
         kt = self.kv_transfer_config
         if kt is not None:
             if kt.kv_connector == "KVTierConnector" and not (self.cache.disk_kv_dir or self.cache.redis_url):
@@ -525,7 +537,9 @@ class EngineConfig:
                            ("async_scheduling", self.async_scheduling is True),
                            ("cpu_kv_memory/disk_kv_dir/redis_url", self.cache.tiers_enabled),
                            ("kv_transfer_config", self.kv_transfer_config is not None),
-                           ("quantization", self.quantization is not None and self.quantization.method == "fp8")):
+                           ("quantization", self.quantization is not None and self.quantization.method == "fp8"),
+                           # attention scores would be each rank's heads only
+                           ("kv_eviction", self.cache.kv_eviction in ("snapkv", "h2o"))):
             if on:
                 raise ConfigError(option, f"is not supported with tensor_parallel_size {n}; leave it unset")
         # A graph captured between steps would be captured on rank 0 alone, while the workers'

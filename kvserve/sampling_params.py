@@ -145,8 +145,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-    # Tokens of KV the request may hold with streaming eviction (``--kv-eviction streaming``):
-    # its first block plus its latest blocks; the range needing the model is the engine's check.
+    # Tokens of KV the request may hold with KV eviction (``--kv-eviction streaming|snapkv|h2o``,
+    # ``kv_eviction.py``); the range needing the model is the engine's check.
     kv_budget: int | None = None
     # Disaggregated prefill/decode (vLLM's name): {"do_remote_prefill": true, "transfer_id": ...}
     # as a prefill instance's output returned it, or {"do_remote_decode": true} for a kv_both one.

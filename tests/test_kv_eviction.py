@@ -140,7 +140,7 @@ def test_preemption_recomputes_under_the_same_mask(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(kv_eviction="h2o"), "kv_eviction"),
+    (dict(kv_eviction="lru"), "kv_eviction"),
     (dict(kv_eviction="streaming", kv_cache_dtype="int4"), "kv_cache_dtype"),
     (dict(kv_eviction="streaming", kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(kv_eviction="streaming", preemption_mode="swap"), "preemption_mode"),

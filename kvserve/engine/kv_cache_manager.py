@@ -25,6 +25,16 @@ Streaming eviction (``kv_eviction.py``): before each step, the blocks of a reque
 references are dropped, so a block shared with another request stays until its count reaches 0.
 Only the first ``full_attention_blocks`` (computed before any key was hidden, so equal to full
 attention's KV) enter the prefix cache, and a request is offered no more cached blocks than that.
+
+Scored eviction (SnapKV, H2O; ``kv_eviction.py``): before a step, a request with a ``kv_budget``
+over it drops its references to its lowest-scored blocks before its recent ones (NULL entries
+anywhere before them). Scores come from the runner after each step (``record_scores``). Only the
+blocks fully computed before the request's first eviction enter the prefix cache (``_exact``):
+a block written after it holds KV of queries that saw fewer keys than full attention, so its
+hash is never registered and no other request can hit it. H2O requests take no prefix hits
+(their scores need every query's attention); SnapKV requests take hits before their
+observation window only. ``step_tokens`` caps a budgeted request's step so its held blocks stay
+within the budget, which is also what admission asks the pool for.
 """
 from __future__ import annotations
 
@@ -32,10 +42,22 @@ import hashlib
 import struct
 from math import ceil
 
+import torch
+
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import PENDING_TOKEN, Request
-from kvserve.kv_eviction import SINK_BLOCKS, full_attention_blocks, recent_start
+from kvserve.kv_eviction import (
+    OBS_WINDOW,
+    SCORED,
+    SINK_BLOCKS,
+    block_scores,
+    budget_blocks,
+    full_attention_blocks,
+    pick_victims,
+    recent_blocks,
+    recent_start,
+)
 
 
 def hash_block(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
@@ -63,7 +85,8 @@ def group_key(block_hash: bytes, group: int) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_extra: bytes = b"", windows: tuple[int | None, ...] = (None,)):
+                 hash_extra: bytes = b"", windows: tuple[int | None, ...] = (None,),
+                 eviction: str = "streaming"):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.hash_extra = hash_extra
@@ -74,6 +97,9 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write this step
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
+        self.eviction = eviction  # how a request with a kv_budget evicts (``kv_eviction.py``)
+        self._scores: dict[str, torch.Tensor] = {}  # scored eviction: attention per position
+        self._exact: dict[str, int] = {}  # scored eviction: blocks computed before the first eviction
 
     @property
     def enable_caching(self) -> bool:
@@ -119,7 +145,12 @@ class KVCacheManager:
         if not self.enable_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req)
-        keys = req.block_hashes[:min((req.num_tokens - 1) // self.block_size, self._cacheable(req))]
+        limit = min((req.num_tokens - 1) // self.block_size, self._cacheable(req))
+        if req.params.kv_budget is not None and self.eviction == "h2o":
+            return []
+        if req.params.kv_budget is not None and self.eviction == "snapkv":  # the window is computed
+            limit = min(limit, max(0, req.num_prompt_tokens - OBS_WINDOW) // self.block_size)
+        keys = req.block_hashes[:limit]
         n = len(keys)
         found: list[list[int | None]] = []  # per group, the cached block of each key (or None)
         for g, w in enumerate(self.windows):
@@ -162,7 +193,8 @@ class KVCacheManager:
             return [[] for _ in self.windows]
         hits = self._group_hits(req, len(computed))
         assert hits is not None and hits[0] == list(computed), "prefix hits went stale before allocation"
-        if req.params.kv_budget is not None:  # no reference to the hits its first query does not see
+        if req.params.kv_budget is not None and self.eviction == "streaming":  # no reference to the hits
+            # its first query does not see
             stop = recent_start(req.params.kv_budget, self.block_size, len(computed) * self.block_size)
             hits[0][SINK_BLOCKS:stop] = [NULL] * len(hits[0][SINK_BLOCKS:stop])
         return hits
@@ -187,7 +219,70 @@ class KVCacheManager:
     def _cacheable(self, req: Request) -> int:
         """Leading blocks of ``req`` computed as under full attention (all, without a budget)."""
         budget = req.params.kv_budget
-        return 1 << 62 if budget is None else full_attention_blocks(budget, self.block_size)
+        if budget is None:
+            return 1 << 62
+        if self.eviction in SCORED:
+            return self._exact.get(req.request_id, 1 << 62)
+        return full_attention_blocks(budget, self.block_size)
+
+    def step_tokens(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> int:
+        """How many of ``num_new_tokens`` a request with a ``kv_budget`` computes this step so
+        that, after what its policy evicts first (done here), it holds at most its budget's
+        blocks. Once at the budget that is the rest of its last block, or one more block; a
+        SnapKV prompt runs to its end unevicted (it is compressed there)."""
+        budget = req.params.kv_budget
+        if budget is None:
+            return num_new_tokens
+        bs, table = self.block_size, self.tables.get(req.request_id)
+        if table is None:  # being admitted: what it holds is its prefix hits
+            c, slack = len(computed) * bs, 0
+            held = sum(1 for b in self._hits_of(req, computed)[0] if b != NULL)
+        else:
+            self._evict(req)
+            c = req.num_computed_tokens
+            held, slack = sum(1 for b in table if b != NULL), len(table) * bs - c
+        if self.eviction == "snapkv" and c < req.num_prompt_tokens:
+            return min(num_new_tokens, req.num_prompt_tokens - c)
+        return min(num_new_tokens, max(1, slack + (budget_blocks(budget, bs) - held) * bs))
+
+    def record_scores(self, req: Request, scores: torch.Tensor) -> None:
+        """Add a step's attention scores (per key position) to ``req``'s."""
+        acc = self._scores.get(req.request_id)
+        if acc is None or len(acc) < len(scores):
+            grown = torch.zeros(max(len(scores), 2 * len(acc) if acc is not None else 0))
+            if acc is not None:
+                grown[:len(acc)] = acc
+            self._scores[req.request_id] = acc = grown
+        acc[:len(scores)] += scores
+
+    def evict_scored(self, req: Request) -> int:
+        """Drop ``req``'s references to its lowest-scored blocks before its recent ones until it
+        holds ``B - 1`` blocks before a step that opens one, ``B`` otherwise (SnapKV: only once
+        its prompt is computed). Returns how many were dropped."""
+        table = self.tables.get(req.request_id)
+        budget, c = req.params.kv_budget, req.num_computed_tokens
+        if budget is None or not table or (self.eviction == "snapkv" and c < req.num_prompt_tokens):
+            return 0
+        bs = self.block_size
+        target = budget_blocks(budget, bs) - (1 if len(table) * bs <= c else 0)
+        held = [i for i, b in enumerate(table) if b != NULL]
+        if len(held) <= target:
+            return 0
+        protect = len(table) - recent_blocks(self.eviction, budget, bs)
+        rid = req.request_id
+        scores = block_scores(self.eviction, self._scores.get(rid, torch.zeros(0)), len(table), bs)
+        victims = pick_victims(scores, [i for i in held if i < protect], len(held) - target)
+        self._exact.setdefault(rid, c // bs)
+        freed = [table[i] for i in reversed(victims)]
+        for i in victims:
+            table[i] = NULL
+        self.pool.free(freed)
+        return len(freed)
+
+    def _evict(self, req: Request) -> int:
+        if self.eviction == "streaming":
+            return self.evict_streaming(req)
+        return self.evict_scored(req)
 
     def evict_streaming(self, req: Request) -> int:
         """Drop ``req``'s references to the blocks between its sinks and the first recent block
@@ -228,7 +323,7 @@ class KVCacheManager:
         blocks, for a request being admitted). False, changing nothing but freeing blocks out of
         the windows, if the pool is short."""
         self.free_out_of_window(req)
-        self.evict_streaming(req)
+        self._evict(req)
         table = self.tables.get(req.request_id)
         if table and not computed and not reserve_blocks and len(self.group_tables) == 1:
             total = req.num_computed_tokens + num_new_tokens
@@ -285,6 +380,10 @@ class KVCacheManager:
             self.pool.touch([b for b in table if b != NULL])
             tables[child.request_id] = list(table)
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
+        if parent.request_id in self._scores:
+            self._scores[child.request_id] = self._scores[parent.request_id].clone()
+        if parent.request_id in self._exact:
+            self._exact[child.request_id] = self._exact[parent.request_id]
 
     def free(self, req: Request) -> list[int]:
         """Give back every block of ``req``; returns its group-0 table."""
@@ -293,6 +392,8 @@ class KVCacheManager:
             out = tables.pop(req.request_id, [])
             self.pool.free([b for b in reversed(out) if b != NULL])
         self._num_hashed.pop(req.request_id, None)
+        self._scores.pop(req.request_id, None)
+        self._exact.pop(req.request_id, None)
         return out
 
     def trim(self, req: Request) -> None:
@@ -375,7 +476,13 @@ class KVCacheManager:
                 assert len(table) == len(self.tables[rid]), (rid, g)
                 nulls = sum(1 for b in table if b == NULL)
                 budget = req.params.kv_budget
-                if budget is not None:  # a run after the sinks, before the next query's recent blocks
+                if budget is not None and self.eviction in SCORED:
+                    # within the budget once evicting (SnapKV: after its prompt); recent ones kept
+                    if self.eviction == "h2o" or req.num_computed_tokens > req.num_prompt_tokens:
+                        assert len(table) - nulls <= budget_blocks(budget, self.block_size), (rid, table)
+                    r = recent_blocks(self.eviction, budget, self.block_size)
+                    assert NULL not in table[len(table) - r:], (rid, table)
+                elif budget is not None:  # a run after the sinks, before the next query's recent blocks
                     lo = SINK_BLOCKS
                     assert all(b == NULL for b in table[lo:lo + nulls]), (rid, table)
                     assert not nulls or lo + nulls <= recent_start(budget, self.block_size,

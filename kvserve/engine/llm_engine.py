@@ -14,7 +14,7 @@ import logging
 import time
 
 from kvserve.config import EngineConfig
-from kvserve.engine import kv_plan, lookahead
+from kvserve.engine import kv_plan, kv_policy, lookahead
 from kvserve.engine.faults import RequestFailedError
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.lookahead import InFlight
@@ -70,21 +70,29 @@ class LLMEngine(MemoryControls):
         self.runner = ModelRunner(config, src, self.max_model_len)
         self.config = config = self.runner.config  # with the device's defaults resolved
         rt = self.runner
+        kv_bytes = rt.determine_kv_memory()
+        self.kv_policy: kv_policy.KVPolicyChoice | None = None  # what kv_policy "auto" chose, and why
+        if config.cache.kv_policy == "auto":
+            chosen, self.kv_policy = kv_policy.choose(config, src.arch, rt, kv_bytes, self.max_model_len)
+            if chosen.cache != config.cache:
+                rt.use_cache_config(chosen.cache)
+            self.config = config = rt.config
         groups = kv_plan.groups_for(config, src.arch, rt.kv_format)
-        plan = kv_plan.plan(rt.kv_format, rt.kv_scales, groups.page_layers, rt.determine_kv_memory(),
+        plan = kv_plan.plan(rt.kv_format, rt.kv_scales, groups.page_layers, kv_bytes,
                             config.cache, config.scheduler.max_num_seqs)
         self.kv_plan = plan = dataclasses.replace(plan, groups=groups)
         if plan.max_num_seqs != config.scheduler.max_num_seqs:
             config = dataclasses.replace(config, scheduler=dataclasses.replace(
                 config.scheduler, max_num_seqs=plan.max_num_seqs))
             self.config = rt.config = config
-        if config.cache.kv_eviction == "streaming" and groups.windowed:
-            raise ConfigError("kv_eviction", f"'streaming' is for full-attention models; {src.name} has "
-                              "sliding-window layers, whose blocks out of the window are freed already")
+        if config.cache.kv_eviction != "none" and groups.windowed:
+            raise ConfigError("kv_eviction", f"{config.cache.kv_eviction!r} is for full-attention models; "
+                              f"{src.name} has sliding-window layers, whose blocks out of the window are "
+                              "freed already")
         rt.allocate_kv_cache(plan)
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
-                                 groups.windows)
+                                 groups.windows, eviction=config.cache.kv_eviction)
         self.pins = PrefixPins(self.kv, config.cache.max_pinned_fraction, config.cache.pin_ttl_seconds)
         kt = config.kv_transfer_config
         # A consumer receives KV into the store's staging memory, tiers or not.
@@ -196,11 +204,12 @@ class LLMEngine(MemoryControls):
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         if params.kv_budget is not None:
             lo = kv_budget_min(self.config.cache.block_size)
-            if self.config.cache.kv_eviction != "streaming":
-                raise InvalidRequestError("kv_budget", "needs the server started with --kv-eviction streaming")
+            if self.config.cache.kv_eviction == "none":
+                raise InvalidRequestError("kv_budget", "needs the server started with --kv-eviction "
+                                          "streaming, snapkv or h2o")
             if not lo <= params.kv_budget <= self.max_model_len:
                 raise InvalidRequestError("kv_budget", f"must be an integer in [{lo}, {self.max_model_len}] "
-                                          f"(the sink block, one more block and the step's token; at most "
+                                          f"(two blocks and the step's token; at most "
                                           f"max_model_len), got {params.kv_budget}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # a spec that does not compile stops here
@@ -210,10 +219,11 @@ class LLMEngine(MemoryControls):
             if params.prompt_logprobs is not None:
                 raise InvalidRequestError("prompt_logprobs", "is not supported with speculative decoding on")
         longest = mt if mt is not None else self.max_model_len - n
-        need = self.scheduler.blocks_to_finish(n, longest, params.n)
+        need = self.scheduler.blocks_to_finish(n, longest, params.n, params.kv_budget)
         if need > self.num_kv_blocks:
             # Name n when one sequence would fit: lowering max_tokens is then not the only way.
-            field = "n" if params.n > 1 and self.scheduler.blocks_to_finish(n, longest, 1) <= self.num_kv_blocks \
+            field = "n" if params.n > 1 and self.scheduler.blocks_to_finish(n, longest, 1, params.kv_budget) \
+                <= self.num_kv_blocks \
                 else "max_tokens"
             raise InvalidRequestError(field, f"the request needs {need} KV blocks at its longest "
                                       f"(prompt {n} + max_tokens {mt} tokens, n={params.n}) but the KV pool "

@@ -17,6 +17,7 @@ from kvserve.engine.device import DTYPES, GpuTimer, default_dtype, resolve_devic
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.grammar_masks import DeferredSampling, GrammarMasks
 from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import PENDING_TOKEN
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sample_one_by_one, sampling_row
@@ -25,6 +26,7 @@ from kvserve.engine.spec.verify_step import VerifyStep
 from kvserve.engine.step import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.step_metadata import StepMetadata
 from kvserve.engine.tp_runner import TensorParallel
+from kvserve.kv_eviction import SCORED, score_rows
 from kvserve.layers.attention import ForwardContext, forward_context, get_backend
 from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
@@ -42,10 +44,12 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         (``tp_workers.py``); rank 0 starts the workers itself."""
         self.device = resolve_device(config.device)
         if config.async_scheduling is None:
-            # Speculative decoding needs each step's accepted tokens before the next is scheduled;
-            # tensor-parallel ranks take their input tokens from rank 0's host.
+            # Speculative decoding needs each step's accepted tokens before the next is scheduled,
+            # scored KV eviction each step's attention scores; tensor-parallel ranks take their
+            # input tokens from rank 0's host.
             config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda"
-                                         and config.speculative is None and config.tensor_parallel_size == 1)
+                                         and config.speculative is None and config.tensor_parallel_size == 1
+                                         and config.cache.kv_eviction in ("none", "streaming"))
         self.config = config
         if src.kind == "snapshot":  # runs in the dtype it was written in, on the device it was written for
             snapshot.check_compatible(src.handle, src.path, config.dtype, self.device)
@@ -62,7 +66,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         cache = config.cache
         name = config.attention_backend
         if name == "auto":
-            # Streaming KV eviction's sink + recent mask is the torch backend's (run eagerly).
+            # KV eviction's masks and scores are the torch backend's (run eagerly).
             name = ("triton" if self.device.type == "cuda" and kernels.has_triton()
                     and cache.kv_eviction == "none" else "torch")
         self.backend_name = name
@@ -113,6 +117,14 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         # The CUDA profiling run's result (see _profile_cuda_kv_memory); a snapshot keeps it.
         self.kv_profile: dict | None = None
         self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
+
+    def use_cache_config(self, cache) -> None:
+        """Take a changed ``CacheConfig`` (``kv_policy`` auto) before the KV cache exists: its
+        block size, scales and format."""
+        self.config = dataclasses.replace(self.config, cache=cache)
+        self.block_size = cache.block_size
+        self.kv_scales = self._local_scales(kv_plan.load_scales(self.config, self.src, self.device))
+        self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
 
     def _build_and_load(self) -> torch.nn.Module:
         """The model with its weights from the source, quantized where configured."""
@@ -322,12 +334,14 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
             self._mirror("_kv", "residual_rows", [s.request.request_id for s in sched])
             res_slots = kv.residual_rows([s.request.request_id for s in sched])
         budgets = [s.request.params.kv_budget for s in sched]
+        scored = self._score_specs(sched) if any(b is not None for b in budgets) else None
         budgets = budgets if any(b is not None for b in budgets) else None
         assert patch is None or self.tp is None, "tensor-parallel ranks read input tokens from rank 0's host"
         self._mirror("_forward", ids, seqs, res_slots, None, None, None, group_seqs, budgets)
         with self._tp_guard():
             hidden, query_start = self._forward(ids, seqs, res_slots, patch, group_seqs=group_seqs,
-                                                kv_budgets=budgets)
+                                                kv_budgets=budgets, kv_scored=scored)
+        kv_scores = {i: sp[3] for i, sp in enumerate(scored or ()) if sp is not None and sp[3] is not None}
 
         # Rows to turn into logits: the last token of each sampling request, and every
         # position of a request that asked for prompt log-probs.
@@ -421,6 +435,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
                             res.sampled_token_ids[i].append(so.token_ids[k])
                             res.logprobs[i].append(so.logprobs[k])
             res.failed = failed
+            res.kv_scores = {i: t.cpu() for i, t in kv_scores.items()}
             for i, logits in zip(verifying, verify_logits):
                 try:
                     res.sampled_token_ids[i], res.logprobs[i] = self._verify(sched[i], logits)
@@ -458,11 +473,33 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
             return res
         return finish_and_write
 
+    def _score_specs(self, sched) -> list | None:
+        """Scored KV eviction: per sequence with a budget, its kept (non-NULL) table indices, the
+        (first, end) positions of the queries whose attention it records and the [keys] float32
+        accumulator (None: nothing recorded, e.g. a SnapKV decode step); None for a sequence
+        without one. (The device's block tables hold no NULLs: they read as block 0.)"""
+        policy = self.config.cache.kv_eviction
+        if policy not in SCORED:
+            return None
+        out = []
+        for s in sched:
+            r = s.request
+            if r.params.kv_budget is None:
+                out.append(None)
+                continue
+            c = r.num_computed_tokens
+            lo, hi = score_rows(policy, c, s.num_new_tokens, r.num_prompt_tokens)
+            acc = torch.zeros(c + s.num_new_tokens, device=self.device) if lo < hi else None
+            kept = torch.tensor([i for i, b in enumerate(s.block_table) if b != NULL])
+            out.append((kept.to(self.device, non_blocking=True), lo, hi, acc))
+        return out
+
     def _forward(self, ids: list[int], seqs, res_slots: list[int] | None = None,
                  patch: tuple[torch.Tensor, torch.Tensor] | None = None,
                  rows: bool | None = None, model=None,
                  group_seqs: list | None = None,
-                 kv_budgets: list[int | None] | None = None) -> tuple[torch.Tensor, list[int]]:
+                 kv_budgets: list[int | None] | None = None,
+                 kv_scored: list | None = None) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's tokens: a captured graph for a decode step that fits one,
         else eagerly. A step of a few tokens per sequence (a verify step) runs as a decode step
         of one row per token (``decode_rows.py``) where ``KernelConfig.decode_rows`` says so;
@@ -471,8 +508,9 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         KV layers, graphs or None) run instead of the target's, on its device and backend (the
         draft model's steps). ``group_seqs``: ``seqs`` with the tables of KV groups 1, 2, ...
         (sliding-window models; always eager, never as rows). ``kv_budgets``: per sequence, its
-        streaming-eviction budget (always eager, never as rows). Returns hidden states [T, hidden],
-        one per token in order either way, and the sequences' query offsets."""
+        eviction budget (always eager, never as rows); ``kv_scored``: ``_score_specs``'s.
+        Returns hidden states [T, hidden], one per token in order either way, and the
+        sequences' query offsets."""
         net, kv_layers, g = model if model is not None else (self.model, self.kv_cache.layers, self.graphs)
         width = max(len(t) for _, _, t in seqs)
         mode = self.config.kernel.decode_rows
@@ -501,6 +539,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         as_rows = as_rows and (rows is True or (rows is None and mode == "always"))
         meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows)
         meta.kv_budgets = kv_budgets
+        meta.kv_scored = kv_scored
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]

@@ -64,9 +64,17 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
         return reqs
 
-    def blocks_to_finish(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
+    def blocks_to_finish(self, num_prompt_tokens: int, max_tokens: int, n: int,
+                         kv_budget: int | None = None) -> int:
         """Blocks a request needs at its largest: its prompt plus n completions, in every KV
-        group; a sliding-window group holds at most its window and the largest step's tokens."""
+        group; a sliding-window group holds at most its window and the largest step's tokens;
+        under a ``kv_budget`` each sequence holds at most the budget's blocks (SnapKV: or its
+        whole prompt, held until compressed)."""
+        if kv_budget is not None:
+            per_seq = kv_budget // self.kv.block_size
+            if self.cache_config.kv_eviction == "snapkv":
+                per_seq = max(per_seq, self.kv.blocks_for(num_prompt_tokens))
+            return min(n * per_seq, self.blocks_to_finish(num_prompt_tokens, max_tokens, n))
         full_prompt_blocks = num_prompt_tokens // self.kv.block_size
         per_child = self.kv.blocks_for(num_prompt_tokens + max_tokens) - full_prompt_blocks
         full = self.kv.blocks_for(num_prompt_tokens) + n * per_child
@@ -98,6 +106,8 @@ class Scheduler:
                 drafts = drafts[:max(0, n - n_known)]  # a budget cut drops drafts first
             else:
                 n = min(n_known, budget)
+            if req.params.kv_budget is not None:
+                n = self.kv.step_tokens(req, n)
             if n <= 0 or (req.length_reached and req.token_pending):
                 # Nothing to compute; or (async scheduling) the token in flight is its last.
                 i += 1
@@ -142,6 +152,8 @@ class Scheduler:
                     # A prompt over the budget still runs alone rather than never.
                 else:
                     n = min(n, budget)
+                if req.params.kv_budget is not None:  # admitted on its budget, not its length
+                    n = self.kv.step_tokens(req, n, computed)
             # The watermark keeps room for running requests to grow; alone, a request may use it all.
             reserve = self.watermark_blocks if self.running else 0
             n_loaded = len(run) * self.kv.block_size
@@ -203,6 +215,9 @@ class Scheduler:
         appended as placeholders when the next step was launched ahead (``lookahead``)."""
         core = EngineCoreOutputs()
         now = time.time()
+        for i, scores in result.kv_scores.items():  # scored KV eviction's attention, for the next step
+            if not out.scheduled[i].request.is_finished:
+                self.kv.record_scores(out.scheduled[i].request, scores)
         running = RequestStatus.RUNNING  # looked up once: an enum member lookup is slow
         for s, toks, lps, plps in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
                                       result.prompt_logprobs):

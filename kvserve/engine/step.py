@@ -12,6 +12,7 @@ Everything a request's lists index is in ``SchedulerOutput.scheduled`` order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.outputs import RequestMetrics
@@ -72,6 +73,9 @@ class ModelRunnerOutput:
     # Requests (by index) whose own sampling or prompt log-probs failed: they got no tokens and
     # are to be aborted (``faults``).
     failed: dict[int, BaseException] = field(default_factory=dict)
+    # Scored KV eviction (``kv_eviction.py``): requests (by index) -> the attention their scored
+    # queries gave each key position this step (a CPU tensor), summed over layers and heads.
+    kv_scores: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, n: int) -> ModelRunnerOutput:

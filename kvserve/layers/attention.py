@@ -60,6 +60,10 @@ class TorchPagedAttention:
         for i, table in enumerate(meta.seq_tables):
             s, e = meta.query_start[i], meta.query_start[i + 1]
             L = meta.seq_lens[i]
+            if meta.kv_scored is not None and meta.kv_scored[i] is not None:
+                out[s:e] = _attend_scored(q[s:e], k_cache, v_cache, table, L, bs, scale,
+                                          meta.kv_scored[i]).to(out.dtype)
+                continue
             if meta.kv_budgets is not None and meta.kv_budgets[i] is not None:
                 out[s:e] = _attend_streaming(q[s:e], k_cache, v_cache, table, L, meta.kv_budgets[i], bs,
                                              scale).to(out.dtype)
@@ -112,6 +116,34 @@ def _attend_streaming(q, k_cache, v_cache, table, L: int, kv_budget: int, bs: in
                                        vals.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
+
+
+def _attend_scored(q, k_cache, v_cache, table, L: int, bs: int, scale: float, spec, tile: int = 256):
+    """The last ``q.shape[0]`` of ``L`` queries over the keys of the table's kept blocks (at
+    indices ``kept``), causally by position, with the softmax written out so the rows of the
+    queries at positions ``[lo, hi)`` can be summed into ``acc`` per key (``spec = (kept, lo,
+    hi, acc)``). ``tile`` queries at a time: [heads, tile, keys] scores at most, never [L, L]."""
+    ql, h, d = q.shape
+    kvh = k_cache.shape[2]
+    kept, lo, hi, acc = spec
+    kpos = (kept[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)
+    inside = kpos < L
+    keys = k_cache.index_select(0, table[kept]).view(-1, kvh, d)[inside].to(q.dtype)
+    vals = v_cache.index_select(0, table[kept]).view(-1, kvh, d)[inside].to(q.dtype)
+    kpos = kpos[inside]
+    out = torch.empty_like(q)
+    qg = q.view(ql, kvh, h // kvh, d)
+    for t0 in range(0, ql, tile):
+        t1 = min(ql, t0 + tile)
+        qpos = torch.arange(L - ql + t0, L - ql + t1, device=q.device)
+        s = torch.einsum("qkgd,nkd->kgqn", qg[t0:t1], keys) * scale
+        s.masked_fill_(kpos[None, None, None, :] > qpos[None, None, :, None], float("-inf"))
+        p = s.softmax(-1)
+        out[t0:t1] = torch.einsum("kgqn,nkd->qkgd", p, vals).reshape(t1 - t0, h, d)
+        r0, r1 = max(lo, int(qpos[0])) - int(qpos[0]), min(hi, int(qpos[-1]) + 1) - int(qpos[0])
+        if acc is not None and r0 < r1:
+            acc.index_add_(0, kpos, p[:, :, r0:r1].sum((0, 1, 2)).to(acc.dtype))
+    return out
 
 
 def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale: float,

@@ -148,7 +148,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int_in(0, MAX_COUNT) = 0
     stop_token_ids: list[int_in(0, MAX_COUNT)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    kv_budget: TokenCount | None = None  # kvserve: KV tokens held with streaming eviction
+    kv_budget: TokenCount | None = None  # kvserve: KV tokens held with KV eviction
     kv_transfer_params: dict | None = None  # vLLM's: disaggregated prefill/decode (kvserve disagg-proxy)
     logit_bias: dict[str, number_in(-100, 100)] | None = None  # OpenAI: token id (as a string) -> [-100, 100]
     response_format: ResponseFormat | None = None

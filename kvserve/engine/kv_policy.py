@@ -1,0 +1,102 @@
+"""``kv_policy="auto"``: the KV levers chosen from the model and the pool, once at start.
+
+The levers, cheapest in quality first:
+
+  1. sliding-window freeing   a model with sliding-window layers frees their blocks out of the
+                              window (``window_kv="free"``, ``kv_groups.py``): exact, on unless
+                              swap or the tiers are (they cannot follow the freed blocks)
+  2. compressed KV            the model dtype, else int8 (per-token scales), else int4 (KIVI),
+                              the first whose pool holds the target (below); lossy, but slightly
+  3. tiers                    used as configured (``cpu_kv_memory``, ``disk_kv_dir``,
+                              ``redis_url``): a block leaving the pool is offloaded, not lost
+  4. eviction                 never chosen here: it drops context, so it needs the user's
+                              consent (``--kv-eviction`` and a request's ``kv_budget``)
+
+The target: ``min(max_num_seqs, 8)`` sequences of ``max_model_len`` tokens at once, counting
+per sequence every KV group's blocks (a sliding-window group's window only). The format the user
+set (``kv_cache_dtype`` other than ``auto``) is kept, and so is the model dtype where a lever
+that needs it is on (KV eviction, speculative decoding). The choice and its reason are logged
+and kept in ``KVPolicyChoice``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from math import ceil
+
+from kvserve.config import EngineConfig
+from kvserve.engine import kv_plan
+from kvserve.kv_format import default_block_size
+
+log = logging.getLogger(__name__)
+
+LADDER = ("auto", "int8", "int4")  # model dtype first, then fewer bits
+TARGET_SEQS = 8
+
+
+@dataclass(frozen=True)
+class KVPolicyChoice:
+    kv_cache_dtype: str
+    window_kv: str
+    fits_sequences: int  # full-length sequences the pool holds with this choice
+    target_sequences: int
+    reason: str
+
+
+def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int) -> int:
+    """Full-length sequences the pool holds under ``config.cache``."""
+    cache = config.cache
+    fmt = kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
+    groups = kv_plan.groups_for(config, arch, fmt)
+    p = kv_plan.plan(fmt, None, groups.page_layers, kv_bytes, cache, config.scheduler.max_num_seqs)
+    bs = cache.block_size
+    per_seq = sum(ceil(max_model_len / bs) if w is None else ceil(min(w, max_model_len) / bs) + 1
+                  for w in groups.windows)
+    return p.num_blocks // per_seq
+
+
+def choose(config: EngineConfig, arch, runner, kv_bytes: int,
+           max_model_len: int) -> tuple[EngineConfig, KVPolicyChoice]:
+    """The config with the levers set, and why."""
+    cache = config.cache
+    target = min(config.scheduler.max_num_seqs, TARGET_SEQS)
+    windowed = any(w is not None for w in arch.layer_windows)
+    fixed = None
+    if cache.kv_cache_dtype != "auto":
+        fixed = f"kv_cache_dtype {cache.kv_cache_dtype} was set"
+    elif cache.kv_eviction != "none":
+        fixed = f"kv_eviction {cache.kv_eviction} needs the model dtype"
+    elif config.speculative is not None:
+        fixed = "speculative decoding needs the model dtype"
+    ladder = (cache.kv_cache_dtype,) if fixed else LADDER
+    window_kv = cache.window_kv if cache.tiers_enabled or cache.preemption_mode == "swap" else "free"
+    best = None
+    for dtype in ladder:
+        c = dataclasses.replace(cache, kv_cache_dtype=dtype, window_kv=window_kv,
+                                block_size=cache.block_size if dtype == cache.kv_cache_dtype
+                                else default_block_size(dtype))
+        cand = dataclasses.replace(config, cache=c)
+        n = _fits(cand, arch, runner, kv_bytes, max_model_len)
+        best = (cand, dtype, n)
+        if n >= target:
+            break
+    cand, dtype, n = best
+    parts = [("sliding-window blocks freed" if window_kv == "free" else f"window_kv {window_kv} (swap or tiers)")
+             if windowed else "no sliding-window layers"]
+    name = "the model dtype" if dtype == "auto" else dtype
+    if fixed:
+        parts.append(f"KV in {name} ({fixed})")
+    elif dtype == "auto":
+        parts.append(f"KV in the model dtype: the pool holds {n} sequences of {max_model_len} tokens "
+                     f"(target {target})")
+    else:
+        parts.append(f"KV in {dtype}: the pool holds {n} sequences of {max_model_len} tokens (target {target})")
+    if n < target:
+        parts.append("short of the target: raise kv_cache_memory, add a KV tier, or allow eviction "
+                     "(--kv-eviction with a per-request kv_budget)")
+    if cache.tiers_enabled:
+        parts.append("KV tiers as configured")
+    choice = KVPolicyChoice(dtype, window_kv, n, target, "; ".join(parts))
+    log.info("kv_policy auto: %s", choice.reason)
+    return cand, choice
