@@ -66,7 +66,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="allow sleep/wake_up: an idle engine gives its GPU memory back (server: POST /sleep)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+                        'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "layer_skip", "draft_layers": N, "num_speculative_tokens": 3}\'')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
                         "the GPU (default: on for CUDA, off on the CPU)")
