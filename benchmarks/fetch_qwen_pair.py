@@ -122,7 +122,7 @@ def parity(path: str, n: int) -> None:
     del llm
     gc.collect()
     d, name = os.path.split(path)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):
