@@ -1,12 +1,20 @@
 """Speculative decoding: what drafts buy at batch 1, and what a verify step costs.
 
-Default mode (CPU or GPU): the default model decoding greedily, one request at a time, with and
-without n-gram drafts, best of ``--repeats`` alternated runs, on two workloads:
+Default mode (CPU or GPU): one target decoding greedily, one request at a time, with drafts off
+and with each of ``--methods`` (ngram, draft_model with ``--draft``, layer_skip with
+``--draft-layers``), the sides alternated ``--repeats`` times (best kept) and sharing the
+target's weights, on three workloads:
 - editing: chat prompts that contain the text the answer reproduces (fix a list, rewrite a
   passage): drafts copied from the prompt are often right;
-- chat: open questions, where the answer rarely repeats the prompt.
-Prints output tokens/s of both sides, the speedup and the mean acceptance length (tokens a
-verify step emits: accepted drafts + 1).
+- chat: open questions, where the answer rarely repeats the prompt;
+- held_out: prompts on Python's own documentation topics, tuned for no method.
+Prints output tokens/s of every side, each method's speedup and mean acceptance length (tokens
+a verify step emits: accepted drafts + 1), and checks all sides emit the same tokens. The JSON
+keeps each method's per-draft acceptance rate per workload for ``--replay``.
+
+``--replay JSON`` (for a GPU): end to end at ``--batches``, drafts off against drafts accepted at
+the rates a batch-1 run measured (synthetic acceptance: the verify step keeps each draft with
+that probability; the draft model, if ``--draft``, really runs). Times only.
 
 ``--verify-cost`` (for a GPU, e.g. ``--model dummy:llama-3-8b``): the time of one verify step of
 ``k + 1`` tokens per sequence against a 1-token decode step, for k = 1..8 at batch 1, 8, 32, 128
@@ -17,7 +25,14 @@ eagerly through the prefill kernel. The peer in the same run is the prefill-shap
 (eager) at every size. The ratio is what a step of k drafts must beat in accepted tokens; it
 sets ``verify_token_budget``.
 
-    python benchmarks/speculative.py                                   # CPU, default model
+    python benchmarks/speculative.py                                   # CPU, default model, n-gram
+    python benchmarks/fetch_qwen_pair.py /tmp/qwen                     # the real pair, then:
+    python benchmarks/speculative.py --model /tmp/qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --methods ngram,draft_model,layer_skip --draft /tmp/qwen/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+        --draft-layers 20 --out $OUT
+    python benchmarks/speculative.py --replay benchmarks/results/speculative_qwen_cpu.json \
+        --model dummy:llama-3-8b --methods ngram,draft_model --draft dummy:llama-3.2-1b \
+        --max-tokens 128 --out $OUT    # GPU
     python benchmarks/speculative.py --verify-cost --model dummy:llama-3-8b --out $OUT   # GPU
 """
 from __future__ import annotations
@@ -54,41 +69,152 @@ CHAT = [
 ]
 
 
-def run_side(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+# Held out: prompts on Python's own documentation topics, none tuned for either method.
+HELD_OUT = [
+    "Summarise: The with statement is used to wrap the execution of a block with methods defined by a "
+    "context manager. This allows common try...except...finally usage patterns to be encapsulated for "
+    "convenient reuse.",
+    "Rewrite with a list comprehension:\n\ndef squares(xs):\n    out = []\n    for x in xs:\n"
+    "        out.append(x * x)\n    return out\n",
+    "What is the difference between a tuple and a list in Python?",
+    "Explain what itertools.groupby does, with a short example.",
+]
+WORKLOADS = {"editing": EDITING, "chat": CHAT, "held_out": HELD_OUT}
+
+
+def run_side(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    n, t0 = 0, time.perf_counter()
+    outs, t0 = [], time.perf_counter()
     for p in prompts:  # batch 1: one request at a time
-        n += len(llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids)
-    return n, time.perf_counter() - t0
+        outs.append(list(llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids))
+    return outs, time.perf_counter() - t0
+
+
+def method_config(name: str, args) -> dict:
+    spec = {"method": name, "num_speculative_tokens": args.k}
+    if name == "ngram":
+        spec.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    elif name == "draft_model":
+        spec["model"] = args.draft
+    elif name == "layer_skip":
+        spec["draft_layers"] = args.draft_layers
+    return spec
+
+
+def speculators(llm: LLM, args) -> dict:
+    """One target, each method's speculator on it in turn (``None``: drafts off): the sides
+    share the target's weights, so a 1.5B target is in memory once."""
+    from kvserve.config import SpeculativeConfig
+    from kvserve.models import loader
+    eng = llm.engine
+    src = loader.resolve(args.model)
+    out = {"off": None}
+    for name in args.methods:
+        out[name] = eng._speculator(SpeculativeConfig.from_dict(method_config(name, args)), src)
+        # Each verify step's (drafts, accepted), for the per-draft acceptance rate replayed on the GPU.
+        st = out[name].stats
+        st.log, record = [], st.record
+        st.record = lambda n, a, st=st, record=record: (st.log.append((n, a)), record(n, a))
+    return out
 
 
 def batch1(args) -> dict:
-    common = dict(show_progress=False, kv_cache_memory="512MiB")
-    plain = LLM(args.model, **common)
-    spec = LLM(args.model, speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
-                                               "prompt_lookup_min": 2, "prompt_lookup_max": 5}, **common)
+    llm = LLM(args.model, show_progress=False, kv_cache_memory="512MiB",
+              speculative_config=method_config("ngram", args))  # an engine set up for drafts
+    sides = speculators(llm, args)
     out = {}
-    for name, texts in (("editing", EDITING), ("chat", CHAT)):
-        prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-        best = {"off": float("inf"), "ngram": float("inf")}
+    for name, texts in WORKLOADS.items():
+        prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:args.prompts]]
+        best = dict.fromkeys(sides, float("inf"))
         tokens = {}
-        s = spec.stats.spec
-        acc0, drafts0 = s.spec_decode_num_accepted_tokens, s.spec_decode_num_drafts
-        for _ in range(args.repeats):
-            for side, llm in (("off", plain), ("ngram", spec)):
-                n, dt = run_side(llm, prompts, args.max_tokens)
-                tokens[side] = n
+        for sp in sides.values():
+            if sp is not None:
+                sp.stats.log.clear()
+        for _ in range(args.repeats):  # the sides alternate, so load from other jobs falls on each
+            for side, sp in sides.items():
+                llm.engine.speculator = sp
+                toks, dt = run_side(llm, prompts, args.max_tokens)
+                tokens[side] = toks
                 best[side] = min(best[side], dt)
-        assert tokens["off"] == tokens["ngram"], tokens  # greedy: the same tokens either way
-        acc, drafts = s.spec_decode_num_accepted_tokens - acc0, s.spec_decode_num_drafts - drafts0
-        row = {"tokens": tokens["off"], "off_tok_s": tokens["off"] / best["off"],
-               "ngram_tok_s": tokens["ngram"] / best["ngram"], "speedup": best["off"] / best["ngram"],
-               "mean_acceptance_length": 1 + acc / drafts if drafts else 0.0,
-               "verify_steps_share": drafts / (args.repeats * tokens["ngram"])}
+        n = sum(map(len, tokens["off"]))
+        row = {"tokens": n, "off_tok_s": n / best["off"]}
+        line = f"{name:8s} {n:5d} tokens | off {row['off_tok_s']:6.2f} tok/s"
+        for side, sp in sides.items():
+            if sp is None:
+                continue
+            assert tokens[side] == tokens["off"], side  # greedy: the same tokens either way
+            log = sp.stats.log
+            steps, acc = len(log), sum(a for _, a in log)
+            checked = sum(a + (a < d) for d, a in log)  # accepted drafts and the first rejected one
+            row[side] = {"tok_s": n / best[side], "speedup": best["off"] / best[side],
+                         "mean_acceptance_length": 1 + acc / steps if steps else 0.0,
+                         "draft_acceptance_rate": acc / checked if checked else 0.0}
+            r = row[side]
+            line += (f" | {side} {r['tok_s']:6.2f} tok/s {r['speedup']:.2f}x, acceptance length "
+                     f"{r['mean_acceptance_length']:.2f}")
         out[name] = row
-        print(f"{name:8s} {row['tokens']:5d} tokens | off {row['off_tok_s']:7.2f} tok/s | ngram k={args.k} "
-              f"{row['ngram_tok_s']:7.2f} tok/s | speedup {row['speedup']:.2f}x | "
-              f"mean acceptance length {row['mean_acceptance_length']:.2f}", flush=True)
+        print(line, flush=True)
+    llm.engine.speculator = None
+    return out
+
+
+def replay(args) -> dict:
+    """End to end at each batch size with drafts accepted at measured rates (synthetic
+    acceptance, as vLLM's benchmarks do): a verify step keeps each draft with probability
+    ``a`` (the per-draft rate the method had on the workload at batch 1) while the one before it
+    was kept, then emits the target's token. Drafts cost what they cost: the draft model runs,
+    n-gram lookup proposes copies of the last token. Output tokens are not the model's; only
+    the time is measured."""
+    from kvserve.engine.spec import rejection, speculator
+    with open(args.replay) as f:
+        measured = json.load(f)["batch1"]
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": 1.0}
+
+    def synthetic_verify(logits, row, drafts, draft_probs, generator):
+        best = logits.argmax(dim=-1).tolist()
+        m = 0
+        while m < len(drafts) and float(torch.rand(1, generator=gen)) < state["a"]:
+            m += 1
+        return drafts[:m] + [best[m]]
+
+    rejection.verify_request = synthetic_verify
+    speculator.propose_ngram = lambda tokens, k, lo, hi: [int(tokens[-1])] * k
+    B_max = max(args.batches)
+    llm = LLM(args.model, show_progress=False, max_num_seqs=B_max,
+              max_model_len=args.context + args.max_tokens + 32,
+              max_num_batched_tokens=max(2048, B_max * (args.k + 1)), cuda_graph_max_batch=args.graph_rows,
+              speculative_config=method_config("ngram", args))
+    sides = speculators(llm, args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    out = {}
+    for w, row in measured.items():
+        for B in args.batches:
+            prompts = [[(7 * i + j) % 30000 + 100 for j in range(args.context)] for i in range(B)]
+            best = dict.fromkeys(sides, float("inf"))
+            llm.engine.speculator = None
+            llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            for _ in range(args.repeats):
+                for side, sp in sides.items():
+                    if sp is not None and side not in row:
+                        continue
+                    state["a"] = row[side]["draft_acceptance_rate"] if sp is not None else 0.0
+                    llm.engine.speculator = sp
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    best[side] = min(best[side], time.perf_counter() - t0)
+            n = B * args.max_tokens
+            res = {"off_tok_s": n / best["off"]}
+            line = f"{w:8s} batch {B:4d}: off {res['off_tok_s']:8.1f} tok/s"
+            for side in sides:
+                if side == "off" or side not in row:
+                    continue
+                a = row[side]["draft_acceptance_rate"]
+                res[side] = {"rate": a, "tok_s": n / best[side], "speedup": best["off"] / best[side]}
+                line += f" | {side} a={a:.2f} {res[side]['tok_s']:8.1f} tok/s {res[side]['speedup']:.2f}x"
+            out[f"{w}/{B}"] = res
+            print(line + " (synthetic acceptance)", flush=True)
+    llm.engine.speculator = None
     return out
 
 
@@ -149,6 +275,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram"],
+                    help="batch 1: methods against drafts off, of ngram, draft_model, layer_skip")
+    ap.add_argument("--draft", default=None, help="draft_model's model (GGUF file, HF directory, dummy:<preset>)")
+    ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip's draft_layers")
+    ap.add_argument("--prompts", type=int, default=4, help="batch 1: prompts per workload")
+    ap.add_argument("--replay", default=None, metavar="JSON",
+                    help="end to end at --batches with the per-draft acceptance rates of a batch-1 run's JSON")
     ap.add_argument("--verify-cost", action="store_true")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, default=512, help="--verify-cost: tokens already in each sequence")
@@ -161,7 +294,12 @@ def main() -> None:
     res = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
            "model": args.model or "default", "args": {k: v for k, v in vars(args).items() if k != "out"}}
-    res["verify_cost" if args.verify_cost else "batch1"] = verify_cost(args) if args.verify_cost else batch1(args)
+    if args.verify_cost:
+        res["verify_cost"] = verify_cost(args)
+    elif args.replay:
+        res["replay"] = replay(args)
+    else:
+        res["batch1"] = batch1(args)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "speculative.json"), "w") as f:

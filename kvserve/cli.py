@@ -83,7 +83,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="allow sleep/wake_up: an idle engine gives its GPU memory back (server: POST /sleep)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+                        'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "layer_skip", "draft_layers": N, "num_speculative_tokens": 3}\'')
     g.add_argument("--kv-transfer-config", type=_json_object, default=None,
                    help='disaggregated prefill/decode, vLLM\'s JSON: \'{"kv_connector": "TorchDistributedConnector", '
                         '"kv_role": "kv_producer"}\' (or kv_consumer; KVTierConnector: through '

@@ -255,7 +255,7 @@ class QuantConfig:
                               f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; got {g!r}")
 
 
-_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -263,12 +263,15 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """Speculative decoding (kvserve/spec), with vLLM's names. ``ngram``: drafts copied from
     earlier in the prompt and output (prompt lookup); ``draft_model``: a smaller model of the
-    same vocabulary proposes them. Lossless either way: the target model verifies every draft."""
+    same vocabulary proposes them; ``layer_skip``: the target's own first ``draft_layers``
+    layers and its LM head propose them (no second model). Lossless in every case: the target
+    model verifies every draft."""
     method: str
     num_speculative_tokens: int  # the most drafts per step; the policy may propose fewer
     prompt_lookup_min: int = 2  # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 5  # ngram: the longest
     model: str | None = None  # draft_model: GGUF file, HF directory or dummy:<preset>
+    draft_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     # No drafts while more requests than this are decoding: a verify step of B * (k + 1) tokens
     # stops being as cheap as a 1-token step once the batch alone fills the device. None: from
     # ``verify_token_budget``.
@@ -279,7 +282,7 @@ class SpeculativeConfig:
     verify_token_budget: int = 128
 
     _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-               "disable_by_batch_size", "verify_token_budget")
+               "draft_layers", "disable_by_batch_size", "verify_token_budget")
 
     @classmethod
     def from_dict(cls, d) -> SpeculativeConfig:
@@ -320,6 +323,13 @@ class SpeculativeConfig:
                 bad("model", "method 'draft_model' needs the draft's path or dummy:<preset>")
         elif self.model is not None:
             bad("model", f"only method 'draft_model' takes a model; method is {self.method!r}")
+        if self.method == "layer_skip":
+            if self.draft_layers is None:
+                bad("draft_layers", "method 'layer_skip' needs draft_layers, the number of the target's first "
+                    "layers that draft (fewer than it has)")
+            int_in("draft_layers", 1, None)  # the upper bound, the target's layers - 1, is checked at load
+        elif self.draft_layers is not None:
+            bad("draft_layers", f"only method 'layer_skip' takes draft_layers; method is {self.method!r}")
 
     @property
     def max_batch(self) -> int:
@@ -510,9 +520,10 @@ class EngineConfig:
                 raise ConfigError("kv_transfer_config", "needs prefix caching (blocks are handed over by hash)")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ConfigError("enable_sleep_mode", f"must be True or False, got {self.enable_sleep_mode!r}")
-        if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":
-            raise ConfigError("enable_sleep_mode", "is not supported with a draft model (its weights would stay "
-                              "on the GPU); use speculative method ngram or no speculative decoding")
+        if self.enable_sleep_mode and spec is not None and spec.method != "ngram":
+            raise ConfigError("enable_sleep_mode", f"is not supported with speculative method {spec.method!r} "
+                              "(the draft's weights or KV would stay on the GPU); use ngram or no speculative "
+                              "decoding")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("attention_backend",
                               f"must be one of auto, torch, triton; got {self.attention_backend!r}")

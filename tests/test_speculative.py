@@ -14,6 +14,7 @@ from kvserve.errors import ConfigError, InvalidRequestError
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 DRAFT = {"method": "draft_model", "model": "dummy:tiny-draft", "num_speculative_tokens": 3}
+SKIP = {"method": "layer_skip", "draft_layers": 1, "num_speculative_tokens": 3}
 
 
 def _tiny(spec=None, **kw):
@@ -51,7 +52,7 @@ def plain():
     return _tiny()
 
 
-@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT, SKIP], ids=["ngram", "draft_model", "layer_skip"])
 def test_greedy_output_is_token_identical(plain, spec):
     prompts = _prompts()
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -62,7 +63,7 @@ def test_greedy_output_is_token_identical(plain, spec):
     assert s.spec_decode_num_drafts > 0 and s.spec_decode_num_accepted_tokens > 0
     assert sum(s.spec_decode_num_accepted_tokens_per_pos) == s.spec_decode_num_accepted_tokens
     assert "mean acceptance length" in llm.stats.summary()
-    if spec is DRAFT:
+    if spec is not NGRAM:
         assert llm.engine.speculator.draft.pool.num_used_blocks == 0
 
 
@@ -91,15 +92,18 @@ def test_a_small_token_budget_cuts_drafts_first(plain):
     assert llm.stats.spec.spec_decode_num_accepted_tokens > 0
 
 
-def test_preempted_speculative_requests_resume_identically(plain):
+@pytest.mark.parametrize("spec", [NGRAM, SKIP], ids=["ngram", "layer_skip"])
+def test_preempted_speculative_requests_resume_identically(plain, spec):
     prompts = _prompts(2, 8)
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     # 48 blocks of 16 fp32 tokens: the eight requests cannot all hold their KV at once.
-    llm = _tiny(NGRAM, dtype="float32", kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4)
+    llm = _tiny(spec, dtype="float32", kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4)
     assert llm.engine.num_kv_blocks == 48
     assert _stepwise(llm, prompts, params) == want
     assert llm.engine.scheduler.num_preemptions > 0 and llm.stats.spec.spec_decode_num_accepted_tokens > 0
+    if spec is SKIP:
+        assert llm.engine.speculator.draft.pool.num_used_blocks == 0
 
 
 @pytest.mark.slow
@@ -154,6 +158,14 @@ def test_async_scheduling_is_refused():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "dummy:smollm2-135m"}, "model"),  # vocab
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "layer_skip", "num_speculative_tokens": 2}, "draft_layers"),
+    ({**SKIP, "draft_layers": 0}, "draft_layers"),
+    ({**SKIP, "draft_layers": 2}, "draft_layers"),  # the target has 2 layers: none would be skipped
+    ({**SKIP, "draft_layers": 2**63}, "draft_layers"),
+    ({**SKIP, "draft_layers": "1"}, "draft_layers"),
+    ({**SKIP, "draft_layers": None}, "draft_layers"),
+    ({**SKIP, "model": "dummy:tiny-draft"}, "model"),
+    ({**NGRAM, "draft_layers": 1}, "draft_layers"),
 ])
 def test_bad_config_names_the_field(spec, field):
     with pytest.raises(ConfigError, match=f"speculative_config.{field}"):
@@ -188,6 +200,23 @@ def test_unsupported_requests_are_refused(params, field):
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
     assert e.value.field == field
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_default_model_greedy_identical_with_layer_skip_drafts(model_path):
+    """SmolLM2-135M drafting with its first 20 of 30 layers: drafts accepted and rejected, the
+    output unchanged, the target's and the draft's KV all given back."""
+    prompts = ["What is the capital of France?", "Copy this list: apples, pears, plums, cherries, grapes"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    want = [o.outputs[0].token_ids for o in LLM(model_path, show_progress=False).generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(model_path, show_progress=False,
+              speculative_config={"method": "layer_skip", "draft_layers": 20, "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    s = llm.stats.spec
+    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    assert llm.engine.kv.pool.num_used_blocks == 0
+    assert llm.engine.speculator.draft.pool.num_used_blocks == 0
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ class LLMEngine(MemoryControls):
     def _speculator(self, spec, src):
         from kvserve.engine.spec.speculator import Speculator
         draft = None
-        if spec.method == "draft_model":
+        if spec.method in ("draft_model", "layer_skip"):
             from kvserve.engine.spec.draft import DraftModel
             draft = DraftModel(self.config, spec, src, self.runner, self.kv_plan.num_blocks)
         s = Speculator(spec, draft)

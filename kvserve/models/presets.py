@@ -9,6 +9,12 @@ DUMMY_PRESETS: dict[str, dict] = {
                    "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                    "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072,
                    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128009},
+    # A draft shape for llama-3-8b (same vocabulary): speculative decoding benchmarks.
+    "llama-3.2-1b": {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+                     "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}, "max_position_embeddings": 131072,
+                     "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128009},
     "llama-3-70b": {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
                     "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
                     "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,

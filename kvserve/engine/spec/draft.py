@@ -1,4 +1,6 @@
-"""DraftModel: a smaller model of the target's vocabulary that proposes drafts by decoding.
+"""DraftModel: a smaller model of the target's vocabulary that proposes drafts by decoding;
+method ``draft_model`` loads one, ``layer_skip`` runs the target's own first layers
+(``EarlyExit``).
 
 It runs inside the engine with its own KV cache: a pool of as many blocks as the target's (its
 blocks are smaller, so it costs the draft's share of the target's KV bytes on top; it is not
@@ -17,7 +19,10 @@ recomputes it); a request the pool cannot hold gets no drafts.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+from torch import nn
 
 from kvserve.config import EngineConfig, SpeculativeConfig
 from kvserve.engine.block_pool import BlockPool
@@ -31,30 +36,41 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sampling_params import MIN_TEMPERATURE
 
 
+class EarlyExit(nn.Module):
+    """The target's first ``n`` layers, then its final norm and LM head (layer-skip
+    self-speculation): a draft with no weights of its own, a step costing about ``n / L`` of
+    the target's. Its KV for those layers equals the target's, but lives in the draft's own
+    cache: the target's blocks for the drafted positions are allocated only after proposing."""
+
+    def __init__(self, target: nn.Module, n: int):
+        super().__init__()
+        if not isinstance(target, LlamaForCausalLM):
+            raise ConfigError("speculative_config.method", f"'layer_skip' needs a Llama-family model "
+                              f"(llama, qwen2, qwen3), not {target.arch.family}")
+        if not 1 <= n < target.arch.num_layers:
+            raise ConfigError("speculative_config.draft_layers", f"must be in [1, {target.arch.num_layers - 1}] "
+                              f"(the target has {target.arch.num_layers} layers), got {n}")
+        self.arch = replace(target.arch, num_layers=n)
+        self.embed_tokens, self.norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
+        self.layers = target.layers[:n]
+
+    forward = LlamaForCausalLM.forward
+    compute_logits = LlamaForCausalLM.compute_logits
+
+
 class DraftModel:
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: loader.ModelSource,
                  runner, num_blocks: int):
-        src = loader.resolve(spec.model)
-        if src.arch.vocab_size != target.arch.vocab_size:
-            raise ConfigError("speculative_config.model", f"the draft's vocabulary ({src.arch.vocab_size} tokens) "
-                              f"differs from the target's ({target.arch.vocab_size}); drafts would be other tokens")
-        if src.arch.num_params > target.arch.num_params:
-            raise ConfigError("speculative_config.model", f"the draft ({src.arch.num_params:,} parameters) is larger "
-                              f"than the target ({target.arch.num_params:,}); it would cost more than it saves")
         self.runner = runner  # the target's: device, dtype, attention backend, metadata builder
-        self.arch = src.arch
         dev, dtype = runner.device, runner.dtype
-        with torch.device(dev), default_dtype(dtype):
-            self.model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
-        if src.kind == "dummy":
-            # Not the target's seed: a random draft of the target's own preset would equal it.
-            loader.init_dummy_weights(self.model, config.seed + 1)
+        if spec.method == "layer_skip":
+            self.model = EarlyExit(runner.model, spec.draft_layers)
+            self.arch = self.model.arch
         else:
-            with torch.no_grad():
-                self.model.load_weights(loader.iter_weights(src))
+            self.model, self.arch = self._load(config, spec, target, runner)
         self.model.eval()
         self.block_size = config.cache.block_size
-        self.kv = KVCache(src.arch, num_blocks, self.block_size, dtype, dev)
+        self.kv = KVCache(self.arch, num_blocks, self.block_size, dtype, dev)
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -62,9 +78,28 @@ class DraftModel:
         if runner.graphs is not None:
             from kvserve.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv.layers, runner.backend, dev, runner.graphs.max_batch,
-                                       runner.graphs.max_blocks, self.block_size, src.arch.num_kv_heads,
+                                       runner.graphs.max_blocks, self.block_size, self.arch.num_kv_heads,
                                        rows=True)
             self.graphs.capture_all()  # before serving: the draft's graphs are small
+
+    @staticmethod
+    def _load(config: EngineConfig, spec: SpeculativeConfig, target: loader.ModelSource, runner):
+        src = loader.resolve(spec.model)
+        if src.arch.vocab_size != target.arch.vocab_size:
+            raise ConfigError("speculative_config.model", f"the draft's vocabulary ({src.arch.vocab_size} tokens) "
+                              f"differs from the target's ({target.arch.vocab_size}); drafts would be other tokens")
+        if src.arch.num_params > target.arch.num_params:
+            raise ConfigError("speculative_config.model", f"the draft ({src.arch.num_params:,} parameters) is larger "
+                              f"than the target ({target.arch.num_params:,}); it would cost more than it saves")
+        with torch.device(runner.device), default_dtype(runner.dtype):
+            model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
+        if src.kind == "dummy":
+            # Not the target's seed: a random draft of the target's own preset would equal it.
+            loader.init_dummy_weights(model, config.seed + 1)
+        else:
+            with torch.no_grad():
+                model.load_weights(loader.iter_weights(src))
+        return model, src.arch
 
     def drop(self, rid: str) -> None:
         self.pool.free(self.tables.pop(rid, [])[::-1])
