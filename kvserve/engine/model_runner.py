@@ -13,11 +13,12 @@ from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import decode_rows, kv_plan
 from kvserve.engine.cuda_setup import CudaSetup
-from kvserve.engine.device import DTYPES, GpuTimer, default_dtype, resolve_device
+from kvserve.engine.device import DTYPES, GpuTimer, resolve_device
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.grammar_masks import DeferredSampling, GrammarMasks
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.kv_groups import NULL
+from kvserve.engine.kv_lifecycle import KVLifecycle
 from kvserve.engine.request import PENDING_TOKEN
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_rows import PLACEHOLDER_ROW, prompt_logprobs, sample_one_by_one, sampling_row
@@ -26,18 +27,17 @@ from kvserve.engine.spec.verify_step import VerifyStep
 from kvserve.engine.step import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.step_metadata import StepMetadata
 from kvserve.engine.tp_runner import TensorParallel
+from kvserve.engine.weights import ModelWeights
 from kvserve.kv_eviction import SCORED, score_rows
 from kvserve.layers.attention import ForwardContext, forward_context, get_backend
-from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
-from kvserve.progress import progress
 
 log = logging.getLogger(__name__)
 
 
 
 
-class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParallel):
+class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParallel):
     def __init__(self, config: EngineConfig, src: loader.ModelSource, max_model_len: int,
                  tp_rank: int = 0, tp_store=None):
         """``tp_rank``, ``tp_store``: a tensor-parallel worker's rank and rank 0's store
@@ -72,25 +72,7 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         self.backend_name = name
         self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
         self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
-        quant = config.quantization
-        checkpoint = src.quant_method.lower() if src.quant_method else None
-        if quant is not None and quant.method in ("awq", "gptq") and checkpoint != quant.method:
-            from kvserve.errors import ConfigError
-            raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
-                              f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
-                              f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
-        if checkpoint is not None and self.tp is not None:
-            from kvserve.errors import ConfigError
-            raise ConfigError("tensor_parallel_size", f"{src.name} is a {checkpoint} checkpoint, whose packed "
-                              f"weights load on one rank; use tensor_parallel_size 1")
-        if quant is not None and quant.method == "none" and checkpoint is not None:
-            from kvserve.errors import ConfigError
-            raise ConfigError("quantization", f"none: {src.name} is a {checkpoint} checkpoint, whose weights load "
-                              f"packed; leave quantization unset")
-        if quant is not None and quant.method not in ("none", "awq", "gptq") and checkpoint is not None:
-            from kvserve.errors import ConfigError
-            raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
-                              f"{src.quant_method}); only unquantized weights are quantized at load")
+        self._check_quantization()
         t0 = time.perf_counter()
         self.packed_weights: frozenset[str] = frozenset()
         self.model = self._build_and_load()
@@ -118,81 +100,6 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         self.kv_profile: dict | None = None
         self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
 
-    def use_cache_config(self, cache) -> None:
-        """Take a changed ``CacheConfig`` (``kv_policy`` auto) before the KV cache exists: its
-        block size, scales and format."""
-        self.config = dataclasses.replace(self.config, cache=cache)
-        self.block_size = cache.block_size
-        self.kv_scales = self._local_scales(kv_plan.load_scales(self.config, self.src, self.device))
-        self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
-
-    def _build_and_load(self) -> torch.nn.Module:
-        """The model with its weights from the source, quantized where configured."""
-        with default_dtype(self.dtype), torch.device(self.device):
-            model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
-                     else loader.build_model(self.src.arch, self.max_model_len, self.tp))
-        # Checkpoint tensors kept packed (a GGUF's blocks, an AWQ/GPTQ checkpoint's int4): the
-        # model's weight loading skips them. Under tensor parallelism a GGUF is dequantized at load.
-        src, quant = self.src, self.config.quantization
-        checkpoint = src.quant_method.lower() if src.quant_method else None
-        if src.kind == "gguf" and quant is None and self.tp is None:
-            from kvserve.models import gguf_loader
-            self.packed_weights = gguf_loader.pack_projections(model, src.handle, src.path, src.arch)
-        elif src.kind == "hf" and checkpoint is not None and (quant is None or quant.method == checkpoint):
-            from kvserve.models import awq_gptq
-            packed = {k: t for k, t in loader.iter_weights(src) if k.endswith(awq_gptq.TENSORS)}
-            self.packed_weights = awq_gptq.pack_projections(model, packed, src.quant_config or {}, src.name)
-        self.load_weights(model)
-        model.eval()
-        if quant is not None and quant.method not in ("none", "awq", "gptq"):
-            quantize_model(model, quant)
-        return model
-
-    def reload_weights(self, into: dict[str, torch.Tensor]) -> None:
-        """Waking from sleep level 2: the model built and loaded again as at start-up (so a GGUF
-        or HF source is converted, and quantized, the same way), its parameters and buffers
-        copied into ``into`` (the sleeping model's, by name), then freed. Peak device memory is
-        the weights twice, with no KV pool allocated yet."""
-        fresh = self._build_and_load()
-        have = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
-        if set(have) != set(into):
-            raise RuntimeError(f"the rebuilt model's tensors differ from the sleeping model's: "
-                               f"{sorted(set(have) ^ set(into))[:3]}")
-        with torch.no_grad():
-            for name, t in into.items():
-                t.copy_(have[name])
-        del fresh, have
-
-    def load_weights(self, model: torch.nn.Module | None = None) -> None:
-        """Fill ``model``'s parameters (None: the runner's) from the source."""
-        model = self.model if model is None else model
-        src, config = self.src, self.config
-        if src.kind == "dummy":
-            loader.init_dummy_weights(model, config.seed)
-        elif src.kind == "snapshot":
-            snapshot.load_into(model, src.path, src.handle, self.device, config.show_progress)
-        else:
-            weights = loader.iter_weights(src, self.packed_weights, lazy=self.tp is not None)
-            if config.show_progress:
-                weights = progress(True, "Loading weights", "tensor", weights, total=loader.count_weights(src))
-            with torch.no_grad():
-                model.load_weights(weights)
-
-    @property
-    def source_fingerprint(self) -> str:
-        return loader.fingerprint(self.src, self.config.seed)
-
-    # -- KV cache ----------------------------------------------------------------------------
-    def determine_kv_memory(self) -> int:
-        cache = self.config.cache
-        if cache.kv_cache_memory is not None:
-            return cache.kv_cache_memory
-        if self.device.type != "cuda":
-            return cache.cpu_default_kv_memory
-        self._mirror("_profile_cuda_kv_memory")
-        with self._tp_guard():
-            return self._profile_cuda_kv_memory()
-
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """The final hidden states [T, H] of one prompt, for embeddings: an eager forward with a
@@ -205,58 +112,6 @@ class ModelRunner(StepMetadata, GrammarMasks, CudaSetup, VerifyStep, TensorParal
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         with forward_context(ForwardContext(meta, scratch.layers, self.backend)), self._tp_guard():
             return self.model(ids, positions)
-
-    def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
-        self._mirror("_worker_allocate", self.config, dataclasses.replace(plan, scales=None))
-        self._kv_plan = plan
-        self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
-                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales,
-                                groups=plan.groups)
-        self.kv_groups = plan.groups
-        if self.sleep_mode is None or self.sleep_mode.weights_awake:
-            self.prepare_device()
-
-    def prepare_device(self) -> None:
-        """CUDA: cuDNN's first call and the decode graphs, once weights and KV pool are in place."""
-        plan = self._kv_plan
-        if self.device.type == "cuda" and self.backend.name == "triton":
-            self._warm_sdpa()
-            # The captured graphs hold one block table per sequence: several groups run eagerly.
-            if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
-                self.capture_graphs()
-
-    def release_kv_cache(self) -> None:
-        """Sleep: the KV pool and the graphs that read it go (their memory with them)."""
-        self.graphs = self.graph_capture = None
-        self.kv_cache = None
-        self._sampled = None
-
-    def restore_kv_cache(self) -> None:
-        """Wake: the pool of the same plan again, so the block manager's accounting holds."""
-        self.allocate_kv_cache(self._kv_plan)
-
-    # -- CUDA graphs captured between steps (engine/graph_capture.py) ------------------------
-    @property
-    def capture_due(self) -> bool:
-        """A graph waits to be captured after the step that warmed it: launch nothing ahead."""
-        return self.graph_capture is not None and self.graph_capture.due
-
-    def capture_graph(self, idle: bool) -> bool:
-        """Capture the one graph the plan names now (nothing may be in flight on the device).
-        Returns whether one was captured."""
-        cap = self.graph_capture
-        if cap is None or not (idle or cap.due):  # the common case, on every step: nothing to do
-            return False
-        t0 = time.perf_counter()
-        key = cap.capture_next(idle)
-        if key is not None:
-            log.debug("CUDA graph %s captured in %.3f s (%s)", key, time.perf_counter() - t0,
-                      "idle" if idle else "after its first step")
-            if cap.complete:
-                g = self.graphs
-                log.info("CUDA graphs: all %d captured (%.1f s, %.0f MiB)", len(cap.captured),
-                         g.capture_seconds, g.memory_bytes / 2**20)
-        return key is not None
 
     # -- one step -------------------------------------------------------------------------
     def fork_request(self, parent_id: str, child_id: str) -> None:

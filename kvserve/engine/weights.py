@@ -1,0 +1,92 @@
+"""The runner's model weights: built and loaded from the source (kept packed where a kernel
+reads the checkpoint's format), quantized where configured, and rebuilt on a level-2 wake."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.device import default_dtype
+from kvserve.errors import ConfigError
+from kvserve.layers.quant_linear import quantize_model
+from kvserve.models import loader, snapshot
+from kvserve.progress import progress
+
+
+class ModelWeights:
+    """Mixed into ModelRunner: ``src``, ``config``, ``dtype``, ``device``, ``max_model_len``,
+    ``tp`` and ``packed_weights`` are the runner's."""
+
+    def _check_quantization(self) -> None:
+        """The quantization option against what the checkpoint already is (AWQ/GPTQ load packed;
+        int8, int4 and fp8 quantize only unquantized weights), each refusal naming the option."""
+        config, src = self.config, self.src
+        quant = config.quantization
+        checkpoint = src.quant_method.lower() if src.quant_method else None
+        if quant is not None and quant.method in ("awq", "gptq") and checkpoint != quant.method:
+            raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
+                              f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
+                              f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
+        if checkpoint is not None and self.tp is not None:
+            raise ConfigError("tensor_parallel_size", f"{src.name} is a {checkpoint} checkpoint, whose packed "
+                              f"weights load on one rank; use tensor_parallel_size 1")
+        if quant is not None and quant.method == "none" and checkpoint is not None:
+            raise ConfigError("quantization", f"none: {src.name} is a {checkpoint} checkpoint, whose weights load "
+                              f"packed; leave quantization unset")
+        if quant is not None and quant.method not in ("none", "awq", "gptq") and checkpoint is not None:
+            raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
+                              f"{src.quant_method}); only unquantized weights are quantized at load")
+
+    def _build_and_load(self) -> torch.nn.Module:
+        """The model with its weights from the source, quantized where configured."""
+        with default_dtype(self.dtype), torch.device(self.device):
+            model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
+                     else loader.build_model(self.src.arch, self.max_model_len, self.tp))
+        # Checkpoint tensors kept packed (a GGUF's blocks, an AWQ/GPTQ checkpoint's int4): the
+        # model's weight loading skips them. Under tensor parallelism a GGUF is dequantized at load.
+        src, quant = self.src, self.config.quantization
+        checkpoint = src.quant_method.lower() if src.quant_method else None
+        if src.kind == "gguf" and quant is None and self.tp is None:
+            from kvserve.models import gguf_loader
+            self.packed_weights = gguf_loader.pack_projections(model, src.handle, src.path, src.arch)
+        elif src.kind == "hf" and checkpoint is not None and (quant is None or quant.method == checkpoint):
+            from kvserve.models import awq_gptq
+            packed = {k: t for k, t in loader.iter_weights(src) if k.endswith(awq_gptq.TENSORS)}
+            self.packed_weights = awq_gptq.pack_projections(model, packed, src.quant_config or {}, src.name)
+        self.load_weights(model)
+        model.eval()
+        if quant is not None and quant.method not in ("none", "awq", "gptq"):
+            quantize_model(model, quant)
+        return model
+
+    def reload_weights(self, into: dict[str, torch.Tensor]) -> None:
+        """Waking from sleep level 2: the model built and loaded again as at start-up (so a GGUF
+        or HF source is converted, and quantized, the same way), its parameters and buffers
+        copied into ``into`` (the sleeping model's, by name), then freed. Peak device memory is
+        the weights twice, with no KV pool allocated yet."""
+        fresh = self._build_and_load()
+        have = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+        if set(have) != set(into):
+            raise RuntimeError(f"the rebuilt model's tensors differ from the sleeping model's: "
+                               f"{sorted(set(have) ^ set(into))[:3]}")
+        with torch.no_grad():
+            for name, t in into.items():
+                t.copy_(have[name])
+        del fresh, have
+
+    def load_weights(self, model: torch.nn.Module | None = None) -> None:
+        """Fill ``model``'s parameters (None: the runner's) from the source."""
+        model = self.model if model is None else model
+        src, config = self.src, self.config
+        if src.kind == "dummy":
+            loader.init_dummy_weights(model, config.seed)
+        elif src.kind == "snapshot":
+            snapshot.load_into(model, src.path, src.handle, self.device, config.show_progress)
+        else:
+            weights = loader.iter_weights(src, self.packed_weights, lazy=self.tp is not None)
+            if config.show_progress:
+                weights = progress(True, "Loading weights", "tensor", weights, total=loader.count_weights(src))
+            with torch.no_grad():
+                model.load_weights(weights)
+
+    @property
+    def source_fingerprint(self) -> str:
+        return loader.fingerprint(self.src, self.config.seed)
