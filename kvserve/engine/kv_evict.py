@@ -1,0 +1,85 @@
+"""Eviction of a request's blocks under its ``kv_budget``, mixed into ``KVCacheManager``.
+
+Streaming eviction (``kv_eviction.py``): before each step, the blocks of a request with a
+``kv_budget`` between its sinks and its next query's ``recent_start`` become ``NULL``: its
+references are dropped, so a block shared with another request stays until its count reaches 0.
+Only the first ``full_attention_blocks`` (computed before any key was hidden, so equal to full
+attention's KV) enter the prefix cache, and a request is offered no more cached blocks than that.
+
+Scored eviction (SnapKV, H2O; ``kv_eviction.py``): before a step, a request with a ``kv_budget``
+over it drops its references to its lowest-scored blocks before its recent ones (NULL entries
+anywhere before them). Scores come from the runner after each step (``record_scores``). Only the
+blocks fully computed before the request's first eviction enter the prefix cache (``_exact``):
+a block written after it holds KV of queries that saw fewer keys than full attention, so its
+hash is never registered and no other request can hit it. H2O requests take no prefix hits
+(their scores need every query's attention); SnapKV requests take hits before their
+observation window only. ``step_tokens`` caps a budgeted request's step so its held blocks stay
+within the budget, which is also what admission asks the pool for.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.kv_groups import NULL
+from kvserve.engine.request import Request
+from kvserve.kv_eviction import SINK_BLOCKS, block_scores, budget_blocks, pick_victims, recent_blocks, recent_start
+
+
+class BlockEviction:
+    """``tables``, ``pool``, ``block_size``, ``eviction``, ``_scores`` and ``_exact`` are the
+    manager's."""
+
+    def record_scores(self, req: Request, scores: torch.Tensor) -> None:
+        """Add a step's attention scores (per key position) to ``req``'s."""
+        acc = self._scores.get(req.request_id)
+        if acc is None or len(acc) < len(scores):
+            grown = torch.zeros(max(len(scores), 2 * len(acc) if acc is not None else 0))
+            if acc is not None:
+                grown[:len(acc)] = acc
+            self._scores[req.request_id] = acc = grown
+        acc[:len(scores)] += scores
+
+    def evict_scored(self, req: Request) -> int:
+        """Drop ``req``'s references to its lowest-scored blocks before its recent ones until it
+        holds ``B - 1`` blocks before a step that opens one, ``B`` otherwise (SnapKV: only once
+        its prompt is computed). Returns how many were dropped."""
+        table = self.tables.get(req.request_id)
+        budget, c = req.params.kv_budget, req.num_computed_tokens
+        if budget is None or not table or (self.eviction == "snapkv" and c < req.num_prompt_tokens):
+            return 0
+        bs = self.block_size
+        target = budget_blocks(budget, bs) - (1 if len(table) * bs <= c else 0)
+        held = [i for i, b in enumerate(table) if b != NULL]
+        if len(held) <= target:
+            return 0
+        protect = len(table) - recent_blocks(self.eviction, budget, bs)
+        rid = req.request_id
+        scores = block_scores(self.eviction, self._scores.get(rid, torch.zeros(0)), len(table), bs)
+        victims = pick_victims(scores, [i for i in held if i < protect], len(held) - target)
+        self._exact.setdefault(rid, c // bs)
+        freed = [table[i] for i in reversed(victims)]
+        for i in victims:
+            table[i] = NULL
+        self.pool.free(freed)
+        return len(freed)
+
+    def _evict(self, req: Request) -> int:
+        if self.eviction == "streaming":
+            return self.evict_streaming(req)
+        return self.evict_scored(req)
+
+    def evict_streaming(self, req: Request) -> int:
+        """Drop ``req``'s references to the blocks between its sinks and the first recent block
+        its next query sees. Returns how many were dropped."""
+        table = self.tables.get(req.request_id)
+        if req.params.kv_budget is None or not table:
+            return 0
+        stop = min(recent_start(req.params.kv_budget, self.block_size, req.num_computed_tokens), len(table))
+        freed = []
+        for i in range(stop - 1, SINK_BLOCKS - 1, -1):  # tail first; the NULLs run up to ``stop``
+            if table[i] == NULL:
+                break
+            freed.append(table[i])
+            table[i] = NULL
+        self.pool.free(freed)
+        return len(freed)
