@@ -35,12 +35,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-scales", default=None,
                    help="calibrated fp8/int8 KV scales from 'kvserve calibrate-kv' (default: the file beside the "
                    "model if there is one; 'off': per-token scales)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8", "awq", "gptq", "none"],
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8", "awq", "gptq", "gguf", "none"],
                    help="quantize the linear layers' weights at load (round-to-nearest; weight-only): int8 per "
                    "output channel, int4 per group of input columns; fp8: W8A8 (e4m3 weights per output "
                    "channel, activations per token); awq, gptq: load such a 4-bit checkpoint (the default "
-                   "for one); none: float weights, a GGUF's blocks "
-                   "dequantized at load (default: a GGUF keeps its blocks packed, other models are float)")
+                   "for one); gguf: a GGUF's blocks kept packed; none: float weights (default: a GGUF keeps "
+                   "its blocks on CUDA and is dequantized on the CPU, other models are float)")
     g.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: input columns sharing a scale and a minimum: 32, 64 or 128 (default 128)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",

@@ -223,7 +223,7 @@ class KernelConfig:
                 "logits": self.gemv_max_rows_logits}[kind]
 
 
-QUANT_METHODS = ("int8", "int4", "fp8", "awq", "gptq", "none")
+QUANT_METHODS = ("int8", "int4", "fp8", "awq", "gptq", "gguf", "none")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -234,8 +234,9 @@ class QuantConfig:
     asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte.
     fp8: W8A8, e4m3 weights per output channel, activations per token (layers/fp8_linear.py).
     awq, gptq: an AutoAWQ / GPTQ 4-bit checkpoint's own weights, repacked (models/awq_gptq.py).
-    none: the weights in the model dtype, a GGUF's blocks dequantized at load (without any
-    QuantConfig a GGUF keeps its blocks packed where a kernel reads them)."""
+    gguf: a GGUF's projections kept in their blocks (models/gguf_loader.py). none: the weights in
+    the model dtype, a GGUF's blocks dequantized at load. Without a QuantConfig a GGUF keeps its
+    blocks on CUDA and is dequantized on the CPU, where float GEMMs outrun the packed ones."""
     method: str
     group_size: int | None = None  # int4 only; None: 128
 
@@ -243,7 +244,7 @@ class QuantConfig:
         if not isinstance(self.method, str) or self.method not in QUANT_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANT_METHODS)} or None; got {self.method!r}")
         g = self.group_size
-        if self.method in ("int8", "fp8", "awq", "gptq", "none"):
+        if self.method in ("int8", "fp8", "awq", "gptq", "gguf", "none"):
             if g is not None:
                 raise ConfigError("quantization_group_size", f"{self.method} takes no group size; "
                                   "a group size applies to int4 only")

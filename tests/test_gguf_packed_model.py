@@ -1,5 +1,5 @@
 """The default model (SmolLM2-135M, its projections Q4_1 in the GGUF file) loads with its blocks
-packed (``quantization`` unset) and computes what the dequantize-at-load path
+packed (``quantization="gguf"``) and computes what the dequantize-at-load path
 (``quantization="none"``) computes: prompt logits over a held-out text within 1e-4 relative L2
 error (float32 rounding: the CPU int4 kernel adds (q - 8) * scale and min + 8 * scale where the
 file's blocks define q * scale + min), the same top-1 token everywhere, the same greedy text."""
@@ -27,7 +27,7 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_default_model_packed_equals_dequantized_at_load():
-    packed = LLM(show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
+    packed = LLM(show_progress=False, kv_cache_memory="64MiB", max_model_len=512, quantization="gguf")
     floats = LLM(show_progress=False, kv_cache_memory="64MiB", max_model_len=512, quantization="none")
     layers = packed.engine.arch.num_layers
     assert len(packed.engine.runner.packed_weights) == 7 * layers  # q, k, v, o, gate, up, down

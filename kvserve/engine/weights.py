@@ -25,6 +25,9 @@ class ModelWeights:
             raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
                               f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
                               f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
+        if quant is not None and quant.method == "gguf" and (src.kind != "gguf" or self.tp is not None):
+            raise ConfigError("quantization", f"gguf keeps a GGUF file's blocks packed on one rank; {src.name} is "
+                              f"{'not a GGUF file' if src.kind != 'gguf' else 'split across ranks'}")
         if checkpoint is not None and self.tp is not None:
             raise ConfigError("tensor_parallel_size", f"{src.name} is a {checkpoint} checkpoint, whose packed "
                               f"weights load on one rank; use tensor_parallel_size 1")
@@ -44,7 +47,8 @@ class ModelWeights:
         # model's weight loading skips them. Under tensor parallelism a GGUF is dequantized at load.
         src, quant = self.src, self.config.quantization
         checkpoint = src.quant_method.lower() if src.quant_method else None
-        if src.kind == "gguf" and quant is None and self.tp is None:
+        if src.kind == "gguf" and self.tp is None and (
+                quant is None and self.device.type == "cuda" or quant is not None and quant.method == "gguf"):
             from kvserve.models import gguf_loader
             self.packed_weights = gguf_loader.pack_projections(model, src.handle, src.path, src.arch)
         elif src.kind == "hf" and checkpoint is not None and (quant is None or quant.method == checkpoint):
@@ -53,7 +57,7 @@ class ModelWeights:
             self.packed_weights = awq_gptq.pack_projections(model, packed, src.quant_config or {}, src.name)
         self.load_weights(model)
         model.eval()
-        if quant is not None and quant.method not in ("none", "awq", "gptq"):
+        if quant is not None and quant.method not in ("none", "awq", "gptq", "gguf"):
             quantize_model(model, quant)
         return model
 

@@ -53,6 +53,7 @@ class EarlyExit(nn.Module):
         self.arch = replace(target.arch, num_layers=n)
         self.embed_tokens, self.norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
         self.layers = target.layers[:n]
+        self.tp = target.tp  # None: speculative decoding runs on one rank
 
     forward = LlamaForCausalLM.forward
     compute_logits = LlamaForCausalLM.compute_logits
