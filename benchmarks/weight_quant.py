@@ -48,7 +48,8 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
                "int4-g128": {"quantization": "int4", "quantization_group_size": 128},
                "fp8": {"quantization": "fp8"}, "gguf-Q4_K": {}, "gguf-Q8_0": {}}
 # The default model is 576 wide: int4 groups of 128 do not divide it.
-CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {}, "int8": {"quantization": "int8"},
+CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
+               "int8": {"quantization": "int8"},
                "int4-g64": {"quantization": "int4", "quantization_group_size": 64},
                "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
                "fp8": {"quantization": "fp8"}}
