@@ -234,8 +234,7 @@ class QuantConfig:
     asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte.
     fp8: W8A8, e4m3 weights per output channel, activations per token (layers/fp8_linear.py).
     awq, gptq: an AutoAWQ / GPTQ 4-bit checkpoint's own weights, repacked (models/awq_gptq.py).
-    gguf: a GGUF's projections kept in their blocks (models/gguf_loader.py). none: the weights in
-    the model dtype, a GGUF's blocks dequantized at load. Without a QuantConfig a GGUF keeps its
+    gguf: a GGUF's blocks kept packed; none: float weights. Without a QuantConfig a GGUF keeps its
     blocks on CUDA and is dequantized on the CPU, where float GEMMs outrun the packed ones."""
     method: str
     group_size: int | None = None  # int4 only; None: 128
