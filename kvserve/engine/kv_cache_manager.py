@@ -32,7 +32,7 @@ import torch
 
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.kv_evict import BlockEviction
-from kvserve.engine.kv_groups import NULL
+from kvserve.engine.kv_groups import NULL, null_before
 from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.kv_eviction import (
     OBS_WINDOW,
@@ -239,11 +239,7 @@ class KVCacheManager(BlockEviction):
             if w is None or not table:
                 continue
             stop = min(self._first_needed(g, req.num_computed_tokens), len(table))
-            for i in range(stop - 1, -1, -1):  # tail first, as ``free`` does; NULLs are a prefix
-                if table[i] == NULL:
-                    break
-                freed.append(table[i])
-                table[i] = NULL
+            freed += null_before(table, stop)  # tail first, as ``free`` does; NULLs are a prefix
         self.pool.free(freed)
         return len(freed)
 

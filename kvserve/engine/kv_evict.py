@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.kv_groups import NULL
+from kvserve.engine.kv_groups import NULL, null_before
 from kvserve.engine.request import Request
 from kvserve.kv_eviction import SINK_BLOCKS, block_scores, budget_blocks, pick_victims, recent_blocks, recent_start
 
@@ -75,11 +75,6 @@ class BlockEviction:
         if req.params.kv_budget is None or not table:
             return 0
         stop = min(recent_start(req.params.kv_budget, self.block_size, req.num_computed_tokens), len(table))
-        freed = []
-        for i in range(stop - 1, SINK_BLOCKS - 1, -1):  # tail first; the NULLs run up to ``stop``
-            if table[i] == NULL:
-                break
-            freed.append(table[i])
-            table[i] = NULL
+        freed = null_before(table, stop, SINK_BLOCKS)
         self.pool.free(freed)
         return len(freed)

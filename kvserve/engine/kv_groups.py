@@ -28,6 +28,18 @@ from math import gcd
 NULL = -1  # a local table's entry whose block was freed (out of every future query's window)
 
 
+def null_before(table: list[int], stop: int, floor: int = 0) -> list[int]:
+    """Set ``table[floor:stop]`` to NULL, tail first, up to the first entry already NULL (the
+    NULLs before ``stop`` run back from it), and return the blocks taken out, tail first."""
+    freed = []
+    for i in range(stop - 1, floor - 1, -1):
+        if table[i] == NULL:
+            break
+        freed.append(table[i])
+        table[i] = NULL
+    return freed
+
+
 @dataclass(frozen=True)
 class KVGroups:
     windows: tuple[int | None, ...]  # per group (None: global)
