@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, check_option_dict
 from kvserve.kv_transfer_config import KVTransferConfig
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -287,14 +287,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d) -> SpeculativeConfig:
         """``speculative_config`` as the user wrote it (a dict, as in vLLM)."""
-        if not isinstance(d, dict):
-            raise ConfigError("speculative_config", f"must be a dict (JSON object), got {type(d).__name__}")
-        unknown = sorted(set(map(str, d)) - set(cls._FIELDS))
-        if unknown:
-            raise ConfigError(f"speculative_config.{unknown[0]}", f"unknown field; known: {', '.join(cls._FIELDS)}")
-        for name in ("method", "num_speculative_tokens"):
-            if d.get(name) is None:
-                raise ConfigError(f"speculative_config.{name}", "is required")
+        check_option_dict(d, "speculative_config", cls._FIELDS, ("method", "num_speculative_tokens"))
         return cls(**d)
 
     def __post_init__(self):

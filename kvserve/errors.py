@@ -22,6 +22,19 @@ class ConfigError(ValueError):
         self.option = option
 
 
+def check_option_dict(d, option: str, fields: tuple[str, ...], required: tuple[str, ...]) -> None:
+    """A JSON-object option as the user wrote it (``speculative_config``, ``kv_transfer_config``):
+    a dict whose keys are all ``fields`` and holding every ``required`` one not None."""
+    if not isinstance(d, dict):
+        raise ConfigError(option, f"must be a dict (JSON object), got {type(d).__name__}")
+    unknown = sorted(set(map(str, d)) - set(fields))
+    if unknown:
+        raise ConfigError(f"{option}.{unknown[0]}", f"unknown field; known: {', '.join(fields)}")
+    for name in required:
+        if d.get(name) is None:
+            raise ConfigError(f"{option}.{name}", "is required")
+
+
 class EngineBusyError(RuntimeError):
     """An engine operation that needs no request in flight (sleep) was asked while some run."""
 

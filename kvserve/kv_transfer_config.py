@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, check_option_dict
 
 KV_CONNECTORS = ("TorchDistributedConnector", "KVTierConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -46,14 +46,7 @@ class KVTransferConfig:
                 d = json.loads(d)
             except ValueError as e:
                 raise ConfigError("kv_transfer_config", f"is not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ConfigError("kv_transfer_config", f"must be a dict (JSON object), got {type(d).__name__}")
-        unknown = sorted(set(map(str, d)) - set(cls._FIELDS))
-        if unknown:
-            raise ConfigError(f"kv_transfer_config.{unknown[0]}", f"unknown field; known: {', '.join(cls._FIELDS)}")
-        for name in ("kv_connector", "kv_role"):
-            if d.get(name) is None:
-                raise ConfigError(f"kv_transfer_config.{name}", "is required")
+        check_option_dict(d, "kv_transfer_config", cls._FIELDS, ("kv_connector", "kv_role"))
         return cls(**d)
 
     @property
