@@ -325,6 +325,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the HF directory and snapshot for a rerun")
     ap.add_argument("--drop-all-caches", action="store_true", help="also write /proc/sys/vm/drop_caches before "
                     "each cold run (the whole machine's page cache: Python and torch start cold too)")
+    ap.add_argument("--configs", default="transformers,hf,snapshot,lazy,startup,eager",
+                    help="which starts to time (lazy, startup and eager: from the snapshot, on a GPU only)")
+    ap.add_argument("--sleep-engines", default="eager,startup,lazy",
+                    help="sleep/wake runs, one engine each (the CPU runs eager only)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -362,15 +366,18 @@ def main() -> None:
     res["page_cache"]["worked"] = res["page_cache"]["read_after_drop_gbps"] < 0.5 * res["page_cache"]["warm_read_gbps"]
 
     gpu = shutil.which("nvidia-smi") is not None  # the parent stays off the device: no torch import
-    configs = [("transformers", "transformers", a.hf_dir), ("kvserve HF dir", "background", a.hf_dir),
-               ("kvserve snapshot", "background", a.snap_dir)]
+    known = [("transformers", "transformers", "transformers", a.hf_dir),
+             ("hf", "kvserve HF dir", "background", a.hf_dir),
+             ("snapshot", "kvserve snapshot", "background", a.snap_dir)]
     if gpu:  # on the CPU there are no graphs: every mode would be the same run
-        configs += [("kvserve snapshot, lazy", "lazy", a.snap_dir),
-                    ("kvserve snapshot, startup", "startup", a.snap_dir),
-                    ("kvserve snapshot, eager", "eager", a.snap_dir)]
+        known += [("lazy", "kvserve snapshot, lazy", "lazy", a.snap_dir),
+                  ("startup", "kvserve snapshot, startup", "startup", a.snap_dir),
+                  ("eager", "kvserve snapshot, eager", "eager", a.snap_dir)]
+    wanted = set(a.configs.split(","))
+    configs = [c for c in known if c[0] in wanted]
     starts = {}
     for cache in ("cold", "warm"):
-        for name, engine, path in configs:
+        for _, name, engine, path in configs:
             runs = []
             for _ in range(a.repeats if cache == "cold" else 1):
                 if cache == "cold":
@@ -384,7 +391,7 @@ def main() -> None:
             res["start"] = starts
             save()
     res["sleep"] = {}
-    for engine in ("eager", "startup", "lazy") if gpu else ("eager",):
+    for engine in [e for e in a.sleep_engines.split(",") if e] if gpu else ["eager"]:
         res["sleep"][engine] = run_child("sleep", a, engine=engine, path=a.snap_dir, vocab=vocab,
                                          cycles=10 if engine == "eager" else 2)
         save()
