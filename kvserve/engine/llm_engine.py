@@ -109,8 +109,9 @@ class LLMEngine(MemoryControls):
         # for the process's life: out of the collector's reach, a full collection during a run
         # walks only what requests allocate, not the whole heap. Frozen objects are still freed
         # by reference counting.
-        gc.collect()
-        gc.freeze()
+        with startup.timed(times, "gc"):
+            gc.collect()
+            gc.freeze()
         self.startup_seconds = {**times, **rt.startup_seconds, "total": time.perf_counter() - t_start}
         log.info("started in %.2f s: %s", self.startup_seconds["total"], startup.describe(self.startup_seconds))
 

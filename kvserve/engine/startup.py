@@ -13,6 +13,7 @@ ready):
     kv_cache      the KV pool allocated
     sdpa_warmup   CUDA: cuDNN's first call
     graphs        CUDA graphs captured at start-up (``cuda_graph_capture`` startup)
+    gc            the full collection before start-up's objects are frozen out of the collector's reach
     total         ``LLMEngine.__init__`` from first line to last
 
 Phases sum to less than ``total`` (the tokenizer overlaps; the rest is bookkeeping).

@@ -199,6 +199,8 @@ def load_into(model: torch.nn.Module, path: str, manifest: dict, device: torch.d
         # Each parameter's bytes, flat: a read or a copy lands in the parameter itself.
         dests = {name: p.detach().view(-1).view(torch.uint8) for name, p in params.items()}
         if device.type == "cuda":
+            # The loading threads name the device by index (a new thread's current device is 0).
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
             after = torch.cuda.current_stream(device)  # the parameters were allocated on it
             make_sink = lambda: _CudaSink(dests, device, after)  # noqa: E731
         else:
