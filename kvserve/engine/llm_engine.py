@@ -112,7 +112,7 @@ class LLMEngine(MemoryControls):
         with startup.timed(times, "gc"):
             gc.collect()
             gc.freeze()
-        self.startup_seconds = {**times, **rt.startup_seconds, "total": time.perf_counter() - t_start}
+        self.startup_seconds = startup.ordered({**times, **rt.startup_seconds, "total": time.perf_counter() - t_start})
         log.info("started in %.2f s: %s", self.startup_seconds["total"], startup.describe(self.startup_seconds))
 
     def _speculator(self, spec, src):

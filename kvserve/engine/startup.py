@@ -51,6 +51,14 @@ def in_background(into: dict[str, float], phase: str, fn: Callable, *args) -> co
         pool.shutdown(wait=False)
 
 
+PHASES = ("tokenizer", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup", "graphs", "gc", "total")
+
+
+def ordered(seconds: dict[str, float]) -> dict[str, float]:
+    """The phases in the order of the list above (the tokenizer's thread finishes when it may)."""
+    return {k: seconds[k] for k in sorted(seconds, key=lambda k: PHASES.index(k) if k in PHASES else len(PHASES))}
+
+
 def describe(seconds: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items() if k != "total")
 
