@@ -273,7 +273,7 @@ class _CudaSink(shard_reader.StagedSink):
     def _issue(self, i: int, chunk: shard_reader.Chunk) -> None:
         with torch.cuda.stream(self.stream):
             self._copies(i, chunk)
-            self.events[i] = torch.cuda.Event()
+            self.events[i] = torch.cuda.Event(blocking=True)  # a waiting thread sleeps: the others hash
             self.events[i].record(self.stream)
 
     def finish(self) -> None:
