@@ -16,9 +16,11 @@ Steps, each measured in a fresh subprocess (the parent never touches the GPU):
             snapshot with each ``--cuda-graph-capture`` mode (startup: every graph before the
             first request; lazy and background, the default: none) and eager (on the CPU, which
             has no graphs, one run). Each start also times 32 more tokens at batch 1 and 8 (lazy
-            modes run a size's first step eagerly and capture it after). Before each cold run the model's
-            files are dropped from the page cache (fsync + posix_fadvise DONTNEED per file; with
-            --drop-all-caches also /proc/sys/vm/drop_caches); the JSON says whether a re-read
+            modes run a size's first step eagerly and capture it after) and reports the engine's
+            start-up phases (``LLMEngine.startup_seconds``: weights, kv_profile, sdpa_warmup, ...),
+            printed under the table. Before each cold run the model's files are dropped from
+            the page cache (fsync + posix_fadvise DONTNEED per file; with --drop-all-caches
+            also /proc/sys/vm/drop_caches); the JSON says whether a re-read
             after the drop ran at disk speed (it worked) or page-cache speed (it did not).
   sleep     one engine from the snapshot with sleep mode: warm TTFT; sleep/wake at level 1 and 2
             (times, device memory used while asleep by torch.cuda.mem_get_info and nvidia-smi);
@@ -192,7 +194,7 @@ def child_start(a) -> None:
         cap = llm.engine.runner.graph_capture
         decode["graphs_captured"] = len(cap.captured) if cap is not None else 0
         _emit({"t_main": t_main, "t_import": t_import, "t_ready": t_ready, "t_first": t_first, "token": token,
-               "after": decode})
+               "after": decode, "startup_seconds": llm.engine.startup_seconds})
         return
     _emit({"t_main": t_main, "t_import": t_import, "t_ready": t_ready, "t_first": time.time(), "token": token})
 
@@ -386,7 +388,7 @@ def main() -> None:
                 runs.append({"to_first_token_s": d["t_first"] - d["t_launch"], "import_s": d["t_import"] - d["t_main"],
                              "load_s": d["t_ready"] - d["t_import"], "first_token_s": d["t_first"] - d["t_ready"],
                              "interpreter_s": d["t_main"] - d["t_launch"], "token": d["token"],
-                             **d.get("after", {})})
+                             "startup_seconds": d.get("startup_seconds"), **d.get("after", {})})
             starts[f"{name} ({cache})"] = runs
             res["start"] = starts
             save()
@@ -408,14 +410,20 @@ def _table(res: dict) -> None:
     if "snapshot" in res:
         s = res["snapshot"]
         print(f"snapshot: {s['bytes'] / 2**30:.1f} GiB in {s['files']} files, written in {s['write_s']:.1f} s")
-    print(f"\n{'process start -> first token':36} {'best s':>7} {'import':>7} {'load':>7} {'1st tok':>8} "
-          f"{'32 tok b1':>10} {'32 tok b8':>10} {'graphs':>7}")
+    print(f"\n{'process start -> first token':36} {'best s':>7} {'import':>7} {'load':>7} {'weights':>8} "
+          f"{'1st tok':>8} {'32 tok b1':>10} {'32 tok b8':>10} {'graphs':>7}")
     for name, runs in res["start"].items():
         b = min(runs, key=lambda r: r["to_first_token_s"])
         after = (f" {b['batch1_32_tokens_s']:10.3f} {b['batch8_32_tokens_s']:10.3f} {b['graphs_captured']:7d}"
                  if "graphs_captured" in b else "")
-        print(f"{name:36} {b['to_first_token_s']:7.2f} {b['import_s']:7.2f} {b['load_s']:7.2f} "
+        phases = b.get("startup_seconds") or {}  # kvserve's own start-up phases (LLMEngine.startup_seconds)
+        weights = f"{phases['weights']:8.2f}" if "weights" in phases else f"{'-':>8}"
+        print(f"{name:36} {b['to_first_token_s']:7.2f} {b['import_s']:7.2f} {b['load_s']:7.2f} {weights} "
               f"{b['first_token_s']:8.2f}{after}")
+    for name, runs in res["start"].items():
+        phases = min(runs, key=lambda r: r["to_first_token_s"]).get("startup_seconds")
+        if phases:
+            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     print(f"\n{'sleep / wake':28} {'sleep s':>8} {'wake s':>7} {'asleep GiB':>11} {'TTFT after':>11} {'warm TTFT':>10}")
     for engine, s in res["sleep"].items():
         for level, r in s["levels"].items():

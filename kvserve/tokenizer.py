@@ -28,22 +28,28 @@ def check_text(text: str, field: str) -> str:
 
 
 def load_tokenizer(kind: str, path: str, tokenizer: str | None = None):
-    """The tokenizer for a model source, or None (dummy weights, or a directory without one)."""
-    from transformers import AutoTokenizer
+    """The tokenizer for a model source, or None (dummy weights, or a directory without one).
+    transformers is imported only when there is a tokenizer to load: its import alone takes
+    seconds of a start-up."""
     if tokenizer is not None:
         if tokenizer.endswith(".gguf"):
             return _from_gguf(tokenizer)
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return _from_pretrained(tokenizer)
     if kind == "gguf":
         return _from_gguf(path)
     if kind == "snapshot":
         path = os.path.join(path, "tokenizer")
-        return AutoTokenizer.from_pretrained(path) if os.path.isdir(path) else None
+        return _from_pretrained(path) if os.path.isdir(path) else None
     if kind == "hf":
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if any(os.path.exists(os.path.join(path, n)) for n in names):
-            return AutoTokenizer.from_pretrained(path)
+            return _from_pretrained(path)
     return None
+
+
+def _from_pretrained(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _from_gguf(path: str):

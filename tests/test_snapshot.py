@@ -184,3 +184,48 @@ def test_write_refuses_a_non_empty_directory(tiny_snapshot, tmp_path):
     with pytest.raises(ModelLoadError, match="not an empty directory"):
         snapshot.write(tiny_snapshot[2].engine, str(tmp_path))
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def sharded_snapshot(tmp_path_factory):
+    """The tiny model's snapshot over several small shards (several read at once at load)."""
+    out = str(tmp_path_factory.mktemp("snap") / "sharded")
+    llm = _tiny()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(snapshot, "SHARD_BYTES", 40_000)
+        snapshot.write(llm.engine, out)
+    return out, _outputs(llm, TINY_PROMPTS)
+
+
+def test_sharded_round_trip_and_startup_phases(sharded_snapshot, caplog):
+    out, ref = sharded_snapshot
+    files = json.load(open(os.path.join(out, snapshot.MANIFEST)))["files"]
+    assert len(files) >= 4
+    with caplog.at_level("INFO", logger="kvserve.engine.llm_engine"):
+        llm = _tiny(out)
+    assert _outputs(llm, TINY_PROMPTS) == ref
+    times = llm.engine.startup_seconds
+    assert {"tokenizer", "build", "weights", "kv_cache", "total"} <= times.keys()
+    assert all(v >= 0 for v in times.values()) and times["weights"] < times["total"]
+    assert sum("started in" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_changed_byte_in_one_shard_names_it(sharded_snapshot, tmp_path):
+    path = _copy(sharded_snapshot[0], tmp_path / "s")
+    shard = os.path.join(path, "model-00002.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2 + 1000)  # in the data, past the header
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ModelLoadError, match="model-00002.safetensors: sha256 does not match the manifest"):
+        _tiny(path)
+
+
+def test_a_shard_cut_short_fails_even_when_the_manifest_agrees(sharded_snapshot, tmp_path):
+    path = _copy(sharded_snapshot[0], tmp_path / "s")
+    shard = os.path.join(path, "model-00001.safetensors")
+    os.truncate(shard, os.path.getsize(shard) - 8)
+    _edit_manifest(path, files={"model-00001.safetensors": {"bytes": os.path.getsize(shard), "sha256": "0" * 64}})
+    with pytest.raises(ModelLoadError, match="model-00001.safetensors: corrupt or truncated safetensors file"):
+        _tiny(path)

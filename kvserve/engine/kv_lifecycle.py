@@ -9,6 +9,7 @@ import time
 
 from kvserve.engine import kv_plan
 from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.startup import timed
 
 log = logging.getLogger("kvserve.engine.model_runner")
 
@@ -37,9 +38,10 @@ class KVLifecycle:
     def allocate_kv_cache(self, plan: kv_plan.KVPlan) -> None:
         self._mirror("_worker_allocate", self.config, dataclasses.replace(plan, scales=None))
         self._kv_plan = plan
-        self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
-                                plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows, scales=plan.scales,
-                                groups=plan.groups)
+        with timed(self.startup_seconds, "kv_cache"):
+            self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
+                                    plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows,
+                                    scales=plan.scales, groups=plan.groups)
         self.kv_groups = plan.groups
         if self.sleep_mode is None or self.sleep_mode.weights_awake:
             self.prepare_device()
@@ -48,10 +50,12 @@ class KVLifecycle:
         """CUDA: cuDNN's first call and the decode graphs, once weights and KV pool are in place."""
         plan = self._kv_plan
         if self.device.type == "cuda" and self.backend.name == "triton":
-            self._warm_sdpa()
+            with timed(self.startup_seconds, "sdpa_warmup"):
+                self._warm_sdpa()
             # The captured graphs hold one block table per sequence: several groups run eagerly.
             if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
-                self.capture_graphs()
+                with timed(self.startup_seconds, "graphs"):
+                    self.capture_graphs()
 
     def release_kv_cache(self) -> None:
         """Sleep: the KV pool and the graphs that read it go (their memory with them)."""

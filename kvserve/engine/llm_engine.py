@@ -14,7 +14,7 @@ import logging
 import time
 
 from kvserve.config import EngineConfig
-from kvserve.engine import kv_plan, kv_policy, lookahead
+from kvserve.engine import kv_plan, kv_policy, lookahead, startup
 from kvserve.engine.faults import RequestFailedError
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.lookahead import InFlight
@@ -41,36 +41,29 @@ log = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
-def _snapshot_defaults(config: EngineConfig, manifest: dict) -> EngineConfig:
-    """A snapshot's KV-cache dtype is the default of the engines it starts (an explicit one wins)."""
-    kv = manifest.get("kv_cache_dtype", "auto")
-    cache = config.cache
-    if cache.kv_cache_dtype != "auto" or kv == "auto":
-        return config
-    from kvserve.kv_format import default_block_size
-    block = None if cache.block_size == default_block_size("auto") else cache.block_size
-    return dataclasses.replace(config, cache=dataclasses.replace(cache, kv_cache_dtype=kv, block_size=block))
-
-
 class LLMEngine(MemoryControls):
     def __init__(self, config: EngineConfig):
+        t_start = time.perf_counter()
         self.config = config
         src = loader.resolve(config.model)
         if src.kind == "snapshot":
-            config = _snapshot_defaults(config, src.handle)
+            config = startup.snapshot_defaults(config, src.handle)
         self.model_name = src.name
         self.arch = src.arch
-        self.tokenizer = load_tokenizer(src.kind, src.path, config.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        times: dict[str, float] = {}  # start-up phases (engine/startup.py)
+        tokenizer = startup.in_background(times, "tokenizer", load_tokenizer, src.kind, src.path, config.tokenizer)
         limit = src.arch.max_position_embeddings
         want = config.scheduler.max_model_len
         if want is not None and want > limit:
             raise InvalidRequestError("max_model_len", f"must be <= the model's context length {limit}, got {want}")
         self.max_model_len = want or limit
         self.runner = ModelRunner(config, src, self.max_model_len)
+        self.tokenizer = tokenizer.result()
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.config = config = self.runner.config  # with the device's defaults resolved
         rt = self.runner
-        kv_bytes = rt.determine_kv_memory()
+        with startup.timed(times, "kv_profile"):
+            kv_bytes = rt.determine_kv_memory()
         self.kv_policy: kv_policy.KVPolicyChoice | None = None  # what kv_policy "auto" chose, and why
         if config.cache.kv_policy == "auto":
             chosen, self.kv_policy = kv_policy.choose(config, src.arch, rt, kv_bytes, self.max_model_len)
@@ -116,8 +109,11 @@ class LLMEngine(MemoryControls):
         # for the process's life: out of the collector's reach, a full collection during a run
         # walks only what requests allocate, not the whole heap. Frozen objects are still freed
         # by reference counting.
-        gc.collect()
-        gc.freeze()
+        with startup.timed(times, "gc"):
+            gc.collect()
+            gc.freeze()
+        self.startup_seconds = startup.ordered({**times, **rt.startup_seconds, "total": time.perf_counter() - t_start})
+        log.info("started in %.2f s: %s", self.startup_seconds["total"], startup.describe(self.startup_seconds))
 
     def _speculator(self, spec, src):
         from kvserve.engine.spec.speculator import Speculator

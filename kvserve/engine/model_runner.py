@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -73,10 +72,9 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
         self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
         self._check_quantization()
-        t0 = time.perf_counter()
         self.packed_weights: frozenset[str] = frozenset()
+        self.startup_seconds: dict[str, float] = {}  # this runner's phases (engine/startup.py)
         self.model = self._build_and_load()
-        self.load_time = time.perf_counter() - t0
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
             from kvserve.errors import ConfigError

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvserve.engine.device import default_dtype
+from kvserve.engine.startup import timed
 from kvserve.errors import ConfigError
 from kvserve.layers.quant_linear import quantize_model
+from kvserve.layers.weight_init import loaded_later
 from kvserve.models import loader, snapshot
 from kvserve.progress import progress
 
@@ -40,7 +42,10 @@ class ModelWeights:
 
     def _build_and_load(self) -> torch.nn.Module:
         """The model with its weights from the source, quantized where configured."""
-        with default_dtype(self.dtype), torch.device(self.device):
+        # A snapshot's load and dummy weights write every parameter (a snapshot missing one is
+        # refused): random initialisation first would be spent for nothing.
+        with (default_dtype(self.dtype), torch.device(self.device), timed(self.startup_seconds, "build"),
+              loaded_later(self.src.kind in ("snapshot", "dummy"))):
             model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
                      else loader.build_model(self.src.arch, self.max_model_len, self.tp))
         # Checkpoint tensors kept packed (a GGUF's blocks, an AWQ/GPTQ checkpoint's int4): the
@@ -55,10 +60,11 @@ class ModelWeights:
             from kvserve.models import awq_gptq
             packed = {k: t for k, t in loader.iter_weights(src) if k.endswith(awq_gptq.TENSORS)}
             self.packed_weights = awq_gptq.pack_projections(model, packed, src.quant_config or {}, src.name)
-        self.load_weights(model)
-        model.eval()
-        if quant is not None and quant.method not in ("none", "awq", "gptq", "gguf"):
-            quantize_model(model, quant)
+        with timed(self.startup_seconds, "weights"):
+            self.load_weights(model)
+            model.eval()
+            if quant is not None and quant.method not in ("none", "awq", "gptq", "gguf"):
+                quantize_model(model, quant)
         return model
 
     def reload_weights(self, into: dict[str, torch.Tensor]) -> None:

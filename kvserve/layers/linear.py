@@ -17,6 +17,7 @@ from torch import nn
 from kvserve import kernels
 from kvserve.config import KernelConfig
 from kvserve.layers.forward_context import kernel_config
+from kvserve.layers.weight_init import initialising
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear", kernel: KernelConfig | None = None) -> bool:
@@ -37,6 +38,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        if initialising():  # not while building for weights loaded next (layers/weight_init.py)
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 

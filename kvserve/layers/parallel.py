@@ -30,6 +30,7 @@ from torch import nn
 
 from kvserve.errors import ConfigError
 from kvserve.layers.linear import Linear, linear
+from kvserve.layers.weight_init import Embedding
 
 TIMEOUT = datetime.timedelta(seconds=300)  # a collective that waits longer: a rank hangs
 
@@ -176,7 +177,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def embedding(vocab_size: int, hidden_size: int, tp: TPGroup | None) -> nn.Module:
-    return nn.Embedding(vocab_size, hidden_size) if tp is None else VocabParallelEmbedding(vocab_size, hidden_size, tp)
+    return Embedding(vocab_size, hidden_size) if tp is None else VocabParallelEmbedding(vocab_size, hidden_size, tp)
 
 
 # -- cutting full tensors to the rank's slice -------------------------------------------------

@@ -35,6 +35,7 @@ from kvserve.layers.attention import get_forward_context
 from kvserve.layers.linear import Linear, linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.weight_init import Embedding
 from kvserve.models.arch import ModelArch
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -105,7 +106,7 @@ class Gemma3ForCausalLM(nn.Module):
         if not arch.layer_windows:
             raise ModelLoadError("a Gemma 3 model needs its layer types")
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         # As transformers does: sqrt(hidden) in float32, rounded to the embedding's dtype.
         self.register_buffer("embed_scale", torch.tensor(arch.hidden_size ** 0.5), persistent=False)
         local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta)

@@ -8,13 +8,13 @@
       model-00001.safetensors gate_up_proj), in the dtype the engine runs; shards of <= 1 GiB
       tokenizer/             the tokenizer and its chat template (transformers' save_pretrained)
 
-Loading memory-maps each shard (safetensors ``safe_open``) and copies every tensor into the
-parameter of the same name: on CUDA through two pinned staging buffers whose copies to the
-device run on a side stream, so reading the next tensor from the page cache overlaps the last
-one's transfer. The checksums are verified at load, in threads beside the copies (hashlib
-releases the GIL, so shards hash in parallel); a mismatch fails the load before the engine is
-returned. sha256 because it is in the standard library everywhere kvserve runs and, hashed
-shard by shard on several cores, keeps up with a disk read.
+Loading reads every byte once (``shard_reader.py``): the headers first, checked against the
+model (names, shapes, dtypes) before any data is read; then several shards at once, one per
+thread, each hashed on the very bytes read. On the CPU a read lands in the parameter's own
+storage; on CUDA in one of the thread's two pinned buffers, copied to the device on the
+thread's own stream while the other buffer fills. A checksum mismatch fails the load before the
+engine is returned. sha256 because it is in the standard library everywhere kvserve runs and,
+hashed shard by shard on several cores, keeps up with a disk read.
 
 A snapshot is refused, never silently converted, when its format version is not this one, when
 a file's checksum or size does not match, when its tensors do not match the model its manifest
@@ -34,14 +34,18 @@ import shutil
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.models import shard_reader
 from kvserve.models.arch import ModelArch
 from kvserve.progress import progress
 
 FORMAT_VERSION = 1
 MANIFEST = "kvserve_snapshot.json"
 SHARD_BYTES = 1 << 30
-STAGING_BYTES = 256 << 20  # each of the two pinned staging buffers
 _READ_CHUNK = 16 << 20
+# Loading: a read's size (on CUDA also each of a thread's two pinned buffers) and the most
+# shards read at once (each on its own thread, hashed by it).
+LOAD_CHUNK_BYTES = 16 << 20
+LOAD_THREADS = 16
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -183,96 +187,94 @@ def _sha256(path: str) -> str:
 # -- loading ---------------------------------------------------------------------------------
 def load_into(model: torch.nn.Module, path: str, manifest: dict, device: torch.device,
               show_progress: bool = False) -> None:
-    """Copy the snapshot's tensors into ``model``'s parameters (already on ``device``) and verify
-    every file's checksum; raises ModelLoadError on any mismatch."""
-    from safetensors import SafetensorError, safe_open
+    """Read the snapshot's tensors into ``model``'s parameters (already on ``device``) and verify
+    every file's checksum; raises ModelLoadError on any mismatch, before the model is used."""
     files = manifest.get("files") or {}
     params = dict(model.named_parameters())
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(files))),
-                                                 thread_name_prefix="kvserve-verify")
     try:
-        digests = {f: pool.submit(_sha256, os.path.join(path, f)) for f in files if _check_size(path, f, files[f])}
-        seen: set[str] = set()
-        stager = _Stager(device) if device.type == "cuda" else None
-        bar = progress(show_progress, "Loading snapshot", "tensor", total=len(params))
-        for fname in files:
-            fpath = os.path.join(path, fname)
-            try:
-                with safe_open(fpath, framework="pt") as f:
-                    for name in f.keys():
-                        dst = params.get(name)
-                        src = f.get_tensor(name)
-                        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                            want = "no such parameter" if dst is None else f"{tuple(dst.shape)} {dst.dtype}"
-                            raise ModelLoadError(f"{fpath}: tensor {name!r} ({tuple(src.shape)} {src.dtype}) does "
-                                                 f"not match the model its manifest describes ({want})")
-                        with torch.no_grad():
-                            if stager is None:
-                                dst.data.copy_(src)
-                            else:
-                                stager.copy(src, dst.data)
-                        seen.add(name)
-                        if bar is not None:
-                            bar.update(1)
-            except SafetensorError as e:
-                raise ModelLoadError(f"{fpath}: corrupt or truncated safetensors file ({e})") from None
-        if stager is not None:
-            stager.finish()
+        for fname, entry in files.items():
+            _check_size(path, fname, entry)
+        headers = {os.path.join(path, f): shard_reader.read_header(os.path.join(path, f)) for f in files}
+        _check_tensors(path, headers, params)
+        # Each parameter's bytes, flat: a read or a copy lands in the parameter itself.
+        dests = {name: p.detach().view(-1).view(torch.uint8) for name, p in params.items()}
+        if device.type == "cuda":
+            # The loading threads name the device by index (a new thread's current device is 0).
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+            after = torch.cuda.current_stream(device)  # the parameters were allocated on it
+            make_sink = lambda: _CudaSink(dests, device, after)  # noqa: E731
+        else:
+            make_sink = lambda: shard_reader.DirectSink(dests)  # noqa: E731
+        bar = progress(show_progress, "Loading snapshot", "MiB", total=sum(e["bytes"] for e in files.values()) >> 20)
+
+        def verify(fpath: str, digest: str | None) -> None:
+            if digest is not None and digest != files[os.path.basename(fpath)]["sha256"]:
+                raise ModelLoadError(f"{fpath}: sha256 does not match the manifest: the file changed or is "
+                                     f"damaged; write the snapshot again")
+
+        shard_reader.read_files(list(headers.items()), make_sink, LOAD_CHUNK_BYTES, load_threads(), verify,
+                                None if bar is None else lambda n: bar.update(n / 2**20))
         if bar is not None:
             bar.close()
-        missing = sorted(set(params) - seen)
-        if missing:
-            raise ModelLoadError(f"{path}: the snapshot lacks {len(missing)} parameters, e.g. {missing[:3]}")
-        for fname, fut in digests.items():
-            if fut.result() != files[fname]["sha256"]:
-                raise ModelLoadError(f"{os.path.join(path, fname)}: sha256 does not match the manifest: the "
-                                     f"file changed or is damaged; write the snapshot again")
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read the snapshot ({e})") from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _check_size(path: str, fname: str, entry: dict) -> bool:
+def load_threads() -> int:
+    """Shards read at once: one per core (each hashes its own shard), at most LOAD_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, LOAD_THREADS))
+
+
+def _check_size(path: str, fname: str, entry: dict) -> None:
     fpath = os.path.join(path, fname)
     if not os.path.isfile(fpath):
         raise ModelLoadError(f"{fpath}: missing; the snapshot is incomplete, write it again")
     if os.path.getsize(fpath) != entry.get("bytes"):
         raise ModelLoadError(f"{fpath}: {os.path.getsize(fpath)} bytes, the manifest says {entry.get('bytes')}: "
                              f"the file changed or is truncated; write the snapshot again")
-    return True
 
 
-class _Stager:
-    """Host -> device copies through two pinned buffers: while one buffer's bytes travel on the
-    copy stream, the host fills the other from the memory map (a plain CPU tensor cannot be
-    copied asynchronously; a pinned one can)."""
+def _check_tensors(path: str, headers: dict[str, shard_reader.Header], params: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the files is a parameter of the model, of its shape and dtype, once; every
+    parameter is in the files."""
+    seen: set[str] = set()
+    for fpath, header in headers.items():
+        for s in header.spans:
+            dst = params.get(s.name)
+            if dst is None or dst.shape != s.shape or dst.dtype != s.dtype or s.name in seen:
+                want = ("no such parameter" if dst is None else "a second copy" if s.name in seen
+                        else f"{tuple(dst.shape)} {dst.dtype}")
+                raise ModelLoadError(f"{fpath}: tensor {s.name!r} ({s.shape} {s.dtype}) does not match the "
+                                     f"model its manifest describes ({want})")
+            seen.add(s.name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ModelLoadError(f"{path}: the snapshot lacks {len(missing)} parameters, e.g. {missing[:3]}")
 
-    def __init__(self, device: torch.device, nbytes: int = STAGING_BYTES):
-        self.device = device
-        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.done = [None, None]  # the event after each buffer's last copy
+
+class _CudaSink(shard_reader.StagedSink):
+    """A loading thread's device copies: its chunks go through two pinned buffers, each copied
+    to the parameters on the thread's own stream; an event after each buffer's copies lets the
+    host refill it only once its bytes have left."""
+
+    def __init__(self, dests: dict[str, torch.Tensor], device: torch.device, after: torch.cuda.Stream):
+        torch.cuda.set_device(device)  # this thread's
+        super().__init__(dests, [torch.empty(LOAD_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+                                 for _ in range(2)])
         self.stream = torch.cuda.Stream(device)
-        # The parameters were allocated (and filled) on the current stream.
-        self.stream.wait_stream(torch.cuda.current_stream(device))
-        self.turn = 0
+        self.stream.wait_stream(after)
+        self.events: list[torch.cuda.Event | None] = [None, None]
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        s = src.contiguous().view(-1).view(torch.uint8)
-        d = dst.view(-1).view(torch.uint8)
-        n, cap = s.numel(), self.bufs[0].numel()
-        for off in range(0, n, cap):
-            k = min(cap, n - off)
-            buf, ev = self.bufs[self.turn], self.done[self.turn]
-            if ev is not None:
-                ev.synchronize()  # the buffer's previous bytes have left
-            buf[:k].copy_(s[off:off + k])
-            with torch.cuda.stream(self.stream):
-                d[off:off + k].copy_(buf[:k], non_blocking=True)
-                ev = self.done[self.turn] = torch.cuda.Event()
-                ev.record(self.stream)
-            self.turn ^= 1
+    def _wait(self, i: int) -> None:
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+
+    def _issue(self, i: int, chunk: shard_reader.Chunk) -> None:
+        with torch.cuda.stream(self.stream):
+            self._copies(i, chunk)
+            self.events[i] = torch.cuda.Event(blocking=True)  # a waiting thread sleeps: the others hash
+            self.events[i].record(self.stream)
 
     def finish(self) -> None:
         self.stream.synchronize()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)

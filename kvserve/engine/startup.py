@@ -1,0 +1,74 @@
+"""An engine's start-up: the settings a snapshot brings, the tokenizer loaded beside the weights,
+and where the seconds go.
+
+``LLMEngine.startup_seconds`` holds one entry per phase (logged once at INFO when the engine is
+ready):
+
+    tokenizer     transformers' tokenizer, on its own thread while the weights load
+    build         the model's modules allocated (no random initialisation when every weight is
+                  loaded next: ``layers/weight_init.py``)
+    weights       the weights read (and converted, quantized) into them
+    kv_profile    CUDA: the profiling forward that sizes the KV pool (a snapshot's stored peak
+                  skips it: then only the free memory is read)
+    kv_cache      the KV pool allocated
+    sdpa_warmup   CUDA: cuDNN's first call
+    graphs        CUDA graphs captured at start-up (``cuda_graph_capture`` startup)
+    gc            the full collection before start-up's objects are frozen out of the collector's reach
+    total         ``LLMEngine.__init__`` from first line to last
+
+Phases sum to less than ``total`` (the tokenizer overlaps; the rest is bookkeeping).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvserve.config import EngineConfig
+
+
+@contextmanager
+def timed(into: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's wall time to ``into[phase]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[phase] = into.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def in_background(into: dict[str, float], phase: str, fn: Callable, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on a thread of its own, timed as ``phase``; the thread ends with it."""
+    def run():
+        with timed(into, phase):
+            return fn(*args)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvserve-{phase}")
+    try:
+        return pool.submit(run)
+    finally:
+        pool.shutdown(wait=False)
+
+
+PHASES = ("tokenizer", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup", "graphs", "gc", "total")
+
+
+def ordered(seconds: dict[str, float]) -> dict[str, float]:
+    """The phases in the order of the list above (the tokenizer's thread finishes when it may)."""
+    return {k: seconds[k] for k in sorted(seconds, key=lambda k: PHASES.index(k) if k in PHASES else len(PHASES))}
+
+
+def describe(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items() if k != "total")
+
+
+def snapshot_defaults(config: EngineConfig, manifest: dict) -> EngineConfig:
+    """A snapshot's KV-cache dtype is the default of the engines it starts (an explicit one wins)."""
+    kv = manifest.get("kv_cache_dtype", "auto")
+    cache = config.cache
+    if cache.kv_cache_dtype != "auto" or kv == "auto":
+        return config
+    from kvserve.kv_format import default_block_size
+    block = None if cache.block_size == default_block_size("auto") else cache.block_size
+    return dataclasses.replace(config, cache=dataclasses.replace(cache, kv_cache_dtype=kv, block_size=block))
