@@ -19,10 +19,16 @@ import os
 import warnings
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread, here and in every process the tests start (servers, tensor-parallel ranks,
+# disaggregated instances inherit the environment): the tests' shapes are tiny, so a second thread
+# buys nothing, and where the cores are shared a thread that waits for its preempted sibling spins
+# for the whole time slice, which makes a small matmul many times slower. Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 # Without a GPU, Triton kernels run in its interpreter (tests/kernels call them on CPU tensors).
 # Set before anything imports triton: the decorator reads it.
 if not torch.cuda.is_available():
