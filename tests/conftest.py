@@ -71,9 +71,11 @@ SLOW_TESTS = (
     "server/test_loading.py::test_load_failure_exits_2",
     "server/test_bench.py::",
     "server/test_fuzz.py::",
-    # more cases of a feature whose first case stays in the fast loop
-    "test_disagg.py::test_producer_dying_mid_transfer_means_local_prefill",  # fast: ..._transfer_timeout_...
-    "test_disagg.py::test_mismatched_kv_cache_dtype_is_refused",  # fast: test_gloo_on_random_weights
+    # more cases of a feature that keeps a case in the fast loop: the gloo connector's failures
+    # (test_transfer_timeout_means_local_prefill stays), write-through at exit ([script-ends] and
+    # [cpu-tier] stay)
+    "test_disagg.py::test_producer_dying_mid_transfer_means_local_prefill",
+    "test_disagg.py::test_mismatched_kv_cache_dtype_is_refused",
     "kvtier/test_write_through.py::test_a_process_that_just_ends_leaves_its_prefixes[llm-dropped]",
     "kvtier/test_write_through.py::test_a_process_that_just_ends_leaves_its_prefixes[dies-after-writes]",
     "kvtier/test_write_through.py::test_full_write_queue_drops_without_blocking_and_shutdown_writes_the_rest"
