@@ -34,10 +34,12 @@ def test_pooled_hidden_states_match_transformers(llm, hf_model, tokenizer, how):
     assert torch.dot(torch.tensor(got[0]), torch.tensor(got[2])).item() < 0.99
 
 
-def test_bad_prompts_name_the_field(llm):
+def test_bad_prompts_name_the_field(model_path):
+    """Validation needs no real weights: dummy:tiny with the default model's tokenizer."""
     from kvserve.errors import InvalidRequestError
+    llm = LLM("dummy:tiny", tokenizer=model_path, kv_cache_memory="16MiB", show_progress=False)
     with pytest.raises(InvalidRequestError, match="prompts\\[1\\]"):
-        llm.embed(["fine", [1, 2, 10**9]])
+        llm.embed([[5, 17], [1, 2, 10**9]])
     with pytest.raises(InvalidRequestError, match="prompts\\[0\\]: must not be empty"):
         llm.embed([""])
     with pytest.raises(ValueError, match="pooling"):

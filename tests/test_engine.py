@@ -15,7 +15,7 @@ from tests.prompts import CHAT_QUESTIONS, chat_prompt
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    return LLM(model_path, show_progress=False)
+    return LLM(model_path, show_progress=False, kv_cache_memory="256MiB")
 
 
 def _ids(llm, question):

@@ -49,7 +49,7 @@ def assert_same(got, want, prompts):
 
 
 def test_batch_matches_transformers(model_path, prompts, reference):
-    llm = LLM(model_path, show_progress=False, enable_prefix_caching=False)
+    llm = LLM(model_path, show_progress=False, kv_cache_memory="256MiB", enable_prefix_caching=False)
     got = run(llm, prompts)
     assert_same(got, reference, prompts)
     assert llm.engine.kv.pool.num_used_blocks == 0  # every block back in the pool
@@ -58,7 +58,7 @@ def test_batch_matches_transformers(model_path, prompts, reference):
 
 
 def test_prefix_caching_matches_transformers(model_path, prompts, reference, prefix_prompts, prefix_reference):
-    llm = LLM(model_path, show_progress=False, enable_prefix_caching=True)
+    llm = LLM(model_path, show_progress=False, kv_cache_memory="256MiB", enable_prefix_caching=True)
     # The first pass fills the cache (prompts sharing a prefix also hit each other within a batch)...
     assert_same(run(llm, prefix_prompts), prefix_reference, prefix_prompts)
     hits_first = llm.engine.kv.prefix_hits
@@ -85,6 +85,7 @@ def test_preemption_matches_transformers(model_path, prompts, reference, mode):
 
 
 def test_chunked_prefill_matches_transformers(model_path, prompts, reference):
-    llm = LLM(model_path, show_progress=False, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(model_path, show_progress=False, kv_cache_memory="256MiB", max_num_batched_tokens=64,
+              enable_prefix_caching=False)
     got = run(llm, prompts)
     assert_same(got, reference, prompts)

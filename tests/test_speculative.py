@@ -208,9 +208,9 @@ def test_default_model_greedy_identical_with_layer_skip_drafts(model_path):
     output unchanged, the target's and the draft's KV all given back."""
     prompts = ["What is the capital of France?", "Copy this list: apples, pears, plums, cherries, grapes"]
     params = SamplingParams(max_tokens=24, temperature=0)
-    want = [o.outputs[0].token_ids for o in LLM(model_path, show_progress=False).generate(
+    want = [o.outputs[0].token_ids for o in LLM(model_path, show_progress=False, kv_cache_memory="256MiB").generate(
         prompts, params, use_tqdm=False)]
-    llm = LLM(model_path, show_progress=False,
+    llm = LLM(model_path, show_progress=False, kv_cache_memory="256MiB",
               speculative_config={"method": "layer_skip", "draft_layers": 20, "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     s = llm.stats.spec
@@ -225,8 +225,9 @@ def test_default_model_greedy_identical_with_ngram_drafts(model_path):
     text = ("Copy this list exactly.\napples, pears, plums, cherries, grapes, lemons, limes\n"
             "apples, pears, plums, cherries, grapes, lemons, limes\napples,")
     params = SamplingParams(max_tokens=24, temperature=0)
-    want = LLM(model_path, show_progress=False).generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
-    llm = LLM(model_path, show_progress=False, speculative_config=NGRAM)
+    ref = LLM(model_path, show_progress=False, kv_cache_memory="256MiB")
+    want = ref.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(model_path, show_progress=False, kv_cache_memory="256MiB", speculative_config=NGRAM)
     got = llm.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     assert llm.stats.spec.spec_decode_num_accepted_tokens > 0

@@ -280,7 +280,7 @@ def test_matcher_accepts_lists_and_rolls_back(llm):
 
 @pytest.mark.slow
 def test_default_model_follows_a_schema():
-    llm = LLM(show_progress=False)
+    llm = LLM(show_progress=False, kv_cache_memory="256MiB")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer", "minimum": 0},
                                                "capital": {"type": "boolean"}},

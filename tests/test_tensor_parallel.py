@@ -107,9 +107,9 @@ def test_fewer_kv_heads_than_ranks_then_a_killed_worker():
     def run(llm):
         return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                               use_tqdm=False)]
-    want = run(LLM("dummy:tiny-draft", show_progress=False, device="cpu"))
+    want = run(LLM("dummy:tiny-draft", show_progress=False, device="cpu", kv_cache_memory="16MiB"))
     assert len(set(want[0])) > 3  # not one repeated token
-    llm = LLM("dummy:tiny-draft", show_progress=False, device="cpu", tensor_parallel_size=2)
+    llm = LLM("dummy:tiny-draft", show_progress=False, device="cpu", tensor_parallel_size=2, kv_cache_memory="16MiB")
     assert llm.engine.runner.arch.num_kv_heads == 1
     assert run(llm) == want
     worker = llm.engine.runner.workers.procs[0]
@@ -125,8 +125,8 @@ def test_fewer_kv_heads_than_ranks_then_a_killed_worker():
 def test_default_model_on_three_ranks(tokenizer):
     """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
-    one = _greedy(LLM(show_progress=False, device="cpu"), prompts)
-    with LLM(show_progress=False, device="cpu", tensor_parallel_size=3) as llm:
+    one = _greedy(LLM(show_progress=False, device="cpu", kv_cache_memory="256MiB"), prompts)
+    with LLM(show_progress=False, device="cpu", kv_cache_memory="256MiB", tensor_parallel_size=3) as llm:
         assert llm.engine.runner.arch.num_kv_heads == 1
         assert _greedy(llm, prompts) == one
 

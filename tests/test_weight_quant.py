@@ -92,8 +92,9 @@ def test_default_model_int8_stays_close(default_llm):
 def test_engine_equals_float_model_on_dequantized_weights(method, group):
     """The quantized engine's logits equal an unquantized engine's whose projections hold the
     dequantized weights (same dummy weights: same seed); generation runs and is deterministic."""
-    llm = LLM("dummy:tiny", quantization=method, quantization_group_size=group, show_progress=False)
-    ref = LLM("dummy:tiny", show_progress=False)
+    llm = LLM("dummy:tiny", quantization=method, quantization_group_size=group, show_progress=False,
+              kv_cache_memory="16MiB")
+    ref = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
     assert not any(p.dim() == 2 for p in layer.parameters()), "a projection kept a float weight"
@@ -141,6 +142,6 @@ def test_already_quantized_checkpoint(tmp_path):
 
 
 def test_quantizing_twice():
-    llm = LLM("dummy:tiny", quantization="int8", show_progress=False)
+    llm = LLM("dummy:tiny", quantization="int8", show_progress=False, kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match="already quantized"):
         quantize_model(llm.engine.runner.model, QuantConfig("int4", 32))
