@@ -95,7 +95,10 @@ def run_side(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[
 
 
 def method_config(name: str, args) -> dict:
-    spec = {"method": name, "num_speculative_tokens": args.k}
+    """``name``: a method, or ``method:k`` for its own num_speculative_tokens (one run can then
+    compare k for one method, e.g. ``ngram:4,ngram:8``)."""
+    name, _, k = name.partition(":")
+    spec = {"method": name, "num_speculative_tokens": int(k) if k else args.k}
     if name == "ngram":
         spec.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
     elif name == "draft_model":
@@ -175,7 +178,8 @@ def batch1(args) -> dict:
             row[side] = {"tok_s": n / best[side], "speedup": best["off"] / best[side],
                          "mean_acceptance_length": 1 + acc / steps if steps else 0.0,
                          "draft_acceptance_rate": acc / checked if checked else 0.0,
-                         "steps": steps, "per_position": position_rates(log, args.k)}
+                         "steps": steps,
+                         "per_position": position_rates(log, sp.config.num_speculative_tokens)}
             r = row[side]
             line += (f" | {side} {r['tok_s']:6.2f} tok/s {r['speedup']:.2f}x, acceptance length "
                      f"{r['mean_acceptance_length']:.2f}")
@@ -189,34 +193,33 @@ def batch1(args) -> dict:
 def step_costs(llm: LLM, sides: dict, args) -> dict:
     """Batch 1 on this machine: the target's step of ``q`` tokens (a verify step of ``q - 1``
     drafts, with every position's logits) against its 1-token step, and each draft model's
-    1-token step, at ``--context`` tokens of context; best of ``--iters``."""
+    1-token step, at ``--context`` tokens of context. The shapes run in turn, ``--iters``
+    rounds, so load from other jobs falls on all of them; each keeps its median and its best."""
     rt = llm.engine.runner
     per = -(-(args.context + args.k + 1) // llm.engine.block_size)
     if per > llm.engine.num_kv_blocks:
         raise SystemExit(f"the KV pool holds {llm.engine.num_kv_blocks} blocks; lower --context")
     table = list(range(per))
-
-    def best(fn) -> float:
-        fn()  # warm-up: first calls at a shape pay for allocation
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    def target(q: int) -> float:
-        return best(lambda: rt._logits(rt._forward([1] * q, [(args.context, q, table)])[0]))
-
-    base = target(1)
-    out = {"context": args.context, "target_1_token_ms": base * 1e3}
-    for k in range(1, args.k + 1):
-        out[f"verify_k{k}_over_1"] = target(k + 1) / base
+    steps = {f"target_q{q}": (lambda q=q: rt._logits(rt._forward([1] * q, [(args.context, q, table)])[0]))
+             for q in range(1, args.k + 2)}
     for side, sp in sides.items():
         if sp is not None and sp.draft is not None:
-            d = sp.draft
-            out[f"{side}_1_token_ms"] = best(lambda d=d: d._forward([1], [(args.context, 1, table)])) * 1e3
-    print("step costs: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
+            steps[f"{side}_q1"] = lambda d=sp.draft: d._forward([1], [(args.context, 1, table)])
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for fn in steps.values():
+        fn()  # warm-up: first calls at a shape pay for allocation
+    for _ in range(args.iters):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    base = med["target_q1"]
+    out = {"context": args.context, "iters": args.iters, "loadavg": os.getloadavg(),
+           "ms": {name: {"median": med[name] * 1e3, "best": min(t) * 1e3} for name, t in times.items()},
+           "over_target_1_token": {name: med[name] / base for name in steps}}
+    print("step costs (median ms, / the target's 1-token step): " + ", ".join(
+        f"{name} {med[name] * 1e3:.0f} ({med[name] / base:.2f})" for name in steps), flush=True)
     return out
 
 
@@ -346,7 +349,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram"],
-                    help="batch 1: methods against drafts off, of ngram, draft_model, layer_skip")
+                    help="batch 1: methods against drafts off, of ngram, draft_model, layer_skip; "
+                    "method:k for its own num_speculative_tokens")
     ap.add_argument("--draft", default=None, help="draft_model's model (GGUF file, HF directory, dummy:<preset>)")
     ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip's draft_layers")
     ap.add_argument("--prompts", type=int, default=4, help="batch 1: prompts per workload")
@@ -358,8 +362,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--graph-rows", type=int, default=512,
                     help="--verify-cost: the most rows a decode CUDA graph holds (cuda_graph_max_batch)")
-    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
-                    help=f"batch 1: of {', '.join(WORKLOADS)}")
+    ap.add_argument("--workloads", type=lambda s: [w for w in s.split(",") if w], default=list(WORKLOADS),
+                    help=f"batch 1: of {', '.join(WORKLOADS)} ('': none, e.g. with --step-costs alone)")
     ap.add_argument("--lookup-min", type=int, default=2, help="ngram's prompt_lookup_min")
     ap.add_argument("--lookup-max", type=int, default=5, help="ngram's prompt_lookup_max")
     ap.add_argument("--step-costs", action="store_true",
