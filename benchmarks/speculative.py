@@ -155,6 +155,7 @@ def batch1(args) -> dict:
         texts = WORKLOADS[name]
         prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:args.prompts]]
         best = dict.fromkeys(sides, float("inf"))
+        times: dict[str, list[float]] = {side: [] for side in sides}
         tokens = {}
         for sp in sides.values():
             if sp is not None:
@@ -165,8 +166,12 @@ def batch1(args) -> dict:
                 toks, dt = run_side(llm, prompts, args.max_tokens)
                 tokens[side] = toks
                 best[side] = min(best[side], dt)
+                times[side].append(dt)
         n = sum(map(len, tokens["off"]))
-        row = {"tokens": n, "off_tok_s": n / best["off"], "loadavg": os.getloadavg()}
+        # Decode steps of the target with drafts off (each prompt's first token is its prefill's).
+        decode = n - len(prompts)
+        row = {"tokens": n, "off_tok_s": n / best["off"], "loadavg": os.getloadavg(), "times_s": times,
+               "off_decode_steps": decode}
         line = f"{name:8s} {n:5d} tokens | off {row['off_tok_s']:6.2f} tok/s"
         for side, sp in sides.items():
             if sp is None:
@@ -179,6 +184,10 @@ def batch1(args) -> dict:
                          "mean_acceptance_length": 1 + acc / steps if steps else 0.0,
                          "draft_acceptance_rate": acc / checked if checked else 0.0,
                          "steps": steps,
+                         # Each accepted draft saves one target step: the speedup if a verify step
+                         # cost a 1-token step and drafting were free, free of the machine's load.
+                         "target_steps": decode - acc / args.repeats,
+                         "step_bound_speedup": decode / (decode - acc / args.repeats),
                          "per_position": position_rates(log, sp.config.num_speculative_tokens)}
             r = row[side]
             line += (f" | {side} {r['tok_s']:6.2f} tok/s {r['speedup']:.2f}x, acceptance length "
