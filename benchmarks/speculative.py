@@ -10,11 +10,15 @@ target's weights, on three workloads:
 - held_out: prompts on Python's own documentation topics, tuned for no method.
 Prints output tokens/s of every side, each method's speedup and mean acceptance length (tokens
 a verify step emits: accepted drafts + 1), and checks all sides emit the same tokens. The JSON
-keeps each method's per-draft acceptance rate per workload for ``--replay``.
+keeps each method's acceptance rate per workload and per draft position (draft j kept, given
+the j before it were) for ``--replay``, the load times and the load average. ``--step-costs``
+first times, on the loaded models, a verify step of k + 1 tokens against a 1-token step of the
+target and each draft model's 1-token step (what a mean acceptance length must beat).
 
 ``--replay JSON`` (for a GPU): end to end at ``--batches``, drafts off against drafts accepted at
-the rates a batch-1 run measured (synthetic acceptance: the verify step keeps each draft with
-that probability; the draft model, if ``--draft``, really runs). Times only.
+the rates a batch-1 run measured (synthetic acceptance: the verify step keeps draft j with its
+position's probability while the ones before it are kept; the draft model, if ``--draft``,
+really runs). Times only.
 
 ``--verify-cost`` (for a GPU, e.g. ``--model dummy:llama-3-8b``): the time of one verify step of
 ``k + 1`` tokens per sequence against a 1-token decode step, for k = 1..8 at batch 1, 8, 32, 128
@@ -29,8 +33,8 @@ sets ``verify_token_budget``.
     python benchmarks/fetch_qwen_pair.py /tmp/qwen                     # the real pair, then:
     python benchmarks/speculative.py --model /tmp/qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
         --methods ngram,draft_model,layer_skip --draft /tmp/qwen/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
-        --draft-layers 20 --out $OUT
-    python benchmarks/speculative.py --replay benchmarks/results/speculative_qwen_cpu.json \
+        --draft-layers 20 --step-costs --out $OUT --name speculative_cpu_qwen_pair.json
+    python benchmarks/speculative.py --replay benchmarks/results/speculative/speculative_cpu_qwen_pair.json \
         --model dummy:llama-3-8b --methods ngram,draft_model --draft dummy:llama-3.2-1b \
         --max-tokens 128 --out $OUT    # GPU
     python benchmarks/speculative.py --verify-cost --model dummy:llama-3-8b --out $OUT   # GPU
@@ -91,9 +95,12 @@ def run_side(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[
 
 
 def method_config(name: str, args) -> dict:
-    spec = {"method": name, "num_speculative_tokens": args.k}
+    """``name``: a method, or ``method:k`` for its own num_speculative_tokens (one run can then
+    compare k for one method, e.g. ``ngram:4,ngram:8``)."""
+    name, _, k = name.partition(":")
+    spec = {"method": name, "num_speculative_tokens": int(k) if k else args.k}
     if name == "ngram":
-        spec.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        spec.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
     elif name == "draft_model":
         spec["model"] = args.draft
     elif name == "layer_skip":
@@ -118,14 +125,37 @@ def speculators(llm: LLM, args) -> dict:
     return out
 
 
+def position_rates(log: list[tuple[int, int]], k: int) -> dict:
+    """Per draft position j (from 0): how often draft j was proposed, reached (the j drafts
+    before it accepted) and accepted. ``rate``: accepted / reached, the chance draft j is kept
+    once the ones before it are (what ``--replay`` draws with)."""
+    proposed, reached, accepted = [0] * k, [0] * k, [0] * k
+    for n, a in log:
+        for j in range(n):
+            proposed[j] += 1
+            reached[j] += j <= a
+            accepted[j] += j < a
+    return {"proposed": proposed, "reached": reached, "accepted": accepted,
+            "rate": [a / r if r else None for a, r in zip(accepted, reached)]}
+
+
 def batch1(args) -> dict:
+    t0 = time.perf_counter()
     llm = LLM(args.model, show_progress=False, kv_cache_memory="512MiB",
               speculative_config=method_config("ngram", args))  # an engine set up for drafts
+    load = {"target_s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
     sides = speculators(llm, args)
-    out = {}
-    for name, texts in WORKLOADS.items():
+    load["speculators_s"] = time.perf_counter() - t0
+    print(f"load: target {load['target_s']:.1f} s, speculators {load['speculators_s']:.1f} s", flush=True)
+    out = {"load": load}
+    if args.step_costs:
+        out["step_costs"] = step_costs(llm, sides, args)
+    for name in args.workloads:
+        texts = WORKLOADS[name]
         prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:args.prompts]]
         best = dict.fromkeys(sides, float("inf"))
+        times: dict[str, list[float]] = {side: [] for side in sides}
         tokens = {}
         for sp in sides.values():
             if sp is not None:
@@ -136,8 +166,12 @@ def batch1(args) -> dict:
                 toks, dt = run_side(llm, prompts, args.max_tokens)
                 tokens[side] = toks
                 best[side] = min(best[side], dt)
+                times[side].append(dt)
         n = sum(map(len, tokens["off"]))
-        row = {"tokens": n, "off_tok_s": n / best["off"]}
+        # Decode steps of the target with drafts off (each prompt's first token is its prefill's).
+        decode = n - len(prompts)
+        row = {"tokens": n, "off_tok_s": n / best["off"], "loadavg": os.getloadavg(), "times_s": times,
+               "off_decode_steps": decode}
         line = f"{name:8s} {n:5d} tokens | off {row['off_tok_s']:6.2f} tok/s"
         for side, sp in sides.items():
             if sp is None:
@@ -148,13 +182,53 @@ def batch1(args) -> dict:
             checked = sum(a + (a < d) for d, a in log)  # accepted drafts and the first rejected one
             row[side] = {"tok_s": n / best[side], "speedup": best["off"] / best[side],
                          "mean_acceptance_length": 1 + acc / steps if steps else 0.0,
-                         "draft_acceptance_rate": acc / checked if checked else 0.0}
+                         "draft_acceptance_rate": acc / checked if checked else 0.0,
+                         "steps": steps,
+                         # Each accepted draft saves one target step: the speedup if a verify step
+                         # cost a 1-token step and drafting were free, free of the machine's load.
+                         "target_steps": decode - acc / args.repeats,
+                         "step_bound_speedup": decode / (decode - acc / args.repeats),
+                         "per_position": position_rates(log, sp.config.num_speculative_tokens)}
             r = row[side]
             line += (f" | {side} {r['tok_s']:6.2f} tok/s {r['speedup']:.2f}x, acceptance length "
                      f"{r['mean_acceptance_length']:.2f}")
         out[name] = row
         print(line, flush=True)
     llm.engine.speculator = None
+    return out
+
+
+@torch.inference_mode()
+def step_costs(llm: LLM, sides: dict, args) -> dict:
+    """Batch 1 on this machine: the target's step of ``q`` tokens (a verify step of ``q - 1``
+    drafts, with every position's logits) against its 1-token step, and each draft model's
+    1-token step, at ``--context`` tokens of context. The shapes run in turn, ``--iters``
+    rounds, so load from other jobs falls on all of them; each keeps its median and its best."""
+    rt = llm.engine.runner
+    per = -(-(args.context + args.k + 1) // llm.engine.block_size)
+    if per > llm.engine.num_kv_blocks:
+        raise SystemExit(f"the KV pool holds {llm.engine.num_kv_blocks} blocks; lower --context")
+    table = list(range(per))
+    steps = {f"target_q{q}": (lambda q=q: rt._logits(rt._forward([1] * q, [(args.context, q, table)])[0]))
+             for q in range(1, args.k + 2)}
+    for side, sp in sides.items():
+        if sp is not None and sp.draft is not None:
+            steps[f"{side}_q1"] = lambda d=sp.draft: d._forward([1], [(args.context, 1, table)])
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for fn in steps.values():
+        fn()  # warm-up: first calls at a shape pay for allocation
+    for _ in range(args.iters):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    base = med["target_q1"]
+    out = {"context": args.context, "iters": args.iters, "loadavg": os.getloadavg(),
+           "ms": {name: {"median": med[name] * 1e3, "best": min(t) * 1e3} for name, t in times.items()},
+           "over_target_1_token": {name: med[name] / base for name in steps}}
+    print("step costs (median ms, / the target's 1-token step): " + ", ".join(
+        f"{name} {med[name] * 1e3:.0f} ({med[name] / base:.2f})" for name in steps), flush=True)
     return out
 
 
@@ -168,15 +242,22 @@ def replay(args) -> dict:
     from kvserve.engine.spec import rejection, speculator
     with open(args.replay) as f:
         measured = json.load(f)["batch1"]
+    measured = {w: row for w, row in measured.items() if w in WORKLOADS}  # not "load", "step_costs"
     gen = torch.Generator().manual_seed(0)
-    state = {"a": 1.0}
+    state = {"a": [0.0]}
 
     def synthetic_verify(logits, row, drafts, draft_probs, generator):
         best = logits.argmax(dim=-1).tolist()
-        m = 0
-        while m < len(drafts) and float(torch.rand(1, generator=gen)) < state["a"]:
+        a, m = state["a"], 0
+        while m < len(drafts) and float(torch.rand(1, generator=gen)) < a[min(m, len(a) - 1)]:
             m += 1
         return drafts[:m] + [best[m]]
+
+    def rates(r: dict) -> list[float]:
+        """Draft j's acceptance rate given the ones before it were kept; a position the batch-1
+        run never reached takes the method's overall per-draft rate."""
+        per = r.get("per_position", {}).get("rate") or []
+        return [x if x is not None else r["draft_acceptance_rate"] for x in per] or [r["draft_acceptance_rate"]]
 
     rejection.verify_request = synthetic_verify
     speculator.propose_ngram = lambda tokens, k, lo, hi: [int(tokens[-1])] * k
@@ -198,7 +279,7 @@ def replay(args) -> dict:
                 for side, sp in sides.items():
                     if sp is not None and side not in row:
                         continue
-                    state["a"] = row[side]["draft_acceptance_rate"] if sp is not None else 0.0
+                    state["a"] = rates(row[side]) if sp is not None else [0.0]
                     llm.engine.speculator = sp
                     t0 = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)
@@ -210,7 +291,8 @@ def replay(args) -> dict:
                 if side == "off" or side not in row:
                     continue
                 a = row[side]["draft_acceptance_rate"]
-                res[side] = {"rate": a, "tok_s": n / best[side], "speedup": best["off"] / best[side]}
+                res[side] = {"rate": a, "rates": rates(row[side]), "tok_s": n / best[side],
+                             "speedup": best["off"] / best[side]}
                 line += f" | {side} a={a:.2f} {res[side]['tok_s']:8.1f} tok/s {res[side]['speedup']:.2f}x"
             out[f"{w}/{B}"] = res
             print(line + " (synthetic acceptance)", flush=True)
@@ -276,7 +358,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", type=lambda s: s.split(","), default=["ngram"],
-                    help="batch 1: methods against drafts off, of ngram, draft_model, layer_skip")
+                    help="batch 1: methods against drafts off, of ngram, draft_model, layer_skip; "
+                    "method:k for its own num_speculative_tokens")
     ap.add_argument("--draft", default=None, help="draft_model's model (GGUF file, HF directory, dummy:<preset>)")
     ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip's draft_layers")
     ap.add_argument("--prompts", type=int, default=4, help="batch 1: prompts per workload")
@@ -288,8 +371,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--graph-rows", type=int, default=512,
                     help="--verify-cost: the most rows a decode CUDA graph holds (cuda_graph_max_batch)")
-    ap.add_argument("--out", default=None, help="directory for speculative.json")
+    ap.add_argument("--workloads", type=lambda s: [w for w in s.split(",") if w], default=list(WORKLOADS),
+                    help=f"batch 1: of {', '.join(WORKLOADS)} ('': none, e.g. with --step-costs alone)")
+    ap.add_argument("--lookup-min", type=int, default=2, help="ngram's prompt_lookup_min")
+    ap.add_argument("--lookup-max", type=int, default=5, help="ngram's prompt_lookup_max")
+    ap.add_argument("--step-costs", action="store_true",
+                    help="batch 1: first time a verify step against a 1-token step, and each draft's step")
+    ap.add_argument("--out", default=None, help="directory for the JSON")
+    ap.add_argument("--name", default="speculative.json", help="the JSON's file name in --out")
     args = ap.parse_args()
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        ap.error(f"--workloads: unknown {sorted(unknown)}; of {', '.join(WORKLOADS)}")
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -302,7 +394,7 @@ def main() -> None:
         res["batch1"] = batch1(args)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "speculative.json"), "w") as f:
+        with open(os.path.join(args.out, args.name), "w") as f:
             json.dump(res, f, indent=1)
 
 

@@ -92,7 +92,7 @@ class DraftModel:
         if src.arch.num_params > target.arch.num_params:
             raise ConfigError("speculative_config.model", f"the draft ({src.arch.num_params:,} parameters) is larger "
                               f"than the target ({target.arch.num_params:,}); it would cost more than it saves")
-        with torch.device(runner.device), default_dtype(runner.dtype):
+        with torch.device(runner.device), default_dtype(runner.dtype), loader.skip_default_init():
             model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
         if src.kind == "dummy":
             # Not the target's seed: a random draft of the target's own preset would equal it.
