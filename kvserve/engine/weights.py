@@ -8,7 +8,6 @@ from kvserve.engine.device import default_dtype
 from kvserve.engine.startup import timed
 from kvserve.errors import ConfigError
 from kvserve.layers.quant_linear import quantize_model
-from kvserve.layers.weight_init import loaded_later
 from kvserve.models import loader, snapshot
 from kvserve.progress import progress
 
@@ -42,10 +41,7 @@ class ModelWeights:
 
     def _build_and_load(self) -> torch.nn.Module:
         """The model with its weights from the source, quantized where configured."""
-        # A snapshot's load and dummy weights write every parameter (a snapshot missing one is
-        # refused): random initialisation first would be spent for nothing.
-        with (default_dtype(self.dtype), torch.device(self.device), timed(self.startup_seconds, "build"),
-              loaded_later(self.src.kind in ("snapshot", "dummy"))):
+        with default_dtype(self.dtype), torch.device(self.device), timed(self.startup_seconds, "build"):
             model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
                      else loader.build_model(self.src.arch, self.max_model_len, self.tp))
         # Checkpoint tensors kept packed (a GGUF's blocks, an AWQ/GPTQ checkpoint's int4): the

@@ -8,7 +8,6 @@ of ``attn_q`` / ``attn_k`` rows is undone.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -20,6 +19,7 @@ import torch
 
 from kvserve import envs
 from kvserve.errors import ModelLoadError
+from kvserve.layers.weight_init import loaded_later
 from kvserve.models.arch import ModelArch
 from kvserve.models.presets import DUMMY_PRESETS
 
@@ -163,26 +163,11 @@ def _iter_safetensors(directory: str, lazy: bool = False) -> Iterator[tuple[str,
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
-@contextlib.contextmanager
-def skip_default_init():
-    """Build modules without torch's default initialisation of Linear and Embedding weights:
-    every parameter is then loaded (``load_weights`` refuses a model with one missing) or drawn
-    by ``init_dummy_weights``, and the default draws (kaiming-uniform on the CPU) cost as long
-    as dequantizing a GGUF file of the same model."""
-    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
-    for cls in saved:
-        cls.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        for cls, fn in saved.items():
-            cls.reset_parameters = fn
-
-
 def build_model(arch: ModelArch, max_positions: int, tp=None) -> torch.nn.Module:
-    """The model of ``arch``'s family, its weights not yet loaded (nor initialised:
-    ``skip_default_init``); ``tp``: this rank's ``TPGroup`` when its layers are split across ranks."""
-    with skip_default_init():
+    """The model of ``arch``'s family, its weights not yet loaded (nor initialised: every loader
+    writes every parameter and refuses a source that lacks one, ``layers/weight_init.py``);
+    ``tp``: this rank's ``TPGroup`` when its layers are split across ranks."""
+    with loaded_later():
         return _build(arch, max_positions, tp)
 
 

@@ -31,6 +31,7 @@ from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import Request
 from kvserve.errors import ConfigError
 from kvserve.layers.attention import ForwardContext, forward_context
+from kvserve.layers.weight_init import loaded_later
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sampling_params import MIN_TEMPERATURE
@@ -92,7 +93,7 @@ class DraftModel:
         if src.arch.num_params > target.arch.num_params:
             raise ConfigError("speculative_config.model", f"the draft ({src.arch.num_params:,} parameters) is larger "
                               f"than the target ({target.arch.num_params:,}); it would cost more than it saves")
-        with torch.device(runner.device), default_dtype(runner.dtype), loader.skip_default_init():
+        with torch.device(runner.device), default_dtype(runner.dtype), loaded_later():
             model = LlamaForCausalLM(src.arch, max_positions=runner.max_model_len)
         if src.kind == "dummy":
             # Not the target's seed: a random draft of the target's own preset would equal it.
