@@ -262,7 +262,10 @@ def replay(args) -> dict:
     rejection.verify_request = synthetic_verify
     speculator.propose_ngram = lambda tokens, k, lo, hi: [int(tokens[-1])] * k
     B_max = max(args.batches)
-    llm = LLM(args.model, show_progress=False, max_num_seqs=B_max,
+    # A fixed pool: the speculators built below allocate their drafts' KV beside the target's, so
+    # the target must not take the device's free memory as it does by default.
+    kv = args.kv_cache_memory or ("24GiB" if torch.cuda.is_available() else "256MiB")
+    llm = LLM(args.model, show_progress=False, max_num_seqs=B_max, kv_cache_memory=kv,
               max_model_len=args.context + args.max_tokens + 32,
               max_num_batched_tokens=max(2048, B_max * (args.k + 1)), cuda_graph_max_batch=args.graph_rows,
               speculative_config=method_config("ngram", args))
@@ -369,6 +372,8 @@ def main() -> None:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, default=512, help="--verify-cost: tokens already in each sequence")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--kv-cache-memory", default=None, help="--replay: the target's KV pool (default 24GiB on "
+                    "CUDA, 256MiB on the CPU; each draft's pool has as many blocks)")
     ap.add_argument("--graph-rows", type=int, default=512,
                     help="--verify-cost: the most rows a decode CUDA graph holds (cuda_graph_max_batch)")
     ap.add_argument("--workloads", type=lambda s: [w for w in s.split(",") if w], default=list(WORKLOADS),
