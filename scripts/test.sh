@@ -20,7 +20,15 @@ paths=()
 for a in "$@"; do
   case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && paths+=("$a") ;; esac
 done
-[ "${#paths[@]}" -eq 0 ] && set -- tests "$@"
+# The whole suite runs on up to 4 pytest-xdist workers (one per core), a file's tests together on
+# one worker so its module fixtures (servers, engines) start once; -n or -p no:xdist overrides.
+if [ "${#paths[@]}" -eq 0 ]; then
+  set -- tests "$@"
+  case " $* " in *" -n "*|*" -n="*|*" --numprocesses"*|*"no:xdist"*) ;; *)
+    n=$(nproc 2>/dev/null || echo 1); [ "$n" -gt 4 ] && n=4
+    [ "$n" -gt 1 ] && set -- -n "$n" --dist loadfile "$@" ;;
+  esac
+fi
 python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
