@@ -18,9 +18,9 @@ _SKIP = ContextVar("kvserve_weights_loaded_later", default=False)
 
 
 @contextmanager
-def loaded_later(skip: bool = True) -> Iterator[None]:
-    """Layers built inside (this thread only) leave their weights uninitialised when ``skip``."""
-    token = _SKIP.set(skip)
+def loaded_later() -> Iterator[None]:
+    """Layers built inside (this thread only) leave their weights uninitialised."""
+    token = _SKIP.set(True)
     try:
         yield
     finally:
