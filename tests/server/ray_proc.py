@@ -23,8 +23,11 @@ def replica_pids() -> list[int]:
 @contextlib.contextmanager
 def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
     """Yields the base URL once the application is up (and, with ``wait_healthy``, once /health
-    is 200: a probe goes to a replica, so at zero replicas it would start one). On exit: SIGTERM,
-    which deletes the application and stops the local Ray instance."""
+    is 200 with every one of ``--replicas N`` healthy: replicas start one after another, and a
+    router that sees one of two sends everything there; a probe goes to a replica, so at zero
+    replicas it would start one). On exit: SIGTERM, which deletes the application and stops the
+    local Ray instance."""
+    replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # a pipe could fill and block Ray
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), *args],
@@ -40,7 +43,8 @@ def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
                     break
             else:
                 try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    r = httpx.get(f"{url}/health", timeout=2)
+                    if r.status_code == 200 and r.json()["healthy_replicas"] >= replicas:
                         break
                 except httpx.HTTPError:
                     pass
