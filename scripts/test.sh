@@ -21,12 +21,13 @@ for a in "$@"; do
   case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && paths+=("$a") ;; esac
 done
 # The whole suite runs on up to 4 pytest-xdist workers (one per core), a file's tests together on
-# one worker so its module fixtures (servers, engines) start once; -n or -p no:xdist overrides.
+# one worker so its module fixtures (servers, engines) start once, files handed out in the order
+# tests/conftest.py gives them (the longest first); -n or -p no:xdist overrides.
 if [ "${#paths[@]}" -eq 0 ]; then
   set -- tests "$@"
   case " $* " in *" -n "*|*" -n="*|*" --numprocesses"*|*"no:xdist"*) ;; *)
     n=$(nproc 2>/dev/null || echo 1); [ "$n" -gt 4 ] && n=4
-    [ "$n" -gt 1 ] && set -- -n "$n" --dist loadfile "$@" ;;
+    [ "$n" -gt 1 ] && set -- -n "$n" --dist loadfile --no-loadscope-reorder "$@" ;;
   esac
 fi
 python -m pytest "$@"

@@ -1,8 +1,6 @@
 """Compressed KV cache through the whole engine (``--kv-cache-dtype``).
 
-* the Triton backend (kernels in the interpreter on the CPU) gives the same greedy tokens as the
-  PyTorch reference path for every format, on a random Qwen2 model with chunked prefill, blocks
-  filled mid-chunk and decode steps that seal KIVI blocks;
+* the Triton backend against the PyTorch reference path: test_kv_cache_dtype_triton.py;
 * quality on the default model: greedy agreement with full precision over 64-token
   continuations (8-bit: >= 90%), perplexity over a held-out public-domain text of >= 4,000
   tokens (``tests/data/heldout_en.txt``) for every format;
@@ -42,34 +40,6 @@ def _run(llm, prompts, params=GREEDY):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return _make(tmp_path_factory.mktemp("qwen"), "qwen2")[1]
-
-
-@pytest.fixture(scope="module")
-def qwen_prompts():
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 11, 45, 130)]
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_triton_backend_matches_reference_path(qwen, qwen_prompts, fmt):
-    """block_size 16, chunks of 40 tokens: chunks start and end mid-block, KIVI seals blocks from
-    the residual plus the new chunk, decode steps seal one block at a time (8 tokens: the prompts
-    of 11 and 45 cross a block boundary while decoding; each step is the interpreter's time)."""
-    kw = dict(show_progress=False, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=40, dtype="float32",
-              kv_cache_dtype=fmt)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    ref = LLM(qwen, attention_backend="torch", **kw)
-    want = _run(ref, qwen_prompts, params)
-    llm = LLM(qwen, attention_backend="triton", **kw)
-    got = _run(llm, qwen_prompts, params)
-    assert got == want
-    if fmt == "int2":  # the compression is real: 2-bit keys change this model's choices
-        full = _run(LLM(qwen, attention_backend="torch", **{**kw, "kv_cache_dtype": "auto"}), qwen_prompts, params)
-        assert greedy_agreement(got, full) < 1.0
-    for e in (ref, llm):
-        assert e.engine.kv.pool.num_used_blocks == 0
-        assert not e.engine.runner.kv_cache._row
 
 
 # -- quality on the default model ---------------------------------------------------------------
@@ -234,30 +204,6 @@ def test_disk_tier_is_keyed_by_kv_format(tmp_path, tokenizer, fmt):
     s = same.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert s.metrics.num_loaded_tokens >= 256
     assert s.outputs[0].token_ids == want
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    return _make(tmp_path_factory.mktemp("qwen3"), "qwen3")[1]  # head_dim 32: int4's fast path
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kivi_16_token_blocks_in_float16_triton(qwen3, qwen_prompts):
-    """int4 over 16-token blocks in a float16 model on the Triton kernels (the interpreter
-    here; 16-key tiles were once wrong on the H200 and refused): it starts, and given the
-    PyTorch reference path's float16 continuations its next-token choices mostly agree. The two
-    paths round differently (q * scale against dequantized keys), and this small random model
-    parts on such differences: 52 of 64 positions agree, 61 with the older kernel at 32-token
-    blocks; wrong attention would agree on few. The kernels' precision is tested against float64
-    in tests/kernels/test_kv_quant.py."""
-    kw = dict(show_progress=False, kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=40,
-              dtype="float16", kv_cache_dtype="int4")
-    llm = LLM(qwen3, attention_backend="triton", **kw)
-    assert llm.engine.runner.kv_format.block_size == 16
-    want = _run(LLM(qwen3, attention_backend="torch", **kw), qwen_prompts)
-    got = _run(llm, qwen_prompts)
-    assert teacher_forced_agreement(llm, qwen_prompts, want) >= 0.7, (got, want)
-    assert llm.engine.kv.pool.num_used_blocks == 0
 
 
 def test_kivi_forks_and_preemption_keep_residual_rows(qwen):

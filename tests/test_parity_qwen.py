@@ -11,9 +11,9 @@ from tests.conftest import hf_greedy
 N_NEW = 16
 
 
-def _make(tmp_path, kind: str):
+def _make(tmp_path, kind: str, layers: int = 3):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    common = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+    common = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1023,
                   bos_token_id=1022)
