@@ -87,3 +87,15 @@ def test_index_stays_within_capacity_and_matches_a_prefix(ops):
         assert m == len(hashes) or hashes[m] not in idx.held[replica]
     idx.keep_only({"r0"})
     assert set(idx.held) <= {"r0"} and all(r == "r0" for r in idx.sessions.values())
+
+
+def test_a_conversation_stays_home_until_its_replica_is_much_busier():
+    """Continuous batching: a request a replica is running costs a newcomer a decode row per
+    step, so 400 cached tokens keep a conversation home while its replica runs six more requests
+    than another, and not at eighteen more."""
+    idx = PrefixIndex(block_size=BS)
+    history = _tokens(9, 100 * BS)  # 400 tokens cached on r0
+    idx.record("r0", block_hashes(history, BS))
+    turn = block_hashes(history + _tokens(10, 2 * BS), BS)
+    assert idx.choose(["r0", "r1"], turn, 102 * BS, {"r0": Load(8), "r1": Load(2)})[0] == "r0"
+    assert idx.choose(["r0", "r1"], turn, 102 * BS, {"r0": Load(20), "r1": Load(2)})[0] == "r1"

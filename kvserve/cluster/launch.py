@@ -49,6 +49,15 @@ def _scaling(args) -> dict:
     return {"autoscaling_config": auto}
 
 
+# Ray's router passes over a replica that has not answered its queue-length probe within 0.1 s and
+# takes the next-ranked one, which throws the cache-aware ranking away. A kvserve replica answers
+# from an asyncio loop that shares the GIL with its engine thread, so on a busy CPU it is often
+# that slow. The router lives in the ingress's process: it waits 1 s (5 s after backoff) unless
+# the environment says otherwise.
+PROBE_DEADLINES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1",
+                   "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5"}
+
+
 def application(args, make_engine, router: str = "cache-aware"):
     """The bound Serve application (Ingress over the replica deployment) for `kvserve serve`'s args."""
     from ray import serve
@@ -72,7 +81,9 @@ def application(args, make_engine, router: str = "cache-aware"):
         health_check_period_s=2.0, graceful_shutdown_timeout_s=args.shutdown_timeout,
         **scaling).bind(args, make_engine)
     src = loader.resolve(args.model)
-    ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0},
+    env = {k: os.environ.get(k, v) for k, v in PROBE_DEADLINES.items()}
+    ingress = serve.deployment(Ingress).options(name="Ingress",
+                                                ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
                                                 max_ongoing_requests=100_000)
     return ingress.bind(replicas, (src.kind, src.path, args.tokenizer), args.chat_template, block_size,
                         app_kwargs(args)["max_request_bytes"])

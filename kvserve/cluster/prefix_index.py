@@ -19,11 +19,15 @@ Invariants:
 Rule (``choose``): a request's session goes back to its replica while that replica is a
 candidate. Otherwise every candidate is priced in prompt tokens,
 
-    cost(r) = tokens to prefill on r  +  queue_weight * load(r)  +  (full_kv_penalty if r's KV is nearly full)
+    cost(r) = tokens to prefill on r  +  queue_weight * in_flight(r)  +  (full_kv_penalty if r's KV is nearly full)
 
-and the cheapest wins (ties: the least loaded, then the one holding fewest blocks). A hot prefix
-so stays on one replica until its queue costs more than the prefill it saves; a prompt with
-nothing cached anywhere goes to the least loaded replica.
+and the cheapest wins (ties: the least loaded, then the one holding fewest blocks). A replica
+batches continuously, so a request it is running costs a newcomer one decode row in each step of
+its prefill, a few prompt tokens' worth, not a place in a queue: a conversation stays where its
+history is cached until its replica holds many more requests than another (ten more outweigh 320
+cached tokens). The in-flight count is the router's own, exact the moment it routes; a replica's
+reported queue lags by its report period and mostly catches requests that just arrived. A
+prompt with nothing cached anywhere goes to the least loaded replica.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ class Load:
 @dataclass
 class PrefixIndex:
     block_size: int = 16
-    queue_weight: float = 256.0  # prompt tokens one queued request is worth
+    queue_weight: float = 32.0  # prompt tokens one request in flight is worth
     full_kv: float = 0.05  # below this fraction of free KV a replica is priced as full
     full_kv_penalty: float = 1e6
     default_capacity: int = 4096  # blocks per replica until it reports its size

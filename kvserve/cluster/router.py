@@ -33,13 +33,13 @@ class PowerOfTwo(ReplicaReports, PowerOfTwoChoicesRequestRouter):
 
 
 class CacheAwareRouter(ReplicaReports, FIFOMixin, RequestRouter):
-    def initialize_state(self, block_size: int = 16, queue_weight: float = 256.0, **_) -> None:
+    def initialize_state(self, block_size: int = 16, **_) -> None:
         super().initialize_state()
         # prefix_hit: sent where part of its prompt was believed cached; no_hit: nowhere was;
         # session: back to its session's replica; fallback: not to the first-ranked replica (it was full)
         self.counts = {"prefix_hit": 0, "no_hit": 0, "session": 0, "fallback": 0}
         self.first_choice: dict[str, ReplicaID] = {}  # internal request id -> its top rank, until routed
-        self.index = PrefixIndex(block_size=block_size, queue_weight=queue_weight)
+        self.index = PrefixIndex(block_size=block_size)
         self.in_flight: dict[ReplicaID, int] = {}
         self.routed: dict[str, ReplicaID] = {}  # internal request id -> replica, until it completes
 

@@ -30,9 +30,9 @@ def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
     replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # a pipe could fill and block Ray
-    # Ray's router skips a replica that does not answer its queue-length probe within 0.1 s, and
-    # tries the next-ranked one: on a loaded 2-core machine a busy CPU replica is that slow, and the
-    # tests would see the fallback instead of the ranking they check. Local Ray workers inherit this.
+    # Longer than the 1 s kvserve gives a replica to answer the router's queue-length probe
+    # (cluster/launch.py): other test files run beside these on a loaded 2-core machine, and a
+    # replica passed over would show the fallback instead of the ranking the tests check.
     env = {**os.environ, "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
            "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10"}
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), *args],
