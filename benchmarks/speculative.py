@@ -3,9 +3,11 @@
 Default mode (CPU or GPU): one target decoding greedily, one request at a time, with drafts off
 and with each of ``--methods`` (ngram, draft_model with ``--draft``, layer_skip with
 ``--draft-layers``), the sides alternated ``--repeats`` times (best kept) and sharing the
-target's weights, on three workloads:
+target's weights, on four workloads:
 - editing: chat prompts that contain the text the answer reproduces (fix a list, rewrite a
   passage): drafts copied from the prompt are often right;
+- code: a 20-line Python file and a change to make in it (rename, fix, add type hints), or a
+  paragraph to put in the past tense: the answer is the text again, changed;
 - chat: open questions, where the answer rarely repeats the prompt;
 - held_out: prompts on Python's own documentation topics, tuned for no method.
 Prints output tokens/s of every side, each method's speedup and mean acceptance length (tokens
@@ -73,6 +75,67 @@ CHAT = [
 ]
 
 
+# Code editing: a file and a change to make in it; the answer is the file again, changed (the
+# workload of an editor's assistant, and the one prompt lookup was made for).
+LRU_CACHE = '''class Cache:
+    """A fixed-size cache that forgets the least recently used key."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.items = {}
+        self.order = []
+
+    def get(self, key):
+        if key not in self.items:
+            return None
+        self.order.remove(key)
+        self.order.append(key)
+        return self.items[key]
+
+    def put(self, key, value):
+        if key in self.items:
+            self.order.remove(key)
+        elif len(self.items) >= self.capacity:
+            oldest = self.order.pop(0)
+            del self.items[oldest]
+        self.items[key] = value
+        self.order.append(key)
+'''
+STATS = '''def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / len(values)
+
+
+def moving_average(values, window):
+    out = []
+    for i in range(len(values) - window):
+        out.append(mean(values[i:i + window]))
+    return out
+'''
+CODE = [
+    f"Rename the class `Cache` to `LRUCache` and its method `put` to `insert`. Reply with the whole "
+    f"code and nothing else.\n\n```python\n{LRU_CACHE}```",
+    f"`moving_average` drops the last window: `range(len(values) - window)` should be "
+    f"`range(len(values) - window + 1)`. Fix it and reply with the whole file.\n\n```python\n{STATS}```",
+    f"Add type hints (`list[float]`, `int`, `float`) to every function below. Reply with the whole "
+    f"file.\n\n```python\n{STATS}```",
+    "Rewrite this paragraph in the past tense, changing nothing else:\n\nThe engine reads every weight "
+    "once per step, so a small batch leaves the arithmetic units idle. Speculative decoding spends that "
+    "idle time: a cheap guess proposes several tokens, and one forward pass of the model checks them all. "
+    "When the guesses are right, one step yields several tokens; when they are wrong, the step still "
+    "yields one.",
+]
+
 # Held out: prompts on Python's own documentation topics, none tuned for either method.
 HELD_OUT = [
     "Summarise: The with statement is used to wrap the execution of a block with methods defined by a "
@@ -83,7 +146,7 @@ HELD_OUT = [
     "What is the difference between a tuple and a list in Python?",
     "Explain what itertools.groupby does, with a short example.",
 ]
-WORKLOADS = {"editing": EDITING, "chat": CHAT, "held_out": HELD_OUT}
+WORKLOADS = {"editing": EDITING, "code": CODE, "chat": CHAT, "held_out": HELD_OUT}
 
 
 def run_side(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
