@@ -12,6 +12,8 @@ import time
 import httpx
 from server_proc import REPO, free_port
 
+from kvserve.cluster.launch import PROBE_DEADLINES
+
 REPLICA_PROCESS = "ray::ServeReplica:kvserve:EngineReplica"  # Ray's title for a replica's process
 
 
@@ -30,11 +32,10 @@ def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
     replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # a pipe could fill and block Ray
-    # Longer than the 1 s kvserve gives a replica to answer the router's queue-length probe
-    # (cluster/launch.py): other test files run beside these on a loaded 2-core machine, and a
-    # replica passed over would show the fallback instead of the ranking the tests check.
-    env = {**os.environ, "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
-           "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10"}
+    # Twice the time kvserve gives a replica to answer the router's queue-length probe: other test
+    # files run beside these on a loaded 2-core machine, and a replica passed over would show the
+    # fallback instead of the ranking the tests check.
+    env = {**os.environ, **{k: str(2 * float(v)) for k, v in PROBE_DEADLINES.items()}}
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), *args],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
