@@ -8,7 +8,7 @@ shared prefix, so some blocks are shared); and 0 or --dashboards clients reading
 load hits both alike; each phase reports the engine's step period (wall time over steps taken)
 and the time inside step(). Each N phase is compared with the mean of the two 0 phases around it,
 which cancels a drift that is linear over the three; the result is the median of those ratios
-with a bootstrap 95% interval. Writes JSON with --out.
+with a bootstrap 95% interval. Writes JSON with --out (a file, or a directory to write into).
 
     PYTHONPATH=$PWD python benchmarks/dashboard_overhead.py --kv-cache-memory 800MiB --phases 30 \
         --phase-seconds 2 --warmup-seconds 0.5
@@ -173,7 +173,8 @@ def main() -> None:
     app = build_app(ae, served_model_name="m")
     hub = app.state.dashboard
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    server_thread = threading.Thread(target=server.run, daemon=True)
+    server_thread.start()
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -241,10 +242,15 @@ def main() -> None:
           f"({in_lo:.4f}-{in_hi:.4f}); engine thread in the snapshot copy <= {100 * summary['take_share_max']:.3f}% "
           f"of the time, encoding on a worker <= {100 * summary['build_share_max']:.3f}%")
     if args.out:
+        if os.path.isdir(args.out):
+            args.out = os.path.join(args.out, "dashboard_overhead.json")
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "phases": rows}, f, indent=1)
         print(f"wrote {args.out}")
+    # Let the app's shutdown stop the engine: a daemon thread killed inside a torch op at
+    # interpreter exit aborts the process.
     server.should_exit = True
+    server_thread.join(60)
 
 
 if __name__ == "__main__":
