@@ -390,8 +390,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         # Eagerly as rows only where asked for (rows or "always"): past the graphs' sizes the
         # prefill kernel, which reads each context once, is the better choice.
         as_rows = as_rows and (rows is True or (rows is None and mode == "always"))
-        meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows)
-        meta.kv_budgets = kv_budgets
+        meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows, kv_budgets=kv_budgets)
         meta.kv_scored = kv_scored
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:
