@@ -166,9 +166,10 @@ def run_prefill(device, paged_kv, H, KVH, D, page, batch, recents, dtype=torch.f
 
 # (cached context, new tokens) with recent blocks kept: a plain prompt whose later queries lose
 # their early keys, chunks after evicted context (off the page and tile grid), a decode row
-# riding along, a sequence without a budget, an empty row, a short prompt inside its budget.
-BATCH = [(0, 45), (13, 20), (70, 1), (29, 30), (6, 0), (50, 17), (0, 9)]
-BATCH_RECENTS = [2, 1, 3, None, 1, 4, 1]
+# riding along, a sequence without a budget, an empty row, a short prompt inside its budget, and
+# a recent span long enough that query tiles read whole key tiles after its edge.
+BATCH = [(0, 45), (13, 20), (70, 1), (29, 30), (6, 0), (50, 17), (0, 9), (64, 40)]
+BATCH_RECENTS = [2, 1, 3, None, 1, 4, 1, 10]
 
 
 @pytest.mark.parametrize("page", [4, 8])
