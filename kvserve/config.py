@@ -388,9 +388,10 @@ class EngineConfig:
         if ev != "none":
             if spec is not None:
                 raise ConfigError("kv_eviction", f"{ev!r} is not supported with speculative decoding")
-            if self.attention_backend == "triton":
-                raise ConfigError("kv_eviction", f"{ev!r} runs on the torch attention backend (the Triton "
-                                  "kernels neither mask nor score evicted keys); use attention_backend torch or auto")
+            if ev != "streaming" and self.attention_backend == "triton":
+                raise ConfigError("kv_eviction", f"{ev!r} runs on the torch attention backend (it ranks blocks "
+                                  "by attention scores, which the Triton kernels do not compute); use "
+                                  "attention_backend torch or auto")
             if ev != "streaming" and self.async_scheduling:
                 raise ConfigError("async_scheduling", f"is not supported with kv_eviction {ev!r} (a step's "
                                   "evictions need the previous step's attention scores); leave it unset")

@@ -9,8 +9,9 @@ Streaming: a request keeps its first ``SINK_BLOCKS`` blocks (the attention sinks
 
 So between steps at most ``kv_budget`` tokens' KV is held (page-granular). Keys keep the
 rotation of their original positions (no re-rotation). The cache manager frees the blocks before
-``recent_start``; the attention backend masks with ``streaming_mask``. The rule is positional;
-SnapKV and H2O (below) score the blocks by attention instead.
+``recent_start``; the torch attention backend masks with ``streaming_mask``, the Triton kernels
+skip the freed span's key tiles and mask its edges (``kvserve.kernels.common.Streaming``). The
+rule is positional; SnapKV and H2O (below) score the blocks by attention instead.
 """
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def recent_start(kv_budget: int, block_size: int, pos: int) -> int:
     """The first block after the sinks that the query at ``pos`` sees under ``kv_budget``."""
     recent = kv_budget // block_size - SINK_BLOCKS
     return max(SINK_BLOCKS, pos // block_size - recent + 1)
+
+
+def recent_tokens(kv_budget: int, block_size: int) -> int:
+    """The recent blocks' span in tokens: the query at ``p`` sees the keys from
+    ``(p // block_size + 1) * block_size - recent_tokens`` on, besides the sinks (the Triton
+    kernels' form of ``recent_start``, ``kvserve.kernels.common.Streaming``)."""
+    return (kv_budget // block_size - SINK_BLOCKS) * block_size
 
 
 def full_attention_blocks(kv_budget: int, block_size: int) -> int:

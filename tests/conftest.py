@@ -62,6 +62,7 @@ SLOW_TESTS = (
     "server/test_model_names_and_cached_tokens.py::test_chat_cache_salt_shares_only_with_the_same_salt",
     # whole engines in Triton's interpreter
     "test_kv_cache_dtype_triton.py::",
+    "test_kv_eviction.py::test_triton_backend_matches_torch_backend",
     # many steps, processes or requests
     "test_async_scheduling.py::test_async_scheduling_changes_no_output[1-64MiB]",
     "test_async_scheduling.py::test_async_scheduling_changes_no_output[2-64KiB]",

@@ -248,6 +248,7 @@ def test_admission_on_the_budget(llama, policy):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(kv_eviction="snapkv", attention_backend="triton"), "kv_eviction"),
+    (dict(kv_eviction="h2o", attention_backend="triton"), "kv_eviction"),
     (dict(kv_eviction="h2o", async_scheduling=True), "async_scheduling"),
     (dict(kv_eviction="h2o", preemption_mode="swap"), "preemption_mode"),
     (dict(kv_eviction="snapkv", kv_cache_dtype="int8"), "kv_cache_dtype"),

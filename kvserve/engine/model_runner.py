@@ -65,9 +65,10 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         cache = config.cache
         name = config.attention_backend
         if name == "auto":
-            # KV eviction's masks and scores are the torch backend's (run eagerly).
+            # Scored KV eviction's attention scores are the torch backend's (run eagerly); the
+            # Triton kernels skip streaming eviction's evicted keys themselves.
             name = ("triton" if self.device.type == "cuda" and kernels.has_triton()
-                    and cache.kv_eviction == "none" else "torch")
+                    and cache.kv_eviction in ("none", "streaming") else "torch")
         self.backend_name = name
         self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
         self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
@@ -390,8 +391,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         # Eagerly as rows only where asked for (rows or "always"): past the graphs' sizes the
         # prefill kernel, which reads each context once, is the better choice.
         as_rows = as_rows and (rows is True or (rows is None and mode == "always"))
-        meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows)
-        meta.kv_budgets = kv_budgets
+        meta, positions = self._build_metadata(seqs, res_slots, rows=as_rows, kv_budgets=kv_budgets)
         meta.kv_scored = kv_scored
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if patch is not None:

@@ -48,9 +48,11 @@ class StepMetadata:
         return res_map, max_seal
 
     def _build_metadata(self, seqs: list[tuple[int, int, list[int]]], res_slots: list[int] | None = None,
-                        rows: bool = False):
+                        rows: bool = False, kv_budgets: list[int | None] | None = None):
         """The step's attention metadata and positions on the device; ``rows``: as a decode step
-        of one row per token (``decode_rows.py``; not for KIVI caches)."""
+        of one row per token (``decode_rows.py``; not for KIVI caches); ``kv_budgets``: each
+        sequence's streaming-eviction budget (None: no sequence has one), set before the
+        backend's ``prepare`` so that it can turn them into its own form."""
         positions, slots, seq_lens, query_start, tables = self._host_metadata(seqs)
         if rows:
             seq_lens, query_start, tables = decode_rows.expand(positions, query_start, tables)
@@ -61,6 +63,7 @@ class StepMetadata:
             seq_lens=seq_lens.tolist(), query_lens=np.diff(query_start).tolist(),
             query_start=query_start.tolist(), block_size=self.block_size)
         meta.decode_rows = rows
+        meta.kv_budgets = kv_budgets
         if res_slots is not None:
             res_map, meta.max_seal = self._residual_metadata(positions, seq_lens, query_start, res_slots)
             meta.res_slots = res_slots

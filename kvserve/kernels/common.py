@@ -180,3 +180,18 @@ class RopeWrite(NamedTuple):
     cos: torch.Tensor  # [max_positions, D], halves duplicated
     sin: torch.Tensor
     res_mapping: torch.Tensor | None = None  # [B] KIVI: the key's place in the residual (< 0: sealed now)
+
+
+KEEP_ALL = 2 ** 30  # a ``Streaming.recent`` that hides no key (a sequence without a budget)
+
+
+class Streaming(NamedTuple):
+    """Streaming KV eviction in the attention kernels (``kvserve/kv_eviction.py``): the query at
+    position ``p`` of sequence ``b`` sees the key at ``n <= p`` iff ``n < sink`` or
+    ``n >= (p // page + 1) * page - recent[b]`` (``page``: the cache's block size). The keys
+    between, the evicted span, are contiguous and their table entries may name no block of
+    theirs: the kernels skip the key tiles wholly inside it and mask its keys out of the loads of
+    the tiles at its edges, so no evicted entry's block is ever read. ``recent[b] >= KEEP_ALL``
+    hides nothing (a sequence without a budget in a batch with some)."""
+    sink: int  # leading keys every query keeps (the sink blocks)
+    recent: torch.Tensor  # [B] int32: each sequence's recent span in keys (whole pages)

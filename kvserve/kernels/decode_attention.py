@@ -9,7 +9,10 @@ split the program writes the output directly.
 
 With a sliding ``window`` (each query sees its last ``window`` keys, itself included) the splits
 cut only the key tiles from the one holding the window's first key: the keys before are never
-read, and those of that first tile before the window are masked.
+read, and those of that first tile before the window are masked. With streaming eviction
+(``common.Streaming``) they cut the sink tiles and the tiles from the one holding the recent
+span's first key, skipping those between: an evicted key is never read, and those of the tiles
+at the span's edges are masked.
 
 Splitting the context lets a small batch with long contexts fill the GPU; the split count is a
 function of the batch size alone (``num_splits``), so a CUDA graph captured for a batch size
@@ -28,6 +31,7 @@ from kvserve.kernels.common import (
     LOG2E,
     RopeWrite,
     SplitCounters,
+    Streaming,
     dot_precision,
     merge_group,
     merge_splits,
@@ -52,18 +56,43 @@ ROPE_LAUNCH = MappingProxyType({"enable_fp_fusion": False})
 
 
 @triton.jit
-def _split_range(SEQ_LENS, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr):
+def _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 WINDOW: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr, STREAM: tl.constexpr):
     """Sequence ``b``'s length, its splits with keys (``active``: a short context leaves the rest
-    empty), split ``split``'s key range [start, end) and the first key the query sees."""
+    empty), split ``split``'s key range [start, end), the first key the query sees after the
+    sinks, and (streaming) where the skipped span starts (``hole``) and its length (``gap``).
+    Streaming, the splits cut the key tiles with the span cut out: ``start`` and ``end`` count
+    keys before ``hole`` as they are and the later ones ``gap`` keys earlier (``_tile_keys``)."""
     seq_len = tl.load(SEQ_LENS + b)
     first = 0
     if WINDOW > 0:
         first = tl.maximum(seq_len - WINDOW, 0)
     lo = (first // BLOCK_N) * BLOCK_N
-    n_chunks = tl.cdiv(seq_len - lo, BLOCK_N)
+    hole = 0
+    gap = 0
+    if STREAM:
+        # The query (at seq_len - 1) sees [0, SINK) and [first, seq_len); the tiles wholly
+        # between, from the sinks' last tile on, are skipped (none when the two overlap).
+        first = tl.maximum(((seq_len - 1) // PAGE + 1) * PAGE - tl.load(RECENT + b), SINK)
+        hole = (SINK + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        gap = tl.maximum((first // BLOCK_N) * BLOCK_N - hole, 0)
+    n_chunks = tl.cdiv(seq_len - gap - lo, BLOCK_N)
     per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
     start = lo + split * per * BLOCK_N
-    return seq_len, tl.cdiv(n_chunks, per), start, tl.minimum(start + per * BLOCK_N, seq_len), first
+    end = tl.minimum(start + per * BLOCK_N, seq_len - gap)
+    return seq_len, tl.cdiv(n_chunks, per), start, end, first, hole, gap
+
+
+@triton.jit
+def _tile_keys(s, w, end, first, hole, gap, SINK: tl.constexpr, STREAM: tl.constexpr):
+    """The keys of the tile at ``s`` (in ``_split_range``'s count) and which the query sees:
+    from ``first`` on (the window's or the recent span's start) and, streaming, the sinks."""
+    n = s + w
+    nmask = (n < end) & (n >= first)
+    if STREAM:
+        n = n + tl.where(s >= hole, gap, 0)  # (a tile lies wholly before or after the hole)
+        nmask = (s + w < end) & ((n >= first) | (n < SINK))
+    return n, nmask
 
 
 @triton.jit
@@ -75,7 +104,7 @@ def _attend_tile(q, k, v, nmask, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LSEP, COUNTS,
+def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RECENT, RSLOTS, O, OP, LSEP, COUNTS,
                          POS, SLOT, KN, VN, COS, SIN, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh,
@@ -87,7 +116,8 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
                          NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
                          VD: tl.constexpr, HEADS: tl.constexpr, MERGE_S: tl.constexpr,
-                         ROPE: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr):
+                         ROPE: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr,
+                         SINK: tl.constexpr, STREAM: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,11 +139,11 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         # own key is patched into that tile from registers; later tiles are read after its
         # store.
         DT: tl.constexpr = Q.dtype.element_ty
-        seq_len, active, start, end, first = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS, WINDOW)
+        seq_len, active, start, end, first, hole, gap = _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N,
+                                                                     NUM_SPLITS, WINDOW, PAGE, SINK, STREAM)
         if split >= tl.maximum(active, 1):
             return
-        n0 = start + w
-        nmask0 = (n0 < end) & (n0 >= first)
+        n0, nmask0 = _tile_keys(start, w, end, first, hole, gap, SINK, STREAM)
         page0 = tl.load(bt_row + n0 // PAGE, mask=nmask0, other=0).to(tl.int64)
         tile_k, tile_v = load_kv_tile(KC, VC, KS, VS, RES, page0, n0 % PAGE, n0, kvh, d,
                                       nmask0[:, None] & dmask[None, :], 0, 0, stride_kb, stride_ks, stride_kh,
@@ -152,7 +182,8 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
         # context's critical path; an empty split's load is wasted, and cheap
         q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
-        seq_len, active, start, end, first = _split_range(SEQ_LENS, b, split, BLOCK_N, NUM_SPLITS, WINDOW)
+        seq_len, active, start, end, first, hole, gap = _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N,
+                                                                     NUM_SPLITS, WINDOW, PAGE, SINK, STREAM)
         if split >= tl.maximum(active, 1):
             return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
         loop_start = start
@@ -189,8 +220,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RSLOTS, O, OP, LS
             ks, vs, tp1 = ks1, vs1, tp2
     else:
         for s in range(loop_start, end, BLOCK_N):
-            n = s + w
-            nmask = (n < end) & (n >= first)
+            n, nmask = _tile_keys(s, w, end, first, hole, gap, SINK, STREAM)
             page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
             within = (n % PAGE).to(tl.int64)
             kmask = nmask[:, None] & dmask[None, :]
@@ -267,7 +297,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
                            num_stages: int = 2, maxnreg: int | None = None, rope: RopeWrite | None = None,
                            pdl: bool = True, counters: SplitCounters | None = None,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, streaming: Streaming | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -278,8 +308,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     which must be the sequence's last, ``seq_lens - 1``). ``pdl``: programmatic dependent launch
     where the GPU has it. ``counters``: the splits' counters (the caller's, kept across launches
     and graph captures; None: fresh ones for this launch). ``window``: each query sees only its
-    last ``window`` keys (None: all). Returns [B, H, D]."""
+    last ``window`` keys (None: all). ``streaming``: the sinks and recent spans of streaming
+    KV eviction (uncompressed caches, no window; None: every key). Returns [B, H, D]."""
     assert window is None or window >= 1
+    assert streaming is None or (window is None and isinstance(k_cache, torch.Tensor))
     B, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -325,6 +357,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         op, lsep, counts = out, seq_lens, seq_lens  # unused placeholders
     kc, vc, ks, vs, res, *strides = cache_args
     rs = res_slots if res_slots is not None else seq_lens
+    recent = streaming.recent if streaming is not None else seq_lens  # (a placeholder without)
     if rope is not None:
         assert views is None, "the fused RoPE + KV write takes an uncompressed cache"
         k_new, v_new, cos, sin = rope.k, rope.v, rope.cos, rope.sin
@@ -336,7 +369,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     else:
         rope_args = [seq_lens, seq_lens, q, q, q, q, 0, 0, 0, 0, 0]  # (placeholders)
     _decode_split_kernel[(B, KVH, splits)](
-        q, kc, vc, ks, vs, res, block_tables, seq_lens, rs, out, op, lsep, counts, *rope_args,
+        q, kc, vc, ks, vs, res, block_tables, seq_lens, recent, rs, out, op, lsep, counts, *rope_args,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0),
         out.stride(0), out.stride(1),
         op.stride(0) if splits > 1 else 0, op.stride(1) if splits > 1 else 0,
@@ -346,7 +379,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=splits, PREC=dot_precision(q.dtype),
         FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
-        HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, WINDOW=window or 0, num_warps=num_warps,
+        HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, WINDOW=window or 0,
+        SINK=streaming.sink if streaming is not None else 0, STREAM=streaming is not None, num_warps=num_warps,
         num_stages=num_stages,
         **({'maxnreg': maxnreg} if maxnreg else {}), **pdl_kw(q, pdl), **(ROPE_LAUNCH if rope is not None else {}))
     return out

@@ -15,6 +15,15 @@ first query's window and masks those its queries see only in part:
     keys   0 ........ lo ....... edge ........ unmasked_end ...... kv_end
            skipped    | window edge | whole tiles |    diagonal      |
                         (masked)                     (causal + window)
+
+With streaming eviction (``common.Streaming``: each query sees the sink keys and a recent span
+that starts on a page boundary) the sink tiles come first, masked, then the same layout from the
+tile holding the first query's first recent key; the evicted span between is skipped, and its
+keys in the edge tiles are masked out of the loads too (their table entries may name no block):
+
+    keys   0 .. SINK ........ lo ....... edge ........ unmasked_end ...... kv_end
+           sinks | skipped    | recent edge | whole tiles |   diagonal       |
+         (masked)               (masked)                    (causal + streaming)
 """
 from __future__ import annotations
 
@@ -22,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.common import LOG2E, dot_precision, online_softmax_step
+from kvserve.kernels.common import LOG2E, Streaming, dot_precision, online_softmax_step
 from kvserve.kernels.kv_quant import compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile, tile_scales
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
+def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RECENT, RSLOTS,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh,
                     s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_rt, s_rh,
@@ -36,7 +45,8 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREC: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
-                    FAST: tl.constexpr, VD: tl.constexpr, IDX32: tl.constexpr, WINDOW: tl.constexpr):
+                    FAST: tl.constexpr, VD: tl.constexpr, IDX32: tl.constexpr, WINDOW: tl.constexpr,
+                    SINK: tl.constexpr, STREAM: tl.constexpr):
     # Query tiles in reverse: the causal tiles with the most keys start first and the light ones
     # fill the tail.
     mt = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -73,8 +83,35 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
     first_q = ctx + mt * BLOCK_M
     kv_end = tl.minimum(seq_len, first_q + BLOCK_M)
     unmasked_end = (first_q // BLOCK_N) * BLOCK_N  # key tiles every query of the tile sees whole
-    lo = 0  # the first key tile any query of the tile sees
+    lo = 0  # the first key tile any query of the tile sees (after the sinks, streaming)
     edge = 0  # from here on, up to unmasked_end, every query of the tile sees whole key tiles
+    recent = 0
+    r_first = 0
+    if STREAM:
+        # Query p sees the keys before SINK and from (p // PAGE + 1) * PAGE - recent on. The sink
+        # tiles before the diagonal come first (masked: the last may reach into the evicted
+        # span); then the tiles from the one holding the first query's first recent key (its
+        # keys before that are masked, and unloaded: their blocks may be evicted) to the one
+        # from which every query of the tile sees whole tiles; the tiles between are skipped.
+        recent = tl.load(RECENT + b)
+        r_first = tl.maximum((first_q // PAGE + 1) * PAGE - recent, SINK)
+        last_q = tl.minimum(first_q + BLOCK_M, seq_len) - 1
+        r_last = tl.maximum((last_q // PAGE + 1) * PAGE - recent, SINK)
+        sink_end = tl.minimum((SINK + BLOCK_N - 1) // BLOCK_N * BLOCK_N, unmasked_end)
+        for s in range(0, sink_end, BLOCK_N):
+            m_i, l_i, acc = _masked_step(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
+                s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST,
+                WINDOW, recent, r_first, SINK, STREAM)
+        lo = tl.maximum(sink_end, (r_first // BLOCK_N) * BLOCK_N)
+        edge = tl.minimum(tl.cdiv(r_last, BLOCK_N) * BLOCK_N, unmasked_end)
+        for s in range(lo, edge, BLOCK_N):
+            m_i, l_i, acc = _masked_step(
+                q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
+                s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST,
+                WINDOW, recent, r_first, SINK, STREAM)
     if WINDOW > 0:
         lo = (tl.maximum(first_q - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
         last_q = tl.minimum(first_q + BLOCK_M, seq_len) - 1
@@ -84,7 +121,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
                 q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
                 s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST,
-                WINDOW)
+                WINDOW, recent, r_first, SINK, STREAM)
     for s in range(tl.maximum(edge, lo), unmasked_end, BLOCK_N):
         n = s + tl.arange(0, BLOCK_N)
         if FAST:  # (the tile lies in one block: its entry is read in _compressed_step)
@@ -114,7 +151,8 @@ def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RSLOTS,
         m_i, l_i, acc = _masked_step(
             q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end, d, dmask, kvh, full_end, res_row,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
-            s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST, WINDOW)
+            s_vsh, s_rt, s_rh, scale_log2, FMT, BITS, QGROUP, HEAD_DIM, PAGE, BLOCK_N, PREC, DT, VD, FAST, WINDOW,
+            recent, r_first, SINK, STREAM)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
@@ -125,15 +163,21 @@ def _masked_step(q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, qpos, kv_end,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, s_ksb, s_kst, s_ksh, s_vsb, s_vst,
                  s_vsh, s_rt, s_rh, scale_log2, FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                 DT: tl.constexpr, VD: tl.constexpr, FAST: tl.constexpr, WINDOW: tl.constexpr):
+                 DT: tl.constexpr, VD: tl.constexpr, FAST: tl.constexpr, WINDOW: tl.constexpr,
+                 recent, r_first, SINK: tl.constexpr, STREAM: tl.constexpr):
     """The key tile at ``s`` that some queries of the tile see only in part: each query sees the
-    keys up to its position ``qpos`` (and after ``qpos - WINDOW`` with a window)."""
+    keys up to its position ``qpos`` (and after ``qpos - WINDOW`` with a window; streaming, those
+    before ``SINK`` and from its recent span's start on, which is at ``r_first`` or later)."""
     n = s + tl.arange(0, BLOCK_N)
     nmask = n < kv_end
     within = (n % PAGE).to(tl.int64)
+    if STREAM:  # no query of the tile sees the evicted keys: they are not loaded
+        nmask = nmask & ((n < SINK) | (n >= r_first))
     seen = (n[None, :] <= qpos[:, None]) & nmask[None, :]
     if WINDOW > 0:
         seen = seen & (n[None, :] > qpos[:, None] - WINDOW)
+    if STREAM:
+        seen = seen & ((n[None, :] < SINK) | (n[None, :] >= ((qpos // PAGE + 1) * PAGE - recent)[:, None]))
     if FAST:
         m_i, l_i, acc = _compressed_step(
             q, m_i, l_i, acc, KC, VC, KS, VS, RES, bt_row, s, within, n, nmask, seen, kvh,
@@ -173,12 +217,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
                             max_query_len: int, scale: float, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            res_slots: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                            res_slots: torch.Tensor | None = None, window: int | None = None,
+                            streaming: Streaming | None = None) -> torch.Tensor:
     """q: [T, H, D] packed by ``cu_q`` ([B + 1] int32); seq_lens: [B] int32 (keys after this
     step); caches as for ``paged_decode_attention`` (a compressed layer's ``KVViews`` as
-    ``k_cache``); ``window``: each query sees only its last ``window`` keys (None: all).
-    Returns [T, H, D]."""
+    ``k_cache``); ``window``: each query sees only its last ``window`` keys (None: all);
+    ``streaming``: the sinks and recent spans of streaming KV eviction (uncompressed caches, no
+    window; None: every key). Returns [T, H, D]."""
     assert window is None or window >= 1
+    assert streaming is None or (window is None and isinstance(k_cache, torch.Tensor))
     T, H, D = q.shape
     views = None if isinstance(k_cache, torch.Tensor) else k_cache
     cache_args, fmt_kw = kernel_args(views, k_cache, v_cache)
@@ -209,14 +256,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache, v_cache, block_tables: tor
     grid = (triton.cdiv(max_query_len, block_m), B, H)
     kc, vc, ks, vs, res, *strides = cache_args
     rs = res_slots if res_slots is not None else seq_lens
+    recent = streaming.recent if streaming is not None else seq_lens  # (a placeholder without)
     _prefill_kernel[grid](
-        q, kc, vc, ks, vs, res, out, block_tables, cu_q, seq_lens, rs,
+        q, kc, vc, ks, vs, res, out, block_tables, cu_q, seq_lens, recent, rs,
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         block_tables.stride(0), scale * LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, PREC=dot_precision(q.dtype), FMT=fmt_kw["FMT"],
         BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
-        IDX32=idx32, WINDOW=window or 0, num_warps=num_warps, num_stages=num_stages)
+        IDX32=idx32, WINDOW=window or 0, SINK=streaming.sink if streaming is not None else 0,
+        STREAM=streaming is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -55,6 +55,8 @@ class AttentionMetadata:
     # Streaming KV eviction (``engine/kv_cache_manager.py``): each sequence's ``kv_budget`` (None:
     # every key); a query sees the sink blocks and its recent blocks only. None: no sequence has one.
     kv_budgets: list[int | None] | None = None
+    # triton: ``kv_budgets`` as the kernels take them (``kernels.common.Streaming``), or None.
+    streaming: Any = None
     # Scored eviction (SnapKV, H2O): per sequence (None: not scored) ``(kept, lo, hi, acc)``: the
     # table indices of its kept blocks (the rest are NULL); the queries at positions [lo, hi)
     # add their softmax rows, summed over heads, into ``acc`` [keys] at each key's position

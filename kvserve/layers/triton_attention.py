@@ -15,7 +15,11 @@ backend holds the engine's ``KernelConfig`` and passes its choices to the launch
 
 A layer with a sliding window (Gemma 3's local layers) passes it to both Triton kernels; a lone
 prompt longer than its window takes the paged prefill kernel rather than SDPA's causal one, and
-a KIVI int4 decode the Triton kernel rather than the Gluon one (which has no window).
+a KIVI int4 decode the Triton kernel rather than the Gluon one (which has no window). Streaming
+KV eviction likewise: a step with a ``kv_budget`` hands each sequence's sink and recent span to
+both kernels (``kernels.common.Streaming``), which skip the evicted keys, and a lone prompt that
+some of its queries see only in part takes the paged prefill kernel. (Eviction keeps the cache
+uncompressed, so these steps take the plain routes.)
 """
 from __future__ import annotations
 
@@ -28,11 +32,12 @@ import torch.nn.functional as F
 
 from kvserve.config import KernelConfig
 from kvserve.kernels import kivi_decode
-from kvserve.kernels.common import RopeWrite, SplitCounters
+from kvserve.kernels.common import KEEP_ALL, RopeWrite, SplitCounters, Streaming
 from kvserve.kernels.decode_attention import decode_splits, paged_decode_attention
 from kvserve.kernels.kv_quant import rope_kv_write_quant, seal_keys
 from kvserve.kernels.prefill_attention import paged_prefill_attention
 from kvserve.kernels.rope_kv_write import rope_kv_write
+from kvserve.kv_eviction import SINK_BLOCKS, full_attention_blocks, recent_tokens
 from kvserve.kv_format import KVViews
 from kvserve.layers.forward_context import AttentionMetadata
 
@@ -96,7 +101,7 @@ def _decode(c: _Call, fused: bool) -> torch.Tensor:
                                            c.q.device)
     return paged_decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.seq_lens_t, c.scale, splits=splits,
                                   res_slots=m.res_slots_t, rope=c.rope_write() if fused else None,
-                                  pdl=c.kernel.pdl, counters=c.counters, window=c.window)
+                                  pdl=c.kernel.pdl, counters=c.counters, window=c.window, streaming=m.streaming)
 
 
 def _decode_kivi4(c: _Call, fused: bool) -> torch.Tensor:
@@ -120,7 +125,8 @@ def _prompt(c: _Call, fused: bool) -> torch.Tensor:
 def _prefill(c: _Call, fused: bool) -> torch.Tensor:
     m = c.meta
     return paged_prefill_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.cu_q, m.seq_lens_t,
-                                   m.max_query_len, c.scale, res_slots=m.res_slots_t, window=c.window)
+                                   m.max_query_len, c.scale, res_slots=m.res_slots_t, window=c.window,
+                                   streaming=m.streaming)
 
 
 class Route(NamedTuple):
@@ -149,6 +155,10 @@ def step_phase(meta: AttentionMetadata) -> str:
     if meta.max_query_len == 1:
         return "decode"
     plain_prompt = len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1
+    if plain_prompt and meta.kv_budgets is not None and meta.kv_budgets[0] is not None:
+        # Plainly causal only while every query sees every earlier key (the cache manager's step
+        # cap keeps a budgeted request's first step so; the route does not rely on it).
+        plain_prompt = meta.seq_lens[0] <= full_attention_blocks(meta.kv_budgets[0], meta.block_size) * meta.block_size
     return "prompt" if plain_prompt and sdpa_kernel is not None else "prefill"
 
 
@@ -179,6 +189,8 @@ class TritonPagedAttention:
         meta.num_splits = 0  # 0: chosen in forward from the batch and KV head count
         if meta.res_slots is not None:
             meta.res_slots_t = torch.tensor(meta.res_slots, dtype=torch.int32).to(device, non_blocking=True)
+        if meta.kv_budgets is not None:
+            meta.streaming = streaming_spans(meta.kv_budgets, meta.block_size, device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
                 k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -194,6 +206,12 @@ class TritonPagedAttention:
                      window)
         route.write(call, fused)
         return route.attend(call, fused)
+
+
+def streaming_spans(kv_budgets: list[int | None], block_size: int, device: torch.device) -> Streaming:
+    """Streaming eviction's per-sequence budgets (None: every key) as the kernels take them."""
+    recent = [KEEP_ALL if b is None else recent_tokens(b, block_size) for b in kv_budgets]
+    return Streaming(SINK_BLOCKS * block_size, torch.tensor(recent, dtype=torch.int32).to(device, non_blocking=True))
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -197,9 +197,10 @@ import sys, triton
 from triton.backends.compiler import GPUTarget
 from kvserve.kernels.decode_attention import ROPE_LAUNCH, _decode_split_kernel as K
 const = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, NUM_SPLITS=4, PREC="tf32",
-             FMT=0, BITS=16, QGROUP=1, FAST=False, VD=1, HEADS=4, MERGE_S=4, ROPE=True, USE_PDL=False)
+             FMT=0, BITS=16, QGROUP=1, FAST=False, VD=1, HEADS=4, MERGE_S=4, ROPE=True, USE_PDL=False,
+             SINK=0, STREAM=False)
 ptrs = {"POS": "*i64", "SLOT": "*i64", "COS": "*fp32", "SIN": "*fp32", "OP": "*fp32", "LSEP": "*fp32",
-        "COUNTS": "*i32", "BT": "*i32", "SEQ_LENS": "*i32", "RSLOTS": "*i32"}
+        "COUNTS": "*i32", "BT": "*i32", "SEQ_LENS": "*i32", "RECENT": "*i32", "RSLOTS": "*i32"}
 pointer = {"Q", "KC", "VC", "KS", "VS", "RES", "O", "KN", "VN", *ptrs}
 names = K.arg_names
 sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n in pointer
