@@ -65,10 +65,10 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         cache = config.cache
         name = config.attention_backend
         if name == "auto":
-            # Scored KV eviction's attention scores are the torch backend's (run eagerly); the
-            # Triton kernels skip streaming eviction's evicted keys themselves.
+            # KV eviction stays on the torch backend under auto: scored eviction needs its
+            # attention scores; streaming eviction runs on Triton when that is asked for.
             name = ("triton" if self.device.type == "cuda" and kernels.has_triton()
-                    and cache.kv_eviction in ("none", "streaming") else "torch")
+                    and cache.kv_eviction == "none" else "torch")
         self.backend_name = name
         self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
         self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
