@@ -170,9 +170,10 @@ _WQ_SKINNY_MAX_ROWS = 32
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel choices of the CUDA path. The defaults are the fastest measured on an H200; the
-    others exist to measure against them (the benchmarks' A/B) and to rule a kernel out. The
-    attention backend holds it and passes each choice to the launchers as an argument."""
+    """Kernel choices of the CUDA path, and one of the CPU's. The defaults are the fastest
+    measured (on an H200 for CUDA); the others exist to measure against them (the benchmarks'
+    A/B) and to rule a kernel out. The attention backend holds it and passes each choice to the
+    launchers as an argument."""
     # Programmatic dependent launch (Hopper and later): a kernel may start while the one before it
     # in the stream finishes, and waits for its inputs inside.
     pdl: bool = True
@@ -201,11 +202,14 @@ class KernelConfig:
     # with in-register dequantization between.
     wq_skinny_max_rows: int = 16
     wq_dequant_min_rows: int = 64
+    # CPU: float32 projections run in oneDNN on weights packed once at load (layers/linear.py);
+    # False: F.linear on the dense weights.
+    cpu_packed_weights: bool = True
 
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
-        for name in ("pdl", "fused_rope_decode", "kivi_gluon"):
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "cpu_packed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),

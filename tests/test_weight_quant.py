@@ -23,7 +23,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import QuantConfig
 from kvserve.errors import ConfigError
 from kvserve.kernels.wq_gemm import dequantize_ref, wq_mm_ref
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Linear, unpack_cpu_weights
 from kvserve.layers.quant_linear import QuantLinear, quantize_model
 from kvserve.layers.rtn import quantize_int4, quantize_int8
 
@@ -98,6 +98,7 @@ def test_engine_equals_float_model_on_dequantized_weights(method, group):
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
     assert not any(p.dim() == 2 for p in layer.parameters()), "a projection kept a float weight"
+    unpack_cpu_weights(ref.engine.runner.model)  # its weights are rewritten in place below
     with torch.no_grad():
         for name, mod in ref.engine.runner.model.named_modules():
             if isinstance(mod, Linear) and name != "lm_head":

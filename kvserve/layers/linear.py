@@ -7,8 +7,16 @@ of product (``KernelConfig.gemv_max_rows_*``: every matrix at one row, the wide 
 to 16, the fused gate/up + SiLU up to 32, as tuned on an H200 with ``benchmarks/gemv_tune.py``)
 come from the step's ``ForwardContext``, as everything per step does: the model code carries no
 configuration.
+
+On CPU the float32 projections run in oneDNN on the weight packed once into its blocked layout
+(``pack_cpu_weights``; the packed copy replaces the dense one). ``F.linear`` on a dense CPU
+weight takes two to three times as long for two to sixteen rows (a few sequences, a draft's
+verification) as for one, though the bytes read are the same; on the packed weight they cost
+about as much as one row, and one row runs faster too (benchmarks/cpu_linear.py).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +46,66 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
+    packed: torch.Tensor | None = None  # oneDNN's packed weight on CPU; ``weight`` is then empty
+
     def reset_parameters(self) -> None:
         if initialising():  # not while building for weights loaded next (layers/weight_init.py)
             super().reset_parameters()
 
+    def __deepcopy__(self, memo):
+        # A packed weight has no storage to copy: copy the rest as usual and pack the copy anew.
+        packed, self.packed = self.packed, None
+        try:
+            new = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        finally:
+            self.packed = packed
+        if packed is not None:
+            new.packed = torch.ops.mkldnn._reorder_linear_weight(packed.to_dense(), 1)
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+
+def cpu_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Pack every float32 ``Linear`` on the CPU for oneDNN, dropping its dense weight (memory stays
+    one copy); returns how many. Not the LM head: ``compute_logits`` reads its weight (often the
+    embedding's) directly. Whoever needs the dense weights again calls ``unpack_cpu_weights``."""
+    if not cpu_packing_available():
+        return 0
+    n = 0
+    for name, mod in model.named_modules():
+        if type(mod) is not Linear or mod.packed is not None or name.split(".")[-1] == "lm_head":
+            continue
+        w = mod.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
+            continue
+        mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        n += 1
+    return n
+
+
+def dense_parameters(model: nn.Module):
+    """``model.named_parameters()``, each packed ``Linear``'s weight given back dense (a copy)."""
+    packed = {f"{n}.weight" if n else "weight": m.packed for n, m in model.named_modules()
+              if type(m) is Linear and m.packed is not None}
+    for name, p in model.named_parameters():
+        yield name, (packed[name].to_dense() if name in packed else p)
+
+
+def unpack_cpu_weights(model: nn.Module) -> None:
+    """Give every packed ``Linear`` its dense weight back (exactly: packing only reorders)."""
+    for mod in model.modules():
+        if type(mod) is Linear and mod.packed is not None:
+            mod.weight = nn.Parameter(mod.packed.to_dense(), requires_grad=False)
+            mod.packed = None
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:

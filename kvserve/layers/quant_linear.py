@@ -29,7 +29,7 @@ from kvserve import kernels
 from kvserve.config import KernelConfig, QuantConfig
 from kvserve.errors import ConfigError
 from kvserve.layers.forward_context import kernel_config
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Linear, unpack_cpu_weights
 from kvserve.layers.rtn import quantize_int4, quantize_int8
 
 _CPU_INT4_INNER_K_TILES = 2  # the CPU int4 layout's inner tiling (2, 4 or 8: the same numbers)
@@ -147,6 +147,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     from kvserve.layers.fp8_linear import Fp8Linear, check_device
     if any(isinstance(mod, (QuantLinear, Fp8Linear)) for _, mod in targets):
         raise ConfigError("quantization", "the model's weights are already quantized")
+    unpack_cpu_weights(model)  # quantized from the dense weights
     if quant.method == "fp8" and targets:
         check_device(targets[0][1].weight.device)
     if quant.method == "int4":

@@ -34,6 +34,7 @@ import shutil
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.layers.linear import dense_parameters
 from kvserve.models import shard_reader
 from kvserve.models.arch import ModelArch
 from kvserve.progress import progress
@@ -135,7 +136,7 @@ def write(engine, out_dir: str) -> dict:
     os.makedirs(tmp)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, p in rt.model.named_parameters():  # a tied weight is listed once
+    for name, p in dense_parameters(rt.model):  # a tied weight is listed once
         n = p.numel() * p.element_size()
         if shards[-1] and size + n > SHARD_BYTES:
             shards.append({})

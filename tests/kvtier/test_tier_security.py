@@ -19,6 +19,7 @@ from tierutil import BLOCK, KV_SMALL, ONE, favor_loading, gen, prefix_keys
 from kvserve.errors import ConfigError
 from kvserve.kvtier import ChunkCodec
 from kvserve.kvtier.secret import FILE_NAME, tier_secret
+from kvserve.layers.linear import dense_parameters
 
 _PREFIX = struct.Struct("<4sHI")
 
@@ -125,7 +126,8 @@ def _layer0_values(llm) -> torch.Tensor:
         x = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps)
         x = x * m.layers[0].input_layernorm.weight.float()
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        w_v = m.layers[0].self_attn.qkv_proj.weight.float()[q + kv:q + 2 * kv]
+        w_qkv = dict(dense_parameters(m))["layers.0.self_attn.qkv_proj.weight"]  # packed on the CPU
+        w_v = w_qkv.float()[q + kv:q + 2 * kv]
         return x @ w_v.T
 
 

@@ -1,0 +1,93 @@
+"""CPU projections packed for oneDNN (layers/linear.py): the product equals ``F.linear`` on the
+dense weight, for every row count a step can have; packing only reorders (the dense weight comes
+back exactly); a copy of a packed model is packed and independent; a CPU engine packs its decoder
+projections and not the LM head; quantizing a packed model quantizes its dense weights."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve import LLM
+from kvserve.config import QuantConfig
+from kvserve.layers.linear import Linear, cpu_packing_available, dense_parameters, pack_cpu_weights, unpack_cpu_weights
+from kvserve.layers.quant_linear import QuantLinear, quantize_model
+
+pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this PyTorch build has no oneDNN")
+
+
+def _model(seed: int = 0, bias: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Module()
+    m.qkv_proj = Linear(96, 160, bias=bias)
+    m.down_proj = Linear(160, 96, bias=bias)
+    m.lm_head = Linear(96, 300, bias=False)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16, 17, 64])
+def test_packed_product_equals_dense(rows, bias):
+    m = _model(rows, bias)
+    dense = {n: p.detach().clone() for n, p in m.named_parameters()}
+    assert pack_cpu_weights(m) == 2  # not the LM head
+    assert m.qkv_proj.packed is not None and m.qkv_proj.weight.numel() == 0
+    assert m.lm_head.packed is None and m.lm_head.weight.numel() == 96 * 300
+    x = torch.randn(rows, 96) + 0.5
+    ref = F.linear(x, dense["qkv_proj.weight"], dense.get("qkv_proj.bias"))
+    torch.testing.assert_close(m.qkv_proj(x), ref, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, rows, 160)
+    torch.testing.assert_close(m.down_proj(x3), F.linear(x3, dense["down_proj.weight"], dense.get("down_proj.bias")),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_dense_weights_come_back_exactly():
+    m = _model(1, bias=True)
+    dense = {n: p.detach().clone() for n, p in m.named_parameters()}
+    pack_cpu_weights(m)
+    got = dict(dense_parameters(m))
+    assert got.keys() == dense.keys()
+    assert all(torch.equal(got[n], dense[n]) for n in dense)
+    assert pack_cpu_weights(m) == 0  # already packed
+    unpack_cpu_weights(m)
+    assert m.qkv_proj.packed is None
+    assert all(torch.equal(p, dense[n]) for n, p in m.named_parameters())
+
+
+def test_copy_of_a_packed_model_is_packed_and_independent():
+    m = _model(2)
+    pack_cpu_weights(m)
+    c = copy.deepcopy(m)
+    x = torch.randn(5, 96)
+    assert c.qkv_proj.packed is not None and c.qkv_proj.packed is not m.qkv_proj.packed
+    assert torch.equal(c.qkv_proj(x), m.qkv_proj(x))
+    unpack_cpu_weights(c)
+    with torch.no_grad():
+        c.qkv_proj.weight.zero_()
+    assert m.qkv_proj(x).abs().sum() > 0
+
+
+def test_quantizing_a_packed_model_uses_its_dense_weights():
+    m = _model(3)
+    ref = copy.deepcopy(m)
+    pack_cpu_weights(m)
+    assert quantize_model(m, QuantConfig("int8")) == 2 and quantize_model(ref, QuantConfig("int8")) == 2
+    assert isinstance(m.qkv_proj, QuantLinear)
+    x = torch.randn(4, 96)
+    assert torch.equal(m.qkv_proj(x), ref.qkv_proj(x))
+
+
+def test_a_cpu_engine_packs_its_projections_and_sleep_mode_does_not():
+    llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
+    llm.shutdown()
+    asleep = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB", enable_sleep_mode=True)
+    assert asleep.engine.runner.model.layers[0].self_attn.qkv_proj.packed is None  # sleep moves weights by name
+    asleep.shutdown()
