@@ -6,7 +6,9 @@
 One local Ray instance; for each router in turn (``--routers``: cache-aware, round-robin,
 power-of-two) the same application is deployed fresh (cold caches), driven by the same workload,
 and deleted. Workload ``chat`` (the default), multi-turn chat: ``--users`` conversations, user u on system prompt
-u mod ``--systems`` (each ``--system-words`` random words); each turn adds a short question, asks
+u mod ``--systems`` (each ``--system-words`` random words); each turn adds a short question (after
+``--user-words`` words of pasted text: what a user or an agent's tool brings; the first turn
+also ``--user-document-words``, a document of the user's own that the conversation is about), asks
 for ``--output-tokens`` tokens (greedy, EOS ignored) and streams the reply; the next turn, after
 ``--think-seconds``, sends the whole conversation so far. Workload ``docqa``, questions on shared
 documents: ``--documents`` long documents (``--document-words`` random words each), user u asks
@@ -72,8 +74,10 @@ async def user(client, uid: int, systems: list[str], args, log: list) -> None:
     messages = [{"role": "system", "content": systems[uid % len(systems)]}]
     await asyncio.sleep(rng.random() * args.think_seconds)
     for t in range(args.turns):
-        messages.append({"role": "user", "content": f"User {uid}, question {t}: what about the "
-                         f"{rng.choice(WORDS)} and the {rng.choice(WORDS)}?"})
+        words = args.user_words + (args.user_document_words if t == 0 else 0)
+        pasted = " ".join(rng.choice(WORDS) for _ in range(words))
+        question = f"User {uid}, question {t}: what about the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
+        messages.append({"role": "user", "content": f"{pasted}\n\n{question}" if pasted else question})
         rec = await turn(client, messages, args)
         log.append({"user": uid, "turn": t, **{k: v for k, v in rec.items() if k != "text"}})
         messages.append({"role": "assistant", "content": rec["text"]})
@@ -145,6 +149,10 @@ def main() -> int:
     p.add_argument("--system-words", type=int, default=300)
     p.add_argument("--documents", type=int, default=4, help="docqa: shared documents")
     p.add_argument("--document-words", type=int, default=800, help="docqa: words per document")
+    p.add_argument("--user-words", type=int, default=0,
+                   help="chat: words of pasted text in each user turn, before its question")
+    p.add_argument("--user-document-words", type=int, default=0,
+                   help="chat: words of a document of the user's own pasted into the first turn")
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--think-seconds", type=float, default=1.0)
     p.add_argument("--port", type=int, default=18590)
@@ -185,6 +193,7 @@ def main() -> int:
     shared = (f"{args.documents} documents of {args.document_words} words, one question a request"
               if args.workload == "docqa" else f"{args.systems} system prompts of {args.system_words} words")
     print(f"\n{args.workload}: {args.replicas} replicas, {args.users} users x {args.turns} turns, {shared}, "
+          f"{args.user_document_words} words of a user document, {args.user_words} words pasted a turn, "
           f"{args.output_tokens} output tokens, think {args.think_seconds}s")
     print("| router | prefix hit rate | prompt tokens computed | TTFT p50 / p99 (ms) | req/s | out tok/s "
           "| requests per replica |")
