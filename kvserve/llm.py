@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import logging
 import weakref
 from collections.abc import Sequence
@@ -92,6 +93,10 @@ class LLM:
         # held weakly, so the hook does not keep the engine alive; once it is gone, its store's
         # queued writes are still waited for (the store lives on with its threads anyway).
         self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self), self.engine.store)
+        # The engine's start-up froze the heap, itself included (see LLMEngine.__init__); its
+        # objects form cycles, which a frozen heap never collects. Once this LLM is dropped, the
+        # collector sees the whole heap again, so `del llm; gc.collect()` frees its device memory.
+        weakref.finalize(self, gc.unfreeze)
         if self.engine.store is not None:
             atexit.register(self._at_exit)
 

@@ -108,8 +108,11 @@ class LLMEngine(MemoryControls):
         # What start-up left alive (modules, weights, tokenizer tables: most of the heap) stays
         # for the process's life: out of the collector's reach, a full collection during a run
         # walks only what requests allocate, not the whole heap. Frozen objects are still freed
-        # by reference counting.
+        # by reference counting, but a frozen cycle is never collected: an engine dropped
+        # earlier in this process (its runner, graphs and KV pool refer to each other) is only
+        # unreachable garbage in the frozen set, so unfreeze and collect before freezing again.
         with startup.timed(times, "gc"):
+            gc.unfreeze()
             gc.collect()
             gc.freeze()
         self.startup_seconds = startup.ordered({**times, **rt.startup_seconds, "total": time.perf_counter() - t_start})
