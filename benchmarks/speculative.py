@@ -300,14 +300,15 @@ def replay(args) -> dict:
     acceptance, as vLLM's benchmarks do): a verify step keeps each draft with probability
     ``a`` (the per-draft rate the method had on the workload at batch 1) while the one before it
     was kept, then emits the target's token. Drafts cost what they cost: the draft model runs,
-    n-gram lookup proposes copies of the last token. Output tokens are not the model's; only
+    the n-gram lookup runs, and then proposes as many drafts as the batch-1 run's lookup did
+    (drawn from its distribution, no match and a plain step included). Output tokens are not the model's; only
     the time is measured."""
-    from kvserve.engine.spec import rejection, speculator
+    from kvserve.engine.spec import ngram, rejection, speculator
     with open(args.replay) as f:
         measured = json.load(f)["batch1"]
     measured = {w: row for w, row in measured.items() if w in WORKLOADS}  # not "load", "step_costs"
     gen = torch.Generator().manual_seed(0)
-    state = {"a": [0.0]}
+    state = {"a": [0.0], "lengths": []}
 
     def synthetic_verify(logits, row, drafts, draft_probs, generator):
         best = logits.argmax(dim=-1).tolist()
@@ -322,8 +323,22 @@ def replay(args) -> dict:
         per = r.get("per_position", {}).get("rate") or []
         return [x if x is not None else r["draft_acceptance_rate"] for x in per] or [r["draft_acceptance_rate"]]
 
+    def lengths(r: dict, decode_steps: int) -> list[float]:
+        """P(the lookup proposes at least j + 1 drafts) over every decode step of the batch-1
+        run, the steps where it found no match included (those ran as plain steps)."""
+        proposed = r.get("per_position", {}).get("proposed") or []
+        accepted = sum(r.get("per_position", {}).get("accepted") or [])
+        steps = decode_steps - accepted  # the target's decode steps with drafts on
+        return [p / steps for p in proposed] if proposed and steps > 0 else []
+
+    def synthetic_ngram(tokens, k, lo, hi):
+        ngram.propose_ngram(tokens, k, lo, hi)  # the lookup's host cost is paid; its match is not used
+        u, at_least = float(torch.rand(1, generator=gen)), state["lengths"]
+        n = sum(u < p for p in at_least) if at_least else k
+        return [int(tokens[-1])] * min(n, k)
+
     rejection.verify_request = synthetic_verify
-    speculator.propose_ngram = lambda tokens, k, lo, hi: [int(tokens[-1])] * k
+    speculator.propose_ngram = synthetic_ngram
     B_max = max(args.batches)
     # A fixed pool: the speculators built below allocate their drafts' KV beside the target's, so
     # the target must not take the device's free memory as it does by default.
@@ -346,6 +361,7 @@ def replay(args) -> dict:
                     if sp is not None and side not in row:
                         continue
                     state["a"] = rates(row[side]) if sp is not None else [0.0]
+                    state["lengths"] = lengths(row[side], row["off_decode_steps"]) if sp is not None else []
                     llm.engine.speculator = sp
                     t0 = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)
