@@ -310,8 +310,7 @@ def replay(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     state = {"a": [0.0], "lengths": []}
 
-    def synthetic_verify(logits, row, drafts, draft_probs, generator):
-        best = logits.argmax(dim=-1).tolist()
+    def synthetic_accept(drafts, best):
         a, m = state["a"], 0
         while m < len(drafts) and float(torch.rand(1, generator=gen)) < a[min(m, len(a) - 1)]:
             m += 1
@@ -337,7 +336,7 @@ def replay(args) -> dict:
         n = sum(u < p for p in at_least) if at_least else k
         return [int(tokens[-1])] * min(n, k)
 
-    rejection.verify_request = synthetic_verify
+    rejection.accept_greedy = synthetic_accept  # every greedy verification ends here
     speculator.propose_ngram = synthetic_ngram
     B_max = max(args.batches)
     # A fixed pool: the speculators built below allocate their drafts' KV beside the target's, so

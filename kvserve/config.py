@@ -376,9 +376,6 @@ class EngineConfig:
         self._check_tensor_parallel()
         if spec is not None:
             # Combinations whose output speculation would change or that it cannot roll back.
-            if self.async_scheduling:
-                raise ConfigError("async_scheduling", "is not supported with speculative decoding (the next "
-                                  "step's inputs depend on how many drafts are accepted); leave it unset")
             if self.cache.kv_cache_dtype != "auto":
                 raise ConfigError("kv_cache_dtype", f"{self.cache.kv_cache_dtype!r} is not supported with "
                                   "speculative decoding (rejected drafts cannot be rolled out of its scales); use auto")

@@ -140,3 +140,80 @@ def test_requests_under_a_grammar_or_at_their_last_token_get_no_drafts():
     sp.propose(reqs)
     assert reqs[0].spec_token_ids == [3, 1]  # a new request's rate (0.5) is worth two drafts
     assert reqs[1].spec_token_ids == [] and reqs[2].spec_token_ids == []
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _run(choice, clock, steps, batch, cost):
+    """``steps`` back-to-back pure decode steps; ``cost[drafted]``: seconds per token."""
+    sides = []
+    for _ in range(steps):
+        drafted = choice.drafts(batch)
+        launched = clock.t
+        clock.t += cost[drafted] * batch
+        choice.record(batch, drafted, batch, launched, pure=True)
+        sides.append(drafted)
+    return sides
+
+
+def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
+    from kvserve.engine.spec.policy import PROBE_EVERY, PROBE_STEPS, WARMUP_STEPS, DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    choice.record(32, False, 32, 0.0, pure=False)  # the prefill before: an end, not a sample
+    sides = _run(choice, clock, 2 * WARMUP_STEPS + 2 * PROBE_EVERY, 32, {True: 3e-3, False: 1e-3})
+    # Drafted first, then plain, each until measured WARMUP_STEPS times.
+    assert sides[:2 * WARMUP_STEPS] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
+    rest = sides[2 * WARMUP_STEPS:]
+    assert rest.count(True) == 2 * PROBE_STEPS  # drafts only while looked at again
+    # A bucket of its own: batch 1, where drafting is cheaper, drafts.
+    sides = _run(choice, clock, 2 * WARMUP_STEPS + PROBE_EVERY, 1, {True: 1e-3, False: 2e-3})
+    assert sides[2 * WARMUP_STEPS:].count(False) == PROBE_STEPS
+    # When drafting turns dearer (the text stops repeating), its own times switch sides within
+    # a few steps; it is only looked at again after that.
+    sides = _run(choice, clock, 2 * PROBE_EVERY, 1, {True: 4e-3, False: 2e-3})
+    assert sides[:2] == [True, True] and sides[5:].count(True) <= 2 * PROBE_STEPS
+
+
+def test_draft_or_plain_ignores_steps_after_an_idle_gap_and_mixed_steps():
+    from kvserve.engine.spec.policy import DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    clock.t = 1.0
+    choice.record(4, True, 4, 0.99, pure=True)  # the first step: nothing before it to time from
+    clock.t = 5.0
+    choice.record(4, True, 8, 4.9, pure=True)  # launched 3.9 s after the last end: idle gap
+    clock.t = 5.1
+    choice.record(4, True, 8, 5.0, pure=False)  # a prefill chunk in the step
+    assert choice.measured == {}
+    clock.t = 5.2
+    choice.record(4, True, 8, 5.1, pure=True)
+    assert choice.measured == {(3, True): 1} and choice.cost[(3, True)] == pytest.approx(0.1 / 8)
+
+
+def test_seeded_sampling_keeps_the_rule(monkeypatch):
+    """A seeded request sampling at temperature > 0 draws differently in a verify step than in a
+    plain one: while one decodes, the steps draft as the rule says whatever the times, so its
+    seed reproduces its output."""
+    from kvserve.engine.request import Request
+    from kvserve.engine.spec.speculator import Speculator
+    from kvserve.sampling_params import SamplingParams
+
+    def decoding(**kw):
+        r = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=9, **kw))
+        r.num_computed_tokens = r.num_tokens - 1
+        return r
+    sp = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    monkeypatch.setattr(sp.choice, "drafts", lambda n: False)  # as if plain steps measured cheaper
+    for kw, drafts in (({"temperature": 0.8, "seed": 3}, True), ({"temperature": 0.8}, False),
+                       ({"temperature": 0.0, "seed": 3}, False)):
+        r = decoding(**kw)
+        assert sp.plan([r]) is drafts
+        sp.propose([r])
+        assert bool(r.spec_token_ids) is drafts, kw

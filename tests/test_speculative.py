@@ -67,6 +67,42 @@ def test_greedy_output_is_token_identical(plain, spec):
         assert llm.engine.speculator.draft.pool.num_used_blocks == 0
 
 
+def test_one_batch_of_greedy_requests_with_and_without_extras(plain, monkeypatch):
+    """Plain greedy requests are verified from one batched argmax; a greedy request with
+    penalties, a bias, log-probs or a min_tokens ban takes the per-request path. Mixed in one
+    batch, each gives the tokens it gives without drafts."""
+    from kvserve.engine.spec import rejection
+    prompts = _prompts(3, 6)
+    first = [o.outputs[0].token_ids for o in plain.generate(
+        prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)]
+    base = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    params = [SamplingParams(**base), SamplingParams(**base, repetition_penalty=1.3),
+              SamplingParams(**base, logit_bias={first[2][4]: -100.0}), SamplingParams(**base, logprobs=1),
+              SamplingParams(max_tokens=30, temperature=0, min_tokens=12, stop_token_ids=[first[4][5]]),
+              SamplingParams(**base)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    seen = []
+    verify = rejection.verify_request
+    monkeypatch.setattr(rejection, "verify_request", lambda *a: seen.append(1) or verify(*a))
+    llm = _tiny(NGRAM)
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    done, per_request = {}, []
+    while eng.has_unfinished_requests():
+        n = len(seen)
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        per_request.append(len(seen) - n)
+        eng.check_invariants()
+    assert [done[f"r{i}"] for i in range(len(prompts))] == want
+    assert eng.kv.pool.num_used_blocks == 0
+    assert llm.stats.spec.spec_decode_num_drafts > 0
+    # Only the four requests with extras ever took the per-request path.
+    assert 0 < max(per_request) <= 4
+
+
 def test_rejections_and_stops_inside_the_accepted_run(plain):
     """Penalties make drafts wrong often (they change what is likely once a draft is counted);
     stop tokens and max_tokens cut inside a run of accepted drafts."""
@@ -135,9 +171,27 @@ def test_sampled_tokens_follow_the_same_distribution(plain, spec):
         assert stats.chi2_contingency(table).pvalue > 1e-3, table
 
 
-def test_async_scheduling_is_refused():
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        _tiny(NGRAM, async_scheduling=True)
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_async_scheduling_looks_ahead_past_plain_steps_only(plain, spec, monkeypatch):
+    """With async scheduling a step without drafts may have the next launched ahead; a step
+    with drafts never does (its kept tokens are the next step's inputs). Both kinds run here:
+    the engine tries each before the measured cheaper one takes over. Greedy output unchanged."""
+    from kvserve.engine import lookahead
+    looked, drafted_ahead = [], []
+    advance = lookahead.advance
+
+    def counting(step):
+        looked.append(1)
+        drafted_ahead.extend(s for s in step.out.scheduled if s.draft_token_ids)
+        advance(step)
+    monkeypatch.setattr(lookahead, "advance", counting)
+    prompts = _prompts(5, 6)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _tiny(spec, async_scheduling=True)
+    assert _stepwise(llm, prompts, params) == want
+    assert looked and not drafted_ahead
+    assert llm.stats.spec.spec_decode_num_drafts > 0
 
 
 @pytest.mark.parametrize("spec, field", [

@@ -295,10 +295,11 @@ class LLMEngine(MemoryControls):
             if cur is None:
                 return []
         if (self.config.async_scheduling and not self.runner.capture_due
-                and lookahead.can_look_ahead(cur.out, self.store is not None)):
+                and lookahead.can_look_ahead(cur.out, self.store is not None)
+                and (self.speculator is None or not self.speculator.plan(self.scheduler.running))):
             lookahead.advance(cur)
             try:
-                nxt = self._schedule_and_launch()
+                nxt = self._schedule_and_launch(ahead=True)
             except BaseException:
                 self._complete(cur, only_finished, t_call)  # no placeholder may outlive the error
                 raise
@@ -332,11 +333,11 @@ class LLMEngine(MemoryControls):
             pass
         self._step_failed(nxt.out)
 
-    def _schedule_and_launch(self) -> InFlight | None:
+    def _schedule_and_launch(self, ahead: bool = False) -> InFlight | None:
         t0 = time.perf_counter()
         io0 = self._tier_copy_seconds()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        if self.speculator is not None:  # no drafts past tokens not known yet
+            (self.speculator.skip if ahead else self.speculator.propose)(self.scheduler.running)
         out = self.scheduler.schedule()
         if (out.is_empty and self.scheduler.waiting and not self.scheduler.running and self.pins.pins
                 and not any(r.prefetch_state == "pending" for r in self.scheduler.waiting)):
@@ -390,7 +391,7 @@ class LLMEngine(MemoryControls):
                 else EngineCoreOutputs())
         self.runner.start_mask_fill()  # the matchers have this step's tokens: off the critical path
         if self.speculator is not None and result is not None:
-            self.speculator.observe(out, result)
+            self.speculator.observe(out, result, cur.t0)
         for parent, child in core.forks:
             self.runner.fork_request(parent.request_id, child.request_id)
         outputs, stops, failed = self.output_processor.process(core, only_finished)

@@ -13,7 +13,7 @@ Invariants:
 - If a step's results never come (it failed), ``rollback`` undoes ``advance``: the requests stand
   where the step found them, as after a failed synchronous step; the step launched ahead on top
   of it is discarded.
-- A step that forks, samples with penalties (they read the tokens on the host), wants prompt
+- A step that verifies drafts, forks, samples with penalties (they read the tokens on the host), wants prompt
   log-probs (read from its hidden states) or moves KV to or from the tiers (their copies run
   beside the compute stream) is never looked past (``can_look_ahead``).
 - Grammar rows are looked past: the step launched ahead queues its forward and LM head and
@@ -54,6 +54,8 @@ def can_look_ahead(out: SchedulerOutput, tiers_on: bool) -> bool:
     for s in out.scheduled:
         r = s.request
         if s.samples and (r.pending_forks or r.params.needs_penalties):
+            return False
+        if s.draft_token_ids:  # how many of its tokens it keeps is known only once it ends
             return False
         if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
             return False

@@ -44,11 +44,11 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         (``tp_workers.py``); rank 0 starts the workers itself."""
         self.device = resolve_device(config.device)
         if config.async_scheduling is None:
-            # Speculative decoding needs each step's accepted tokens before the next is scheduled,
-            # scored KV eviction each step's attention scores; tensor-parallel ranks take their
-            # input tokens from rank 0's host.
+            # Scored KV eviction needs each step's attention scores before the next is scheduled;
+            # tensor-parallel ranks take their input tokens from rank 0's host. (Speculative
+            # decoding looks ahead only past steps without drafts: ``lookahead.can_look_ahead``.)
             config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda"
-                                         and config.speculative is None and config.tensor_parallel_size == 1
+                                         and config.tensor_parallel_size == 1
                                          and config.cache.kv_eviction in ("none", "streaming"))
         self.config = config
         if src.kind == "snapshot":  # runs in the dtype it was written in, on the device it was written for
@@ -270,7 +270,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
                 sample(mask_job)
         else:
             self._sampled = None
-        verify_logits = self._verify_logits(hidden, query_start, sched, verifying) if verifying else []
+        verify_logits = self._verify_logits(hidden, query_start, sched, verifying) if verifying else None
         if self.gpu_timer is not None:
             self.gpu_timer.stop()
         self._deferred = deferred
@@ -294,13 +294,13 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
                             res.logprobs[i].append(so.logprobs[k])
             res.failed = failed
             res.kv_scores = {i: t.cpu() for i, t in kv_scores.items()}
-            for i, logits in zip(verifying, verify_logits):
-                try:
-                    res.sampled_token_ids[i], res.logprobs[i] = self._verify(sched[i], logits)
-                except Exception as e:  # noqa: BLE001 - this request's fault, unless the device's
-                    if is_device_fault(e):
-                        raise
-                    failed[i] = e
+            for i, toks, lps in (self._verify_all(sched, verifying, verify_logits) if verifying else ()):
+                if isinstance(toks, Exception):  # this request's fault, unless the device's
+                    if is_device_fault(toks):
+                        raise toks
+                    failed[i] = toks
+                else:
+                    res.sampled_token_ids[i], res.logprobs[i] = toks, lps
             for i in prompt_lp:
                 if i not in failed:
                     s = sched[i]

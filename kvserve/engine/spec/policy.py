@@ -10,11 +10,14 @@ that reading the weights still dominates. So:
 - request: the j-th draft is only used if the j - 1 before it are accepted, with probability
   ``a^j`` for a per-draft acceptance rate ``a`` (tracked as a moving average per request).
   Drafts stop where that falls below ``MIN_DRAFT_GAIN``; at least one is always proposed, so
-  the rate keeps being measured and recovers when the text turns repetitive again.
+  the rate keeps being measured and recovers when the text turns repetitive again;
+- step: whether to draft at all, from the measured wall time per emitted token of drafted and
+  plain steps at this batch size (``DraftOrPlain``), since a step costs more than its forward.
 """
 from __future__ import annotations
 
 import math
+import time
 
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.request import Request
@@ -49,3 +52,59 @@ class SpecPolicy:
         checked = num_accepted + (num_accepted < num_drafts)
         rate = num_accepted / checked
         req.spec_acceptance += EMA_WEIGHT * (rate - req.spec_acceptance)
+
+
+WARMUP_STEPS = 8  # measured steps of each side per batch-size bucket before the times decide
+PROBE_EVERY = 128  # steps of a bucket between two looks at the side not taken
+PROBE_STEPS = 4
+COST_WEIGHT = 0.2  # weight of the latest step in a side's time per token
+CONTINUOUS_S = 0.05  # a step launched longer than this after the last one ended follows an idle gap
+
+
+class DraftOrPlain:
+    """Whether a step drafts, from what each kind of step measurably costs per emitted token.
+
+    The rule in ``SpecPolicy`` sizes the drafts from the verify cost a forward pass has; a step
+    costs more than its forward. A drafted step waits for its accepted tokens before the next
+    can be scheduled, while a plain step lets the next be launched ahead (async scheduling), and
+    proposing and verifying take host time. Where that outweighs what the accepted drafts save
+    (large batches, or text the drafts rarely match), decoding without drafts is faster. So per
+    batch-size bucket (powers of two) the wall time per emitted token of pure decode steps is
+    kept for both kinds, each is tried ``WARMUP_STEPS`` times (drafted first), then the cheaper
+    one runs, with the other tried again for ``PROBE_STEPS`` of every ``PROBE_EVERY`` steps.
+
+    A seeded request sampling at temperature > 0 draws different numbers from a verify step than
+    from a plain one, so while one decodes, the choice is the rule's alone and its seed
+    reproduces its output. Greedy output does not depend on the choice."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.cost: dict[tuple[int, bool], float] = {}
+        self.measured: dict[tuple[int, bool], int] = {}
+        self.decided: dict[int, int] = {}
+        self.last_end: float | None = None
+
+    def drafts(self, num_decoding: int) -> bool:
+        """Decide for the next step of ``num_decoding`` decoding requests."""
+        b = num_decoding.bit_length()
+        n = self.decided.get(b, 0)
+        self.decided[b] = n + 1
+        for side in (True, False):
+            if self.measured.get((b, side), 0) < WARMUP_STEPS:
+                return side
+        better = self.cost[(b, True)] <= self.cost[(b, False)]
+        return better if n % PROBE_EVERY >= PROBE_STEPS else not better
+
+    def record(self, num_decoding: int, drafted: bool, tokens: int, launched: float, pure: bool) -> None:
+        """A step launched at ``launched`` ends now; a pure decode step emitted ``tokens``."""
+        now = self.clock()
+        last, self.last_end = self.last_end, now
+        if not pure or last is None or tokens <= 0 or launched - last > CONTINUOUS_S:
+            return
+        # From the previous step's end: a step launched ahead overlaps it, and a step launched
+        # after it also pays the host time between the two.
+        per_token = (now - last) / tokens
+        key = (num_decoding.bit_length(), drafted)
+        old = self.cost.get(key)
+        self.cost[key] = per_token if old is None else old + COST_WEIGHT * (per_token - old)
+        self.measured[key] = self.measured.get(key, 0) + 1

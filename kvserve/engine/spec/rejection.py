@@ -50,6 +50,14 @@ def target_probs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return scaled.softmax(dim=-1)
 
 
+def accept_greedy(drafts: list[int], best: list[int]) -> list[int]:
+    """Greedy verification from the target's argmax at each of the ``k + 1`` positions."""
+    m = 0
+    while m < len(drafts) and drafts[m] == best[m]:
+        m += 1
+    return drafts[:m] + [best[m]]
+
+
 def verify_request(logits: torch.Tensor, row: SamplingRow, drafts: list[int],
                    draft_probs: torch.Tensor | None, generator: torch.Generator) -> list[int]:
     """The tokens a request emits from one verify step: the accepted drafts, then one token of
@@ -58,11 +66,7 @@ def verify_request(logits: torch.Tensor, row: SamplingRow, drafts: list[int],
     point-mass draft (n-gram, or a greedy draft model)."""
     k = len(drafts)
     if row.temperature < MIN_TEMPERATURE:
-        best = logits.argmax(dim=-1).tolist()
-        m = 0
-        while m < k and drafts[m] == best[m]:
-            m += 1
-        return drafts[:m] + [best[m]]
+        return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
     p = target_probs(logits, row).cpu()
     q = None if draft_probs is None else draft_probs.float().cpu()
     u = torch.rand(k, generator=generator).tolist() if k else []

@@ -1,7 +1,12 @@
 """Speculator: proposes each step's drafts and learns from what the verification kept.
 
+    plan(running)          whether the next step will draft (one that does not may be launched
+                           ahead, before this step's tokens are known: async scheduling)
     propose(running)       before Scheduler.schedule(): ``req.spec_token_ids`` for decoding requests
-    observe(out, result)   after the step: acceptance per request (policy) and the counters (stats)
+    skip(running)          instead of propose, for a step launched ahead: no drafts
+    observe(out, result, launched)
+                           after the step: acceptance per request (policy), the counters (stats)
+                           and the step's time per token (``DraftOrPlain``)
 
 A request gets no drafts while it is prefilling, is under a grammar (its matcher would have to
 accept and roll back drafts; it decodes one token a step instead) or has one token left to go.
@@ -11,7 +16,7 @@ from __future__ import annotations
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.request import Request
 from kvserve.engine.spec.ngram import propose_ngram
-from kvserve.engine.spec.policy import SpecPolicy
+from kvserve.engine.spec.policy import DraftOrPlain, SpecPolicy
 from kvserve.engine.stats import SpecDecodingStats
 from kvserve.engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -22,14 +27,37 @@ class Speculator:
         self.policy = SpecPolicy(config)
         self.draft = draft  # kvserve.engine.spec.draft.DraftModel for method "draft_model"
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        self.choice = DraftOrPlain()
+        self._next: bool | None = None  # what plan() decided for the next step
+
+    @staticmethod
+    def _decoding(running: list[Request]) -> list[Request]:
+        return [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+
+    def _decide(self, decoding: list[Request]) -> bool:
+        if not decoding or self.policy.k_for_batch(len(decoding)) == 0:
+            return False
+        if any(r.generators is not None and not r.params.greedy for r in decoding):
+            return True  # a seeded draw: the rule alone decides, so the seed reproduces
+        return self.choice.drafts(len(decoding))
+
+    def plan(self, running: list[Request]) -> bool:
+        self._next = self._decide(self._decoding(running))
+        return self._next
+
+    def skip(self, running: list[Request]) -> None:
+        self._next = None
+        for r in running:
+            r.spec_token_ids, r.spec_draft_probs = [], None
 
     def propose(self, running: list[Request]) -> None:
         for r in running:  # drafts of a step that preempted the request before taking them are stale
             r.spec_token_ids, r.spec_draft_probs = [], None
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        k_batch = self.policy.k_for_batch(len(decoding))
-        if k_batch == 0:
+        decoding = self._decoding(running)
+        drafts, self._next = (self._next if self._next is not None else self._decide(decoding)), None
+        if not drafts:
             return
+        k_batch = self.policy.k_for_batch(len(decoding))
         want: list[tuple[Request, int]] = []
         for r in decoding:
             if r.grammar is not None or r.pending_forks:
@@ -48,10 +76,15 @@ class Speculator:
         if self.draft is not None:
             self.draft.drop(request_id)
 
-    def observe(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        for i, (s, toks) in enumerate(zip(out.scheduled, result.sampled_token_ids)):
-            if not s.draft_token_ids or not toks or i in result.failed:
+    def observe(self, out: SchedulerOutput, result: ModelRunnerOutput, launched: float) -> None:
+        pure, drafted, tokens = not result.failed, False, 0
+        for s, toks in zip(out.scheduled, result.sampled_token_ids):
+            n = len(s.draft_token_ids)
+            pure = pure and s.num_new_tokens == n + 1 and len(toks) >= 1
+            tokens += len(toks)
+            if not n or not toks:
                 continue
-            n, accepted = len(s.draft_token_ids), len(toks) - 1
+            drafted, accepted = True, len(toks) - 1
             self.stats.record(n, accepted)
             self.policy.observe(s.request, n, accepted)
+        self.choice.record(len(out.scheduled), drafted, tokens, launched, pure)
