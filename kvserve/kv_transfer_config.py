@@ -21,7 +21,7 @@ class KVTransferConfig:
     ``TorchDistributedConnector``: one producer (``kv_rank`` 0) and one consumer (``kv_rank`` 1)
     meet at ``kv_ip:kv_port`` (the producer listens) and send blocks with torch.distributed
     (gloo on the CPU, NCCL on CUDA). ``CudaIpcConnector``: the same pair, two processes of one
-    host (one GPU, which NCCL cannot share between two ranks, or two GPUs with peer access): the
+    host (one GPU, which NCCL cannot share between two ranks, or two GPUs of the host): the
     producer shares a buffer of ``kv_buffer_size`` bytes of its device (CUDA IPC; host memory on
     the CPU) through which the blocks pass, gloo at ``kv_ip:kv_port`` carrying only control
     messages; a prompt's KV larger than the buffer is not sent (its consumer computes it).

@@ -142,8 +142,11 @@ class SharedBuffer:
             torch.cuda.current_stream(self.tensor.device).synchronize()
 
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A host copy of ``nbytes`` at ``offset``; when this returns, the peer may overwrite them."""
-        return self.tensor[offset:offset + nbytes].to("cpu", copy=True)
+        """A host copy of ``nbytes`` at ``offset``; when this returns, the peer may overwrite them.
+        From a GPU the copy lands in pinned memory (torch caches it), at the link's full speed."""
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.tensor.is_cuda)
+        out.copy_(self.tensor[offset:offset + nbytes])  # (synchronous: not non_blocking)
+        return out
 
 
 def _free(d: str) -> int:
