@@ -198,8 +198,8 @@ class Consumer:
             except Exception as e:
                 if not self.dead:
                     log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
+                self._stopped()  # (first: whoever sees ``dead`` sees what it released)
                 self.dead = True
-                self._stopped()
                 return
             n = sum(self.store.staging.put(k, blocks[i].clone(), tag="remote") for i, k in enumerate(keys))
             self.received_blocks += n
