@@ -82,7 +82,7 @@ class SharedBuffer:
                 raise ConfigError("kv_transfer_config.kv_buffer_size", f"cannot share {nbytes} bytes of {device} "
                                   f"with CUDA IPC (the buffer is allocated beside the KV cache): {e}"[:500]) from None
             return cls(t, {"kind": "cuda", "nbytes": nbytes, "rebuild": rebuild.__name__,
-                           "args": [_encode(a) for a in args]})
+                           "args": [_encode(a) for a in args], "gpu": _gpu_uuid(t.device.index)})
         # A tmpfs file must fit the free space: writing past it would kill the process (SIGBUS).
         room = [d for d in _dirs() if _free(d) >= nbytes]
         if not room:
@@ -109,7 +109,16 @@ class SharedBuffer:
                 raise ValueError("the producer's torch shares CUDA memory differently (run the same torch)")
             if not torch.cuda.is_available():
                 raise RuntimeError("the producer's KV buffer is CUDA memory and this process has no CUDA")
-            t = rebuild_cuda_tensor(*[_decode(a) for a in handle["args"]])
+            args = [_decode(a) for a in handle["args"]]
+            if len(args) != 15 or not isinstance(args[6], int):
+                raise ValueError("the producer's torch shares CUDA memory differently (run the same torch)")
+            if handle.get("gpu"):  # the producer's device index may name another GPU here
+                here = [i for i in range(torch.cuda.device_count()) if _gpu_uuid(i) == handle["gpu"]]
+                if not here:
+                    raise RuntimeError(f"the producer's GPU {handle['gpu']} is not visible to this process "
+                                       "(CUDA_VISIBLE_DEVICES)")
+                args[6] = here[0]
+            t = rebuild_cuda_tensor(*args)
         elif kind == "file":
             path = handle.get("path")
             if (not isinstance(path, str) or not os.path.basename(path).startswith(PREFIX)
@@ -147,6 +156,13 @@ class SharedBuffer:
         out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.tensor.is_cuda)
         out.copy_(self.tensor[offset:offset + nbytes])  # (synchronous: not non_blocking)
         return out
+
+
+def _gpu_uuid(index: int) -> str | None:
+    """The GPU's UUID (one physical device whatever CUDA_VISIBLE_DEVICES numbers it), if torch
+    tells it."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else None
 
 
 def _free(d: str) -> int:
