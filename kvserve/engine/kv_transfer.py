@@ -1,5 +1,5 @@
 """The engine's side of disaggregated prefill and decode (``kv_transfer_config``; the transports
-are in ``kvserve/kvtier/transfer.py``).
+are in ``kvserve/kvtier/transfer.py`` and, for CudaIpcConnector, ``kvserve/kvtier/ipc.py``).
 
 Producer: when a request finishes (a prefill run with ``max_tokens=1``), its prompt's full blocks
 are still in the prefix cache under their hashes (finishing frees blocks but keeps their hashes
