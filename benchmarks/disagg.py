@@ -1,5 +1,5 @@
 """Decode latency while long prefills arrive: one combined instance against a prefill instance
-plus a decode instance (``kv_transfer_config``, TorchDistributedConnector), in one run.
+plus a decode instance (``kv_transfer_config``, ``--connector``), in one run.
 
 The workload (the same for both): ``--decodes`` short requests generating ``--decode-tokens``
 tokens each start together; while they decode, ``--longs`` prompts of ``--long-tokens`` tokens
@@ -8,17 +8,21 @@ arrive every ``--long-gap`` seconds and generate ``--long-out`` tokens each.
     colocated  one engine runs everything (chunked prefill mixes the long prompts into the
                decodes' steps); on the CPU it gets ``--threads`` threads
     disagg     a prefill engine (another process) computes each long prompt with max_tokens=1 and
-               sends its KV over gloo (NCCL on CUDA); the decode engine (this process) runs the
-               short requests and continues each long one from the KV received; on the CPU each
-               gets half the threads, so the two setups have the same cores
+               sends its KV (TorchDistributedConnector: over gloo, NCCL on CUDA;
+               CudaIpcConnector: through a buffer both processes map); the decode engine (this
+               process) runs the short requests and continues each long one from the KV
+               received; on the CPU each gets half the threads, so the two setups have the same
+               cores
 
 Per setup: the short requests' TTFT and inter-token latency (p50, p99, max), the long requests'
 TTFT (arrival to first token), and wall time. Engines are driven step by step in-process (no
 HTTP), timestamps taken when a step returns a request's new token. Prints a table; writes JSON
-under --out. Runs unchanged on one GPU (the two processes share it) or two
+under --out. On one GPU the two processes share it with ``--connector CudaIpcConnector`` (NCCL
+cannot pair two processes on one device); on two GPUs of one host either connector works
 (``--prefill-device cuda:1``).
 
     PYTHONPATH=$PWD python benchmarks/disagg.py --model dummy:smollm2-135m --threads 2
+    PYTHONPATH=$PWD python benchmarks/disagg.py --device cuda --connector CudaIpcConnector
 """
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ def prompts(args, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     return short, long
 
 
+def kv_config(args, role: str, port: int) -> dict:
+    return {"kv_connector": args.connector, "kv_role": role, "kv_port": port, "kv_buffer_size": args.kv_buffer_size}
+
+
 def _prefill_worker(args, port: int, threads: int, jobs, results) -> None:
     import torch
 
@@ -56,8 +64,7 @@ def _prefill_worker(args, port: int, threads: int, jobs, results) -> None:
     if threads:
         torch.set_num_threads(threads)
     llm = LLM(args.model, **engine_kwargs(args, args.prefill_device),
-              kv_transfer_config={"kv_connector": "TorchDistributedConnector", "kv_role": "kv_producer",
-                                  "kv_port": port})
+              kv_transfer_config=kv_config(args, "kv_producer", port))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     results.put("ready")
     eng = llm.engine
@@ -152,8 +159,7 @@ def run_disagg(args) -> dict:
     proc.start()
     try:
         llm = LLM(args.model, **engine_kwargs(args, args.device),
-                  kv_transfer_config={"kv_connector": "TorchDistributedConnector", "kv_role": "kv_consumer",
-                                      "kv_port": port})
+                  kv_transfer_config=kv_config(args, "kv_consumer", port))
         assert results.get(timeout=600) == "ready"
         eng, rec = llm.engine, Recorder()
         short, long = prompts(args, eng.arch.vocab_size)
@@ -206,6 +212,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--only", choices=["colocated", "disagg"], default=None)
+    p.add_argument("--connector", choices=["TorchDistributedConnector", "CudaIpcConnector"],
+                   default="TorchDistributedConnector", help="the disaggregated setup's KV transport")
+    p.add_argument("--kv-buffer-size", type=float, default=1e9, help="bytes of KV in flight (CudaIpcConnector: "
+                   "its shared buffer, allocated beside the KV cache)")
     p.add_argument("--out", default=None, help="directory for disagg.json")
     args = p.parse_args()
     args.prefill_device = args.prefill_device or args.device

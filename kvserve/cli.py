@@ -87,8 +87,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         'or \'{"method": "layer_skip", "draft_layers": N, "num_speculative_tokens": 3}\'')
     g.add_argument("--kv-transfer-config", type=_json_object, default=None,
                    help='disaggregated prefill/decode, vLLM\'s JSON: \'{"kv_connector": "TorchDistributedConnector", '
-                        '"kv_role": "kv_producer"}\' (or kv_consumer; KVTierConnector: through '
-                        '--disk-kv-dir/--redis-url)')
+                        '"kv_role": "kv_producer"}\' (or kv_consumer; CudaIpcConnector: two processes of one '
+                        'host, e.g. on one GPU; KVTierConnector: through --disk-kv-dir/--redis-url)')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step before the previous one's tokens reach the host, so host work overlaps "
                         "the GPU (default: on for CUDA, off on the CPU)")

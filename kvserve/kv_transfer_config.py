@@ -7,21 +7,26 @@ from dataclasses import dataclass, field
 
 from kvserve.errors import ConfigError, check_option_dict
 
-KV_CONNECTORS = ("TorchDistributedConnector", "KVTierConnector")
+KV_CONNECTORS = ("TorchDistributedConnector", "CudaIpcConnector", "KVTierConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_EXTRA_KEYS = ("transfer_timeout_s", "connect_timeout_s")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Disaggregated prefill and decode (kvserve/kvtier/transfer.py), with vLLM's names. A
+    """Disaggregated prefill and decode (kvserve/kvtier/transfer.py, ipc.py), with vLLM's names. A
     producer (prefill instance) hands each finished prompt's full KV blocks, keyed by their chained
     block hashes, to a consumer (decode instance), which loads them as prefix hits.
 
     ``TorchDistributedConnector``: one producer (``kv_rank`` 0) and one consumer (``kv_rank`` 1)
     meet at ``kv_ip:kv_port`` (the producer listens) and send blocks with torch.distributed
-    (gloo on the CPU, NCCL on CUDA). ``KVTierConnector``: the producer writes through to the disk
-    or Redis tier both instances are configured with; the consumer loads by hash from there.
+    (gloo on the CPU, NCCL on CUDA). ``CudaIpcConnector``: the same pair, two processes of one
+    host (one GPU, which NCCL cannot share between two ranks, or two GPUs of the host): the
+    producer shares a buffer of ``kv_buffer_size`` bytes of its device (CUDA IPC; host memory on
+    the CPU) through which the blocks pass, gloo at ``kv_ip:kv_port`` carrying only control
+    messages; a prompt's KV larger than the buffer is not sent (its consumer computes it).
+    ``KVTierConnector``: the producer writes through to the disk or Redis tier both instances are
+    configured with; the consumer loads by hash from there.
     ``kv_connector_extra_config``: ``transfer_timeout_s`` (how long a request waits for its KV
     before computing its prompt itself, default 30), ``connect_timeout_s`` (default 300)."""
     kv_connector: str
@@ -30,7 +35,7 @@ class KVTransferConfig:
     kv_parallel_size: int = 2
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
-    kv_buffer_size: float = 1e9  # bytes of received KV held until its request loads it
+    kv_buffer_size: float = 1e9  # bytes of KV in flight or waiting to load (CudaIpcConnector: its buffer)
     kv_connector_extra_config: dict = field(default_factory=dict, hash=False)
     kv_load_failure_policy: str = "recompute"  # KV that does not arrive: the consumer computes it
 
@@ -82,9 +87,9 @@ class KVTransferConfig:
             bad("kv_parallel_size", f"must be 2 (one producer, one consumer), got {self.kv_parallel_size!r}"[:300])
         if self.kv_rank is not None and not (is_int(self.kv_rank) and 0 <= self.kv_rank < self.kv_parallel_size):
             bad("kv_rank", f"must be an integer in [0, {self.kv_parallel_size - 1}], got {self.kv_rank!r}"[:300])
-        if self.kv_connector == "TorchDistributedConnector":
+        if self.kv_connector in ("TorchDistributedConnector", "CudaIpcConnector"):
             if self.kv_role == "kv_both":
-                bad("kv_role", "'kv_both' needs a shared store (KVTierConnector); TorchDistributedConnector "
+                bad("kv_role", f"'kv_both' needs a shared store (KVTierConnector); {self.kv_connector} "
                     "links one kv_producer to one kv_consumer")
             want = 0 if self.kv_role == "kv_producer" else 1
             if self.kv_rank is not None and self.kv_rank != want:

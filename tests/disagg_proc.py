@@ -29,6 +29,8 @@ def serve(cfg: dict) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         outs = llm.generate(json.loads(line), params)
+        llm.engine.check_invariants()
+        assert llm.engine.kv.pool.num_used_blocks == 0  # the hand-over holds no block of the pool
         print(json.dumps([o.kv_transfer_params for o in outs]), flush=True)
 
 

@@ -1,5 +1,5 @@
 """The engine's side of disaggregated prefill and decode (``kv_transfer_config``; the transports
-are in ``kvserve/kvtier/transfer.py``).
+are in ``kvserve/kvtier/transfer.py`` and, for CudaIpcConnector, ``kvserve/kvtier/ipc.py``).
 
 Producer: when a request finishes (a prefill run with ``max_tokens=1``), its prompt's full blocks
 are still in the prefix cache under their hashes (finishing frees blocks but keeps their hashes
@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 class KVTransfer:
     def __init__(self, engine):
+        from kvserve.kvtier.ipc import IpcConsumer, IpcProducer
         from kvserve.kvtier.transfer import Channel, Consumer, Producer, TierConsumer
         cfg = engine.config.kv_transfer_config
         if engine.kv_plan.groups.num_groups != 1:
@@ -39,15 +40,19 @@ class KVTransfer:
         layout = {"kv_cache_dtype": engine.config.cache.kv_cache_dtype, "block_size": engine.block_size,
                   "block_shape": list(self.block_shape), "dtype": str(data.dtype),
                   "cache_key": engine.kv.hash_extra.decode(errors="replace")}
-        channel = Channel(cfg, data.device)
+        ipc = cfg.kv_connector == "CudaIpcConnector"  # (gloo carries its control messages only)
+        channel = Channel(cfg, torch.device("cpu") if ipc else data.device)
         channel.handshake(layout)
         block_bytes = data.element_size()
         for s in self.block_shape:
             block_bytes *= s
-        if cfg.is_producer:
+        timeout = cfg.extra("transfer_timeout_s")
+        if cfg.is_producer and ipc:
+            self.producer = IpcProducer(channel, data.device, block_bytes, cfg.kv_buffer_size, timeout)
+        elif cfg.is_producer:
             self.producer = Producer(channel, block_bytes, cfg.kv_buffer_size)
         else:
-            self.consumer = Consumer(channel, engine.store, cfg.extra("transfer_timeout_s"))
+            self.consumer = (IpcConsumer if ipc else Consumer)(channel, engine.store, timeout)
 
     def wants(self, req) -> bool:
         """Whether a finished request's prompt KV goes to the consumer: every request of a

@@ -16,6 +16,8 @@ and a block is stored only once all of its transfer's bytes arrived.
 
 Invariants: one sender thread and one receiver thread, so messages arrive in the order sent;
 after a failed send or receive the channel is dead for good (requests stop waiting at once).
+``CudaIpcConnector`` (kvserve/kvtier/ipc.py) subclasses the producer and the consumer: the same
+channel carries its control messages, the bytes pass through memory both processes map.
 """
 from __future__ import annotations
 
@@ -72,29 +74,30 @@ class Channel:
                               f"as kv_rank {self.rank}: {e}"[:500]) from None
         self.store = store  # kept alive: the rendezvous server lives in the producer's
 
-    def send(self, t: torch.Tensor) -> None:
-        self.pg.send([t.to(self.device).contiguous()], self.peer, 0).wait()
+    def send(self, t: torch.Tensor, tag: int = 0) -> None:
+        self.pg.send([t.to(self.device).contiguous()], self.peer, tag).wait()
 
-    def recv(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def recv(self, numel: int, dtype: torch.dtype, tag: int = 0) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype, device=self.device)
-        self.pg.recv([t], self.peer, 0).wait()
+        self.pg.recv([t], self.peer, tag).wait()
         return t
 
-    def send_message(self, meta: dict, payload: torch.Tensor | None = None) -> None:
-        """[MAGIC, payload bytes, meta bytes] then the meta JSON, then the payload (uint8)."""
+    def send_message(self, meta: dict, payload: torch.Tensor | None = None, tag: int = 0) -> None:
+        """[MAGIC, payload bytes, meta bytes] then the meta JSON, then the payload (uint8). Each
+        direction of a conversation has its own ``tag`` when two threads use the channel."""
         m = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         n = 0 if payload is None else payload.numel()
-        self.send(torch.tensor([MAGIC, n, m.numel()], dtype=torch.int64))
-        self.send(m)
+        self.send(torch.tensor([MAGIC, n, m.numel()], dtype=torch.int64), tag)
+        self.send(m, tag)
         if n:
-            self.send(payload)
+            self.send(payload, tag)
 
-    def recv_message(self, max_payload: int) -> tuple[dict, torch.Tensor | None]:
-        magic, n, m = self.recv(3, torch.int64).tolist()
+    def recv_message(self, max_payload: int, tag: int = 0) -> tuple[dict, torch.Tensor | None]:
+        magic, n, m = self.recv(3, torch.int64, tag).tolist()
         if magic != MAGIC or not 0 < m <= _MAX_META or not 0 <= n <= max_payload:
             raise RuntimeError(f"bad KV transfer header {magic:#x}/{n}/{m}")
-        meta = json.loads(bytes(self.recv(m, torch.uint8).cpu().numpy()))
-        return meta, (self.recv(n, torch.uint8) if n else None)
+        meta = json.loads(bytes(self.recv(m, torch.uint8, tag).cpu().numpy()))
+        return meta, (self.recv(n, torch.uint8, tag) if n else None)
 
     def handshake(self, layout: dict) -> None:
         """Exchange layouts (producer first) and refuse a mismatch on both sides."""
@@ -139,23 +142,33 @@ class Producer:
                 return None
             self.queued_bytes += nbytes
         tid = uuid.uuid4().hex
-        self._queue.put((tid, keys, blocks, nbytes))
+        # The sender thread may copy on another CUDA stream than the engine's: it waits for this.
+        ready = None
+        if blocks.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(blocks.device))
+        self._queue.put((tid, keys, blocks, nbytes, ready))
         return tid
 
     def _sender(self) -> None:
         while True:
-            tid, keys, blocks, nbytes = self._queue.get()
+            tid, keys, blocks, nbytes, ready = self._queue.get()
             try:
                 if not self.dead:
-                    payload = blocks.contiguous().view(torch.uint8).reshape(-1)
-                    self.channel.send_message({"id": tid, "keys": [k.hex() for k in keys]}, payload)
-                    self.sent_blocks += len(keys)
+                    if ready is not None:
+                        ready.synchronize()
+                    self.sent_blocks += self._deliver(tid, keys, blocks.contiguous().view(torch.uint8).reshape(-1))
             except Exception as e:  # the consumer is gone: nothing more can be sent
                 log.error("KV transfer to the consumer failed; prompts are no longer sent: %s", e)
                 self.dead = True
             finally:
                 with self._lock:
                     self.queued_bytes -= nbytes
+
+    def _deliver(self, tid: str, keys: list[bytes], payload: torch.Tensor) -> int:
+        """Send one transfer's blocks (``payload``: their bytes); returns the blocks sent."""
+        self.channel.send_message({"id": tid, "keys": [k.hex() for k in keys]}, payload)
+        return len(keys)
 
 
 class Consumer:
@@ -175,15 +188,17 @@ class Consumer:
         limit = int(self.store.staging.capacity)
         while True:
             try:
-                meta, payload = self.channel.recv_message(limit)
+                meta, payload = self._receive(limit)
                 keys = [bytes.fromhex(k) for k in meta["keys"]]
-                if payload is None or payload.numel() != len(keys) * self.store.chunk_bytes:
+                if (payload is None and keys) or (payload is not None and
+                                                  payload.numel() != len(keys) * self.store.chunk_bytes):
                     raise RuntimeError(f"transfer {meta.get('id')!r}: {len(keys)} keys, "
                                        f"{0 if payload is None else payload.numel()} bytes")
-                blocks = payload.cpu().view(dtype).view((len(keys),) + tuple(shape))
+                blocks = None if payload is None else payload.view(dtype).view((len(keys),) + tuple(shape))
             except Exception as e:
                 if not self.dead:
                     log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
+                self._stopped()  # (first: whoever sees ``dead`` sees what it released)
                 self.dead = True
                 return
             n = sum(self.store.staging.put(k, blocks[i].clone(), tag="remote") for i, k in enumerate(keys))
@@ -191,6 +206,15 @@ class Consumer:
             self.done[str(meta["id"])] = n
             while len(self.done) > 4096:
                 self.done.popitem(last=False)
+
+    def _receive(self, limit: int) -> tuple[dict, torch.Tensor | None]:
+        """The next transfer: its message and its bytes in host memory (None: it carries no
+        blocks, the producer gave it up and its request computes its prompt)."""
+        meta, payload = self.channel.recv_message(limit)
+        return meta, None if payload is None else payload.cpu()
+
+    def _stopped(self) -> None:
+        """The receiver ended (the producer is gone or broke the protocol)."""
 
     def waiting(self, req, keys: list[bytes]) -> bool:
         """Whether ``req`` (a request marked ``do_remote_prefill``) should wait longer for the
