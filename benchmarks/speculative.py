@@ -347,12 +347,17 @@ def replay(args) -> dict:
               max_num_batched_tokens=max(2048, B_max * (args.k + 1)), cuda_graph_max_batch=args.graph_rows,
               speculative_config=method_config("ngram", args))
     sides = speculators(llm, args)
+    if args.draft_steps == "rule":  # the batch rule alone, without the measured choice
+        for sp in sides.values():
+            if sp is not None:
+                sp.choice.drafts = lambda n: True
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    out = {}
+    out = {"draft_steps": args.draft_steps}
     for w, row in measured.items():
         for B in args.batches:
             prompts = [[(7 * i + j) % 30000 + 100 for j in range(args.context)] for i in range(B)]
             best = dict.fromkeys(sides, float("inf"))
+            verify_steps = dict.fromkeys(sides, 0)
             llm.engine.speculator = None
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             for _ in range(args.repeats):
@@ -362,9 +367,12 @@ def replay(args) -> dict:
                     state["a"] = rates(row[side]) if sp is not None else [0.0]
                     state["lengths"] = lengths(row[side], row["off_decode_steps"]) if sp is not None else []
                     llm.engine.speculator = sp
+                    d0 = sp.stats.spec_decode_num_drafts if sp is not None else 0
                     t0 = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)
                     best[side] = min(best[side], time.perf_counter() - t0)
+                    if sp is not None:
+                        verify_steps[side] = sp.stats.spec_decode_num_drafts - d0  # the last run's
             n = B * args.max_tokens
             res = {"off_tok_s": n / best["off"]}
             line = f"{w:8s} batch {B:4d}: off {res['off_tok_s']:8.1f} tok/s"
@@ -373,11 +381,18 @@ def replay(args) -> dict:
                     continue
                 a = row[side]["draft_acceptance_rate"]
                 res[side] = {"rate": a, "rates": rates(row[side]), "tok_s": n / best[side],
-                             "speedup": best["off"] / best[side]}
-                line += f" | {side} a={a:.2f} {res[side]['tok_s']:8.1f} tok/s {res[side]['speedup']:.2f}x"
+                             "speedup": best["off"] / best[side], "requests_with_drafts": verify_steps[side]}
+                line += (f" | {side} a={a:.2f} {res[side]['tok_s']:8.1f} tok/s {res[side]['speedup']:.2f}x"
+                         f" ({verify_steps[side]} drafted)")
             out[f"{w}/{B}"] = res
             print(line + " (synthetic acceptance)", flush=True)
     llm.engine.speculator = None
+    # Each method's measured seconds per emitted token, drafted and plain, per batch-size bucket
+    # (what decided whether its steps drafted).
+    out["step_costs_per_token"] = {side: {f"batch<{2 ** b}/{'drafted' if d else 'plain'}": c
+                                          for (b, d), c in sp.choice.costs().items()}
+                                   for side, sp in sides.items() if sp is not None}
+    print(json.dumps(out["step_costs_per_token"], indent=1), flush=True)
     return out
 
 
@@ -446,6 +461,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="batch 1: prompts per workload")
     ap.add_argument("--replay", default=None, metavar="JSON",
                     help="end to end at --batches with the per-draft acceptance rates of a batch-1 run's JSON")
+    ap.add_argument("--draft-steps", choices=("measured", "rule"), default="measured",
+                    help="--replay: whether a step drafts is measured as it runs (the engine's way), or "
+                         "decided by the batch rule alone")
     ap.add_argument("--verify-cost", action="store_true")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, default=512, help="--verify-cost: tokens already in each sequence")

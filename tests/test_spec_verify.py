@@ -163,22 +163,22 @@ def _run(choice, clock, steps, batch, cost):
 
 
 def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
-    from kvserve.engine.spec.policy import PROBE_EVERY, PROBE_STEPS, WARMUP_STEPS, DraftOrPlain
+    from kvserve.engine.spec.policy import PROBE_EVERY, PROBE_STEPS, WARMUP_STEPS, WINDOW, DraftOrPlain
     clock = _Clock()
     choice = DraftOrPlain(clock)
     choice.record(32, False, 32, 0.0, pure=False)  # the prefill before: an end, not a sample
-    sides = _run(choice, clock, 2 * WARMUP_STEPS + 2 * PROBE_EVERY, 32, {True: 3e-3, False: 1e-3})
+    sides = _run(choice, clock, 2 * WARMUP_STEPS + 2 * PROBE_EVERY, 32, {True: 1.3e-3, False: 1e-3})
     # Drafted first, then plain, each until measured WARMUP_STEPS times.
     assert sides[:2 * WARMUP_STEPS] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
-    rest = sides[2 * WARMUP_STEPS:]
-    assert rest.count(True) == 2 * PROBE_STEPS  # drafts only while looked at again
-    # A bucket of its own: batch 1, where drafting is cheaper, drafts.
-    sides = _run(choice, clock, 2 * WARMUP_STEPS + PROBE_EVERY, 1, {True: 1e-3, False: 2e-3})
+    assert sides[2 * WARMUP_STEPS:].count(True) == 2 * PROBE_STEPS  # drafts only while looked at again
+    # A bucket of its own: batch 1, where drafting costs half as much. Far apart, the plain side
+    # is looked at a quarter as often.
+    sides = _run(choice, clock, 2 * WARMUP_STEPS + 4 * PROBE_EVERY, 1, {True: 1e-3, False: 2e-3})
     assert sides[2 * WARMUP_STEPS:].count(False) == PROBE_STEPS
-    # When drafting turns dearer (the text stops repeating), its own times switch sides within
-    # a few steps; it is only looked at again after that.
+    # When drafting turns dearer (the text stops repeating), its own times switch sides once
+    # they are most of its window; it is only looked at again after that.
     sides = _run(choice, clock, 2 * PROBE_EVERY, 1, {True: 4e-3, False: 2e-3})
-    assert sides[:2] == [True, True] and sides[5:].count(True) <= 2 * PROBE_STEPS
+    assert sides[:4] == [True] * 4 and sides[WINDOW:].count(True) <= PROBE_STEPS
 
 
 def test_draft_or_plain_ignores_steps_after_an_idle_gap_and_mixed_steps():
@@ -194,7 +194,22 @@ def test_draft_or_plain_ignores_steps_after_an_idle_gap_and_mixed_steps():
     assert choice.measured == {}
     clock.t = 5.2
     choice.record(4, True, 8, 5.1, pure=True)
-    assert choice.measured == {(3, True): 1} and choice.cost[(3, True)] == pytest.approx(0.1 / 8)
+    assert choice.measured == {(3, True): 1} and choice.cost((3, True)) == pytest.approx(0.1 / 8)
+
+
+def test_draft_or_plain_is_not_decided_by_a_stall():
+    """One drafted step stalls (a collection, a first use): the median still sees drafting as
+    the cheaper side."""
+    from kvserve.engine.spec.policy import WARMUP_STEPS, DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    choice.record(1, False, 1, 0.0, pure=False)
+    for i in range(2 * WARMUP_STEPS):
+        drafted = choice.drafts(1)
+        launched = clock.t
+        clock.t += (0.2 if i == 0 else 1e-3) if drafted else 2e-3
+        choice.record(1, drafted, 1, launched, pure=True)
+    assert choice.drafts(1) is True
 
 
 def test_seeded_sampling_keeps_the_rule(monkeypatch):

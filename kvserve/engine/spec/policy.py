@@ -17,7 +17,9 @@ that reading the weights still dominates. So:
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.request import Request
@@ -55,9 +57,10 @@ class SpecPolicy:
 
 
 WARMUP_STEPS = 8  # measured steps of each side per batch-size bucket before the times decide
-PROBE_EVERY = 128  # steps of a bucket between two looks at the side not taken
+WINDOW = 8  # a side's cost: the median of its latest steps (a one-off stall does not decide)
+PROBE_EVERY = 192  # steps of a bucket between two looks at the side not taken
 PROBE_STEPS = 4
-COST_WEIGHT = 0.2  # weight of the latest step in a side's time per token
+FAR_APART = 1.5  # a cost ratio past which the slower side is looked at less often
 CONTINUOUS_S = 0.05  # a step launched longer than this after the last one ended follows an idle gap
 
 
@@ -70,8 +73,10 @@ class DraftOrPlain:
     proposing and verifying take host time. Where that outweighs what the accepted drafts save
     (large batches, or text the drafts rarely match), decoding without drafts is faster. So per
     batch-size bucket (powers of two) the wall time per emitted token of pure decode steps is
-    kept for both kinds, each is tried ``WARMUP_STEPS`` times (drafted first), then the cheaper
-    one runs, with the other tried again for ``PROBE_STEPS`` of every ``PROBE_EVERY`` steps.
+    kept for both kinds (the median of the latest ``WINDOW``), each is tried ``WARMUP_STEPS``
+    times (drafted first), then the cheaper one runs, with the other tried again for
+    ``PROBE_STEPS`` of every ``PROBE_EVERY`` steps (about 2% of steps at the slower speed; a
+    quarter of that where one side costs ``FAR_APART`` times the other).
 
     A seeded request sampling at temperature > 0 draws different numbers from a verify step than
     from a plain one, so while one decodes, the choice is the rule's alone and its seed
@@ -79,7 +84,7 @@ class DraftOrPlain:
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
-        self.cost: dict[tuple[int, bool], float] = {}
+        self.recent: dict[tuple[int, bool], deque[float]] = {}
         self.measured: dict[tuple[int, bool], int] = {}
         self.decided: dict[int, int] = {}
         self.last_end: float | None = None
@@ -92,8 +97,11 @@ class DraftOrPlain:
         for side in (True, False):
             if self.measured.get((b, side), 0) < WARMUP_STEPS:
                 return side
-        better = self.cost[(b, True)] <= self.cost[(b, False)]
-        return better if n % PROBE_EVERY >= PROBE_STEPS else not better
+        drafted, plain = self.cost((b, True)), self.cost((b, False))
+        better = drafted <= plain
+        # Far apart, the other side is looked at a quarter as often: each look costs more.
+        every = PROBE_EVERY * (4 if max(drafted, plain) > FAR_APART * min(drafted, plain) else 1)
+        return better if n % every >= PROBE_STEPS else not better
 
     def record(self, num_decoding: int, drafted: bool, tokens: int, launched: float, pure: bool) -> None:
         """A step launched at ``launched`` ends now; a pure decode step emitted ``tokens``."""
@@ -103,8 +111,13 @@ class DraftOrPlain:
             return
         # From the previous step's end: a step launched ahead overlaps it, and a step launched
         # after it also pays the host time between the two.
-        per_token = (now - last) / tokens
         key = (num_decoding.bit_length(), drafted)
-        old = self.cost.get(key)
-        self.cost[key] = per_token if old is None else old + COST_WEIGHT * (per_token - old)
+        self.recent.setdefault(key, deque(maxlen=WINDOW)).append((now - last) / tokens)
         self.measured[key] = self.measured.get(key, 0) + 1
+
+    def cost(self, key: tuple[int, bool]) -> float:
+        """Seconds per emitted token of a (bucket, drafted) side."""
+        return statistics.median(self.recent[key])
+
+    def costs(self) -> dict[tuple[int, bool], float]:
+        return {key: self.cost(key) for key in sorted(self.recent)}
