@@ -163,7 +163,7 @@ def _run(choice, clock, steps, batch, cost):
 
 
 def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
-    from kvserve.engine.spec.policy import PROBE_EVERY, PROBE_STEPS, WARMUP_STEPS, WINDOW, DraftOrPlain
+    from kvserve.engine.spec.policy import MEASURED_FROM, PROBE_EVERY, PROBE_STEPS, WARMUP_STEPS, WINDOW, DraftOrPlain
     clock = _Clock()
     choice = DraftOrPlain(clock)
     choice.record(32, False, 32, 0.0, pure=False)  # the prefill before: an end, not a sample
@@ -171,14 +171,16 @@ def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
     # Drafted first, then plain, each until measured WARMUP_STEPS times.
     assert sides[:2 * WARMUP_STEPS] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
     assert sides[2 * WARMUP_STEPS:].count(True) == 2 * PROBE_STEPS  # drafts only while looked at again
-    # A bucket of its own: batch 1, where drafting costs half as much. Far apart, the plain side
+    # A bucket of its own: batch 8, where drafting costs half as much. Far apart, the plain side
     # is looked at a quarter as often.
-    sides = _run(choice, clock, 2 * WARMUP_STEPS + 4 * PROBE_EVERY, 1, {True: 1e-3, False: 2e-3})
+    sides = _run(choice, clock, 2 * WARMUP_STEPS + 4 * PROBE_EVERY, 8, {True: 1e-3, False: 2e-3})
     assert sides[2 * WARMUP_STEPS:].count(False) == PROBE_STEPS
     # When drafting turns dearer (the text stops repeating), its own times switch sides once
     # they are most of its window; it is only looked at again after that.
-    sides = _run(choice, clock, 2 * PROBE_EVERY, 1, {True: 4e-3, False: 2e-3})
+    sides = _run(choice, clock, 2 * PROBE_EVERY, 8, {True: 4e-3, False: 2e-3})
     assert sides[:4] == [True] * 4 and sides[WINDOW:].count(True) <= PROBE_STEPS
+    # Below MEASURED_FROM decoding requests the rule alone decides, whatever the times say.
+    assert _run(choice, clock, 50, MEASURED_FROM - 1, {True: 9e-3, False: 1e-3}) == [True] * 50
 
 
 def test_draft_or_plain_ignores_steps_after_an_idle_gap_and_mixed_steps():
@@ -203,13 +205,13 @@ def test_draft_or_plain_is_not_decided_by_a_stall():
     from kvserve.engine.spec.policy import WARMUP_STEPS, DraftOrPlain
     clock = _Clock()
     choice = DraftOrPlain(clock)
-    choice.record(1, False, 1, 0.0, pure=False)
+    choice.record(4, False, 4, 0.0, pure=False)
     for i in range(2 * WARMUP_STEPS):
-        drafted = choice.drafts(1)
+        drafted = choice.drafts(4)
         launched = clock.t
         clock.t += (0.2 if i == 0 else 1e-3) if drafted else 2e-3
-        choice.record(1, drafted, 1, launched, pure=True)
-    assert choice.drafts(1) is True
+        choice.record(4, drafted, 4, launched, pure=True)
+    assert choice.drafts(4) is True
 
 
 def test_seeded_sampling_keeps_the_rule(monkeypatch):
