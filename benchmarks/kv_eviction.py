@@ -146,8 +146,13 @@ def main():
                                            "found": key in got, "seconds": time.perf_counter() - t0})
                     print(f"  depth {d:.2f} ({n} tokens) budget {'full' if b is None else b:>5}: "
                           f"{'found' if key in got else 'lost '} {got!r}", flush=True)
+        save(args, res, t_all, complete=False)  # what a cut-short run measured stays
+    save(args, res, t_all, complete=True)
+
+
+def save(args, res: dict, t_all: float, complete: bool) -> None:
     res.update(loadavg_end=os.getloadavg(), steal_jiffies_end=steal_jiffies(),
-               seconds_total=time.perf_counter() - t_all)
+               seconds_total=time.perf_counter() - t_all, complete=complete)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name), "w") as f:
         json.dump(res, f, indent=1)
