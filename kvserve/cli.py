@@ -71,7 +71,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "whose pool holds 8 full-length sequences; logs the choice and why")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels on CUDA, the PyTorch reference on the CPU")
+                   help="auto: Triton kernels on CUDA (streaming eviction too), the PyTorch reference "
+                   "on the CPU and for --kv-eviction snapkv/h2o")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bars while loading weights and capturing CUDA graphs (they show only on a "

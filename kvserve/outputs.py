@@ -15,6 +15,14 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass(frozen=True)
+class RequestKVPolicy:
+    """The KV policy a request ran under."""
+    kv_format: str  # what the pool stores: the model dtype ("float32", "bfloat16"), or int8/int4/fp8
+    eviction: str  # the engine's --kv-eviction when the request set kv_budget, else "none" (full KV)
+    kv_budget: int | None = None  # tokens of KV held at most, None: no bound
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -26,6 +34,7 @@ class RequestMetrics:
     num_loaded_tokens: int = 0  # prompt tokens loaded from the tiered KV store (CPU/disk/Redis)
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    kv_policy: RequestKVPolicy | None = None  # None: the engine did not report it
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +15,19 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def choose_attention_backend(requested: str, device_type: str, kv_eviction: str,
+                             has_triton: Callable[[], bool]) -> str:
+    """The attention backend for ``attention_backend=requested``: "auto" is Triton on CUDA when
+    Triton is installed, with no KV eviction or streaming eviction (its kernels skip the evicted
+    span), and the PyTorch path otherwise: on the CPU, and for SnapKV and H2O, which rank blocks
+    by the attention scores only that path computes. ``has_triton`` is asked only on CUDA."""
+    if requested != "auto":
+        return requested
+    if device_type != "cuda" or kv_eviction not in ("none", "streaming"):
+        return "torch"
+    return "triton" if has_triton() else "torch"
 
 
 @contextlib.contextmanager

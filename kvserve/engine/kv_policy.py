@@ -16,7 +16,8 @@ The target: ``min(max_num_seqs, 8)`` sequences of ``max_model_len`` tokens at on
 per sequence every KV group's blocks (a sliding-window group's window only). The format the user
 set (``kv_cache_dtype`` other than ``auto``) is kept, and so is the model dtype where a lever
 that needs it is on (KV eviction, speculative decoding). The choice and its reason are logged
-and kept in ``KVPolicyChoice``.
+and kept in ``KVPolicyChoice``; with ``kv_policy="manual"`` it holds the configured levers, with
+the reason "configured" (``/metrics`` shows it either way, as ``kvserve_kv_policy_info``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from math import ceil
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan
 from kvserve.kv_format import default_block_size
+from kvserve.outputs import RequestKVPolicy
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +43,31 @@ class KVPolicyChoice:
     window_kv: str
     fits_sequences: int  # full-length sequences the pool holds with this choice
     target_sequences: int
-    reason: str
+    reason: str  # "configured" with kv_policy "manual"
+    kv_format: str = ""  # what the pool stores: the model dtype's name for "auto", else kv_cache_dtype
+    kv_eviction: str = "none"  # as configured: never chosen here (module docstring)
+    tiers: bool = False  # CPU/disk/Redis KV tiers configured
+    policy: str = "auto"  # kv_policy: "auto" or "manual"
 
 
-def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int) -> int:
-    """Full-length sequences the pool holds under ``config.cache``."""
+def format_name(kv_cache_dtype: str, model_dtype) -> str:
+    """What a pool of ``kv_cache_dtype`` stores: "float32"/"bfloat16"/... for "auto"."""
+    return str(model_dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
+def for_request(choice: KVPolicyChoice, kv_budget: int | None) -> RequestKVPolicy:
+    """The policy a request with ``kv_budget`` runs under: without a budget nothing is evicted."""
+    if kv_budget is None or choice.kv_eviction == "none":
+        return RequestKVPolicy(choice.kv_format, "none")
+    return RequestKVPolicy(choice.kv_format, choice.kv_eviction, kv_budget)
+
+
+def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int, fmt=None, scales=None) -> int:
+    """Full-length sequences the pool holds under ``config.cache`` (in ``fmt`` if given)."""
     cache = config.cache
-    fmt = kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
+    fmt = fmt or kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
     groups = kv_plan.groups_for(config, arch, fmt)
-    p = kv_plan.plan(fmt, None, groups.page_layers, kv_bytes, cache, config.scheduler.max_num_seqs)
+    p = kv_plan.plan(fmt, scales, groups.page_layers, kv_bytes, cache, config.scheduler.max_num_seqs)
     bs = cache.block_size
     per_seq = sum(ceil(max_model_len / bs) if w is None else ceil(min(w, max_model_len) / bs) + 1
                   for w in groups.windows)
@@ -58,9 +76,15 @@ def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int)
 
 def choose(config: EngineConfig, arch, runner, kv_bytes: int,
            max_model_len: int) -> tuple[EngineConfig, KVPolicyChoice]:
-    """The config with the levers set, and why."""
+    """The config with the levers set, and why; with ``kv_policy`` "manual", the config as it
+    is and its levers, the reason "configured"."""
     cache = config.cache
     target = min(config.scheduler.max_num_seqs, TARGET_SEQS)
+    if cache.kv_policy != "auto":
+        n = _fits(config, arch, runner, kv_bytes, max_model_len, runner.kv_format, runner.kv_scales)
+        return config, KVPolicyChoice(cache.kv_cache_dtype, cache.window_kv, n, target, "configured",
+                                      format_name(cache.kv_cache_dtype, runner.dtype), cache.kv_eviction,
+                                      cache.tiers_enabled, cache.kv_policy)
     windowed = any(w is not None for w in arch.layer_windows)
     fixed = None
     if cache.kv_cache_dtype != "auto":
@@ -97,6 +121,7 @@ def choose(config: EngineConfig, arch, runner, kv_bytes: int,
                      "(--kv-eviction with a per-request kv_budget)")
     if cache.tiers_enabled:
         parts.append("KV tiers as configured")
-    choice = KVPolicyChoice(dtype, window_kv, n, target, "; ".join(parts))
+    choice = KVPolicyChoice(dtype, window_kv, n, target, "; ".join(parts), format_name(dtype, runner.dtype),
+                            cache.kv_eviction, cache.tiers_enabled)
     log.info("kv_policy auto: %s", choice.reason)
     return cand, choice

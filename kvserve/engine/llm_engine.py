@@ -64,11 +64,10 @@ class LLMEngine(MemoryControls):
         rt = self.runner
         with startup.timed(times, "kv_profile"):
             kv_bytes = rt.determine_kv_memory()
-        self.kv_policy: kv_policy.KVPolicyChoice | None = None  # what kv_policy "auto" chose, and why
-        if config.cache.kv_policy == "auto":
-            chosen, self.kv_policy = kv_policy.choose(config, src.arch, rt, kv_bytes, self.max_model_len)
-            if chosen.cache != config.cache:
-                rt.use_cache_config(chosen.cache)
+        # The KV levers and why: chosen (kv_policy "auto") or as configured, shown in /metrics.
+        chosen, self.kv_policy = kv_policy.choose(config, src.arch, rt, kv_bytes, self.max_model_len)
+        if chosen.cache != config.cache:
+            rt.use_cache_config(chosen.cache)
             self.config = config = rt.config
         groups = kv_plan.groups_for(config, src.arch, rt.kv_format)
         plan = kv_plan.plan(rt.kv_format, rt.kv_scales, groups.page_layers, kv_bytes,
@@ -246,6 +245,7 @@ class LLMEngine(MemoryControls):
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id
         req.cache_salt = cache_salt
+        req.metrics.kv_policy = kv_policy.for_request(self.kv_policy, params.kv_budget)
         if params.structured_outputs is not None:
             req.grammar = self.structured.matcher(params.structured_outputs)
         if session_id is not None:

@@ -12,7 +12,7 @@ from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import decode_rows, kv_plan
 from kvserve.engine.cuda_setup import CudaSetup
-from kvserve.engine.device import DTYPES, GpuTimer, resolve_device
+from kvserve.engine.device import DTYPES, GpuTimer, choose_attention_backend, resolve_device
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.grammar_masks import DeferredSampling, GrammarMasks
 from kvserve.engine.kv_cache import KVCache
@@ -64,13 +64,8 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.max_model_len = max_model_len
         self._start_tp(tp_rank, tp_store)
         cache = config.cache
-        name = config.attention_backend
-        if name == "auto":
-            # KV eviction stays on the torch backend under auto: scored eviction needs its
-            # attention scores; streaming eviction runs on Triton when that is asked for.
-            name = ("triton" if self.device.type == "cuda" and kernels.has_triton()
-                    and cache.kv_eviction == "none" else "torch")
-        self.backend_name = name
+        self.backend_name = choose_attention_backend(config.attention_backend, self.device.type,
+                                                     cache.kv_eviction, kernels.has_triton)
         self.kv_scales = self._local_scales(kv_plan.load_scales(config, src, self.device))
         self.kv_format = kv_plan.make_format(cache, self.arch, self.dtype, self.device, self.kv_scales)
         self._check_quantization()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.outputs import RequestOutput
@@ -59,6 +59,24 @@ class _EngineCollector:
             yield c
         if s.spec_decode is not None:
             yield from _spec_decode_metrics(s.spec_decode)
+        if getattr(e.engine, "kv_policy", None) is not None:
+            yield from _kv_policy_metrics(e.engine.kv_policy)
+
+
+def _kv_policy_metrics(c):
+    """The KV levers the engine runs with (``engine/kv_policy.py``): chosen by ``kv_policy``
+    auto, or as configured (reason "configured")."""
+    info = InfoMetricFamily("kvserve_kv_policy", "KV cache levers in use: chosen by kv_policy auto, or configured")
+    info.add_metric([], {"kv_policy": c.policy, "kv_cache_dtype": c.kv_format, "window_kv": c.window_kv,
+                         "kv_eviction": c.kv_eviction, "kv_tiers": "on" if c.tiers else "off", "reason": c.reason})
+    yield info
+    for name, doc, v in (("kv_policy_fits_sequences", "max_model_len sequences the KV pool holds at once",
+                          c.fits_sequences),
+                         ("kv_policy_target_sequences", "max_model_len sequences kv_policy auto aims to hold",
+                          c.target_sequences)):
+        g = GaugeMetricFamily(f"kvserve_{name}", doc)
+        g.add_metric([], v)
+        yield g
 
 
 def _spec_decode_metrics(sp):
