@@ -5,7 +5,10 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from kvserve import LLM
+from kvserve.errors import ConfigError
 
 
 def _engine_in_a_cycle() -> tuple[LLM, weakref.ref, weakref.ref]:
@@ -33,3 +36,15 @@ def test_next_engine_collects_a_dropped_one():
     other = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
     assert eng() is None and kv() is None
     assert other.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_failed_start_leaves_the_next_engine_working():
+    """A start that fails (a bad option) while the tokenizer's thread still imports transformers
+    waits for it: the next engine in the process must not find that import half made."""
+    for bad, option in ((dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
+                        (dict(kv_cache_dtype="int4", kv_group_size=24), "kv_group_size"),
+                        (dict(kv_cache_dtype="int2", preemption_mode="swap"), "preemption_mode")):
+        with pytest.raises(ConfigError, match=option):
+            LLM(show_progress=False, kv_cache_memory="64MiB", **bad)
+    llm = LLM(show_progress=False, kv_cache_memory="64MiB")  # the default model: its tokenizer too
+    assert llm.engine.tokenizer is not None

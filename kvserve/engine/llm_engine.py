@@ -52,12 +52,17 @@ class LLMEngine(MemoryControls):
         self.arch = src.arch
         times: dict[str, float] = {}  # start-up phases (engine/startup.py)
         tokenizer = startup.in_background(times, "tokenizer", load_tokenizer, src.kind, src.path, config.tokenizer)
-        limit = src.arch.max_position_embeddings
-        want = config.scheduler.max_model_len
-        if want is not None and want > limit:
-            raise InvalidRequestError("max_model_len", f"must be <= the model's context length {limit}, got {want}")
-        self.max_model_len = want or limit
-        self.runner = ModelRunner(config, src, self.max_model_len)
+        try:
+            limit, want = src.arch.max_position_embeddings, config.scheduler.max_model_len
+            if want is not None and want > limit:
+                raise InvalidRequestError("max_model_len", f"must be <= the model's context length {limit}, "
+                                          f"got {want}")
+            self.max_model_len = want or limit
+            self.runner = ModelRunner(config, src, self.max_model_len)
+        except BaseException:
+            # The tokenizer's thread may be importing transformers: the next engine's import must not find it half made.
+            tokenizer.exception()
+            raise
         self.tokenizer = tokenizer.result()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.config = config = self.runner.config  # with the device's defaults resolved
@@ -269,8 +274,7 @@ class LLMEngine(MemoryControls):
         self._failed.setdefault(group_id, RequestFailedError(group_id, cause))
 
     def pop_failed(self) -> dict[str, RequestFailedError]:
-        """Requests (by the id they were added with) aborted for a fault of their own since the
-        last call; each caller is to hear of its request's error."""
+        """Requests (by their ids) aborted for a fault of their own since the last call."""
         failed, self._failed = self._failed, {}
         return failed
 
