@@ -405,6 +405,9 @@ class EngineConfig:
                 raise ConfigError("kv_transfer_config", "is not supported with speculative decoding")
             if not self.cache.enable_prefix_caching:
                 raise ConfigError("kv_transfer_config", "needs prefix caching (blocks are handed over by hash)")
+            if kt.kv_connector == "CudaIpcConnector" and kt.is_producer and self.enable_sleep_mode is True:
+                raise ConfigError("enable_sleep_mode", "is not supported on a CudaIpcConnector producer: its "
+                                  "consumer maps the KV pool, which sleep would free")
         if not isinstance(self.enable_sleep_mode, bool):
             raise ConfigError("enable_sleep_mode", f"must be True or False, got {self.enable_sleep_mode!r}")
         if self.enable_sleep_mode and spec is not None and spec.method != "ngram":

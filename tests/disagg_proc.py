@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def make_llm(cfg: dict):
@@ -27,10 +28,18 @@ def serve(cfg: dict) -> None:
     llm = make_llm(cfg)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     print("ready", flush=True)
+    eng = llm.engine
     for line in sys.stdin:
+        if json.loads(line) == "drain":  # until the consumer acknowledged every transfer
+            while eng.kv_transfer.held():
+                time.sleep(0.02)
+                eng.housekeeping()
+            assert eng.kv.pool.num_used_blocks == 0
+            print("drained", flush=True)
+            continue
         outs = llm.generate(json.loads(line), params)
-        llm.engine.check_invariants()
-        assert llm.engine.kv.pool.num_used_blocks == 0  # the hand-over holds no block of the pool
+        eng.check_invariants()  # (blocks held for a CudaIpcConnector consumer count as references)
+        assert eng.kv.pool.num_used_blocks == len(set(eng.kv_transfer.held()))
         print(json.dumps([o.kv_transfer_params for o in outs]), flush=True)
 
 

@@ -10,10 +10,8 @@ costs only the recomputation. The CUDA cases run two processes on one GPU and sk
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,9 +20,10 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.config import KVTransferConfig
+from kvserve.engine.block_pool import BlockPool
 from kvserve.errors import ConfigError
 from kvserve.kvtier import TieredStore
-from kvserve.kvtier.ipc import IpcConsumer, IpcProducer, Ring
+from kvserve.kvtier.ipc import DATA, IpcConsumer, IpcProducer, shared_zeros
 from kvserve.kvtier.ipc_buffer import PREFIX, SharedBuffer
 from kvserve.kvtier.transfer import Channel
 from tests.server.server_proc import free_port
@@ -57,7 +56,10 @@ def wait_arrived(llm, params: list[dict], timeout: float = 120.0) -> None:
     """Until every transfer named in ``params`` reached the decode instance (so its requests all
     start in the same step, as the reference's do)."""
     consumer, deadline = llm.engine.kv_transfer.consumer, time.monotonic() + timeout
-    while not all(p.get("transfer_id") in consumer.done for p in params):
+    while True:
+        llm.engine.housekeeping()  # (what the engine does before each step, and idle, lands them)
+        if all(p.get("transfer_id") in consumer.done for p in params):
+            return
         assert time.monotonic() < deadline and not consumer.dead
         time.sleep(0.05)
 
@@ -72,9 +74,12 @@ def check_hand_over(cfg: dict, prompts: list, want: list[list[int]], buffer: flo
     producer = Producer({**cfg, "kv_transfer_config": ipc_cfg("kv_producer", port, kv_buffer_size=buffer)})
     try:
         llm = make_llm(cfg, kv_transfer_config=ipc_cfg("kv_consumer", port))
-        # One prompt at a time: the KV of prompts finishing together beyond kv_buffer_size
-        # would not be sent. (The producer checks its pool leaks nothing.)
-        params = producer.prefill(prompts[:1]) + [json.loads(producer.ask([p]))[0] for p in prompts[1:]]
+        # One prompt at a time, each landed before the next: the blocks of prompts held beyond
+        # kv_buffer_size would not be sent. (The producer checks its pool's references.)
+        params = producer.prefill(prompts[:1])
+        for p in prompts[1:]:
+            wait_arrived(llm, params[-1:])
+            params += json.loads(producer.ask([p]))
         assert all(p["do_remote_prefill"] and p["transfer_id"] and p["num_blocks"] > 0 for p in params)
         wait_arrived(llm, params)
         outs = decode(llm, prompts, params)
@@ -82,7 +87,8 @@ def check_hand_over(cfg: dict, prompts: list, want: list[list[int]], buffer: flo
         assert [o.num_cached_tokens for o in outs] == [full_blocks(llm, p) for p in prompts]
         consumer = llm.engine.kv_transfer.consumer
         assert isinstance(consumer, IpcConsumer) and consumer.failed_transfers == 0
-        assert consumer.buffer.tensor.device.type == torch.device(cfg["device"]).type
+        assert consumer.remote.device.type == torch.device(cfg["device"]).type
+        assert producer.ask("drain").strip() == "drained"  # every held block released
     finally:
         producer.close()
 
@@ -115,7 +121,7 @@ def test_ipc_producer_killed_means_local_prefill(tiny_reference):
         # here (the second one lies inside the first: its blocks are among those that arrived).
         assert outs[0].num_cached_tokens == full_blocks(llm, TINY_PROMPTS[0])
         assert outs[2].metrics.num_loaded_tokens == 0
-        assert llm.engine.kv_transfer.consumer.dead and llm.engine.kv_transfer.consumer.buffer is None
+        assert llm.engine.kv_transfer.consumer.dead
     finally:
         producer.close()
 
@@ -145,32 +151,36 @@ def test_ipc_mismatched_kv_cache_dtype_is_refused():
         producer.close()
 
 
-# -- the slots and acknowledgements, both ends in this process --------------------------------
-SHAPE, BLOCK_BYTES = (2, 4), 32  # float32 blocks of 8 values
+# -- holds, landings and acknowledgements, both ends in this process ----------------------------
+SHAPE = (2, 3, 12, 4)  # a float32 pool [layers, K/V, 12 blocks, 4 values]: a block is 96 bytes
+BLOCK_BYTES = 2 * 3 * 4 * 4
 
 
-def connecting(buffer_bytes: int, timeout_s: float = 30.0) -> tuple[list, TieredStore]:
-    """Both ends connecting, each in a thread: the futures of the producer and the consumer."""
-    port, store = free_port(), TieredStore(SHAPE, torch.float32, torch.device("cpu"))
+def connecting(buffer_bytes: int, local_blocks: int = 10) -> tuple[list, torch.Tensor]:
+    """Both ends connecting, each in a thread: the futures of the producer and the consumer, and
+    the producer's pool (random values)."""
+    port, store = free_port(), TieredStore(SHAPE[:2] + SHAPE[3:], torch.float32, torch.device("cpu"))
+    remote, shared = shared_zeros(SHAPE, torch.float32, torch.device("cpu"))
+    remote.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(5)))
+    local = torch.zeros(SHAPE[:2] + (local_blocks,) + SHAPE[3:])
 
     def side(role):
         ch = Channel(KVTransferConfig("CudaIpcConnector", role, kv_port=port), torch.device("cpu"))
         if role == "kv_producer":
-            return IpcProducer(ch, torch.device("cpu"), BLOCK_BYTES, buffer_bytes, timeout_s)
-        return IpcConsumer(ch, store, timeout_s)
+            return IpcProducer(ch, shared, SHAPE, torch.float32, BLOCK_BYTES, buffer_bytes)
+        return IpcConsumer(ch, store, 30.0, local)
 
     with ThreadPoolExecutor(2) as ex:
-        return [ex.submit(side, role) for role in ("kv_producer", "kv_consumer")], store
+        return [ex.submit(side, role) for role in ("kv_producer", "kv_consumer")], remote
 
 
-def connect(buffer_bytes: int, timeout_s: float = 30.0) -> tuple[IpcProducer, IpcConsumer, TieredStore]:
-    (producer, consumer), store = connecting(buffer_bytes, timeout_s)
-    return producer.result(), consumer.result(), store
+def connect(buffer_bytes: int, local_blocks: int = 10) -> tuple[IpcProducer, IpcConsumer, torch.Tensor]:
+    (producer, consumer), remote = connecting(buffer_bytes, local_blocks)
+    return producer.result(), consumer.result(), remote
 
 
-def blocks_of(i: int, n: int) -> tuple[list[bytes], torch.Tensor]:
-    keys = [f"t{i}-b{j}".encode().ljust(32, b".") for j in range(n)]
-    return keys, torch.arange(n * 8, dtype=torch.float32).view(n, *SHAPE) + 1000 * i
+def keys_of(i: int, n: int) -> list[bytes]:
+    return [f"t{i}-b{j}".encode().ljust(32, b".") for j in range(n)]
 
 
 def wait_for(cond, timeout: float = 30.0) -> None:
@@ -180,69 +190,82 @@ def wait_for(cond, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def land_until(consumer: IpcConsumer, pool: BlockPool, tids: list[str]) -> None:
+    """The consumer engine's step loop, reduced to its landing."""
+    def landed():
+        consumer.land(pool)
+        return all(t in consumer.done for t in tids)
+    wait_for(landed)
+
+
 def test_a_buffer_smaller_than_a_block_is_refused_on_both_sides():
     (producer, consumer), _ = connecting(BLOCK_BYTES - 1)
     with pytest.raises(ConfigError, match="kv_buffer_size.*cannot hold one KV block"):
         producer.result()
-    with pytest.raises(ConfigError, match="kv_buffer_size.*could not allocate"):  # (not left waiting)
+    with pytest.raises(ConfigError, match="kv_buffer_size.*could not share"):  # (not left waiting)
         consumer.result()
 
 
-@pytest.mark.unit
-def test_ring_slots_wrap_and_free_in_order():
-    r = Ring(100)
-    assert (r.alloc(40), r.alloc(40), r.alloc(30)) == (0, 40, None)  # 20 left at the end: too short
-    r.free(0)
-    assert r.alloc(30) == 0  # wraps: the tail's 20 bytes wait
-    assert (r.alloc(10), r.alloc(1)) == (30, None)  # wrapped: only up to the oldest slot
-    with pytest.raises(RuntimeError, match="offset 30"):
-        r.free(30)
-    r.free(40)
-    assert r.alloc(70) is None and r.alloc(60) == 40 and r.used == 100 and r.alloc(1) is None
-    for off in (0, 30, 40):
-        r.free(off)
-    assert (r.alloc(50), r.alloc(50), r.alloc(1)) == (0, 50, None)  # empty: the next slot starts at 0 anyway
-    r.free(0)
-    assert r.alloc(30) == 0 and r.alloc(20) == 30  # (round the buffer, not back to 0 each time)
-    r.free(50)
-    r.free(0)
-    r.free(30)
-    assert r.alloc(40) == 50
-
-
-def test_slots_flow_and_oversized_prompts_are_refused(caplog):
-    producer, consumer, store = connect(3 * BLOCK_BYTES)
+def test_held_blocks_land_byte_exact_and_are_released():
+    producer, consumer, remote = connect(12 * BLOCK_BYTES)
     # The file's name is gone once both processes mapped it: nothing is left if they die.
-    assert producer.buffer.path is None and not os.path.exists(producer.buffer.handle["path"])
-    sent = [blocks_of(i, 1 + i % 3) for i in range(8)]  # 15 blocks through a buffer of 3
-    tids = []
-    for keys, kv in sent:  # (what waits to be sent is bounded by kv_buffer_size too: retry)
-        while (tid := producer.send(keys, kv)) is None:
-            time.sleep(0.001)
-        tids.append(tid)
-    with caplog.at_level(logging.ERROR, logger="kvserve.kvtier.ipc"):
-        assert producer.send(*blocks_of(9, 4)) is None  # 4 blocks never fit a buffer of 3
-    assert "kv_buffer_size" in caplog.text and producer.refused == 1
-    wait_for(lambda: all(t in consumer.done for t in tids))
-    for keys, kv in sent:
-        for k, block in zip(keys, kv):
-            assert torch.equal(store.staging.get(k), block)
-    wait_for(lambda: not producer.ring.slots)  # every slot acknowledged
-    assert producer.sent_blocks == consumer.received_blocks == 15 and not producer.dead
+    assert consumer.buffer.handle["path"] and not os.path.exists(consumer.buffer.handle["path"])
+    pool = BlockPool(10)
+    sent = {"a": (keys_of(0, 3), [7, 2, 9]), "b": (keys_of(1, 2), [0, 1]), "c": (keys_of(2, 1), [11])}
+    for tid, (keys, ids) in sent.items():
+        assert producer.send(tid, keys, ids)
+    land_until(consumer, pool, list(sent))
+    for tid, (keys, ids) in sent.items():
+        assert consumer.done[tid] == len(keys)
+        for k, src in zip(keys, ids):
+            dst = pool.lookup(k)  # registered in the prefix cache, free until a request revives it
+            assert dst is not None and pool.blocks[dst].ref_cnt == 0
+            assert torch.equal(consumer.pool[:, :, dst], remote[:, :, src])
+    pool.check_invariants()
+    assert pool.num_free_blocks == 10
+    wait_for(lambda: not producer.held)  # every transfer acknowledged
+    assert sorted(map(tuple, producer.take_released())) == sorted(tuple(ids) for _, ids in sent.values())
+    assert producer.held_blocks == [] and producer.sent_blocks == consumer.received_blocks == 6
 
 
-def test_a_slot_not_freed_in_time_gives_the_transfer_up():
-    producer, consumer, store = connect(2 * BLOCK_BYTES, timeout_s=0.3)
-    gate, read = threading.Event(), consumer.buffer.read
-    consumer.buffer.read = lambda off, n: (gate.wait(), read(off, n))[1]  # a consumer that stalls
-    first = producer.send(*blocks_of(0, 2))
-    wait_for(lambda: producer.sent_blocks == 2)  # in the buffer, which it fills, and never acknowledged
-    second = producer.send(*blocks_of(1, 1))
-    wait_for(lambda: producer.dropped == 1)  # no room within transfer_timeout_s
-    gate.set()
-    wait_for(lambda: first in consumer.done and second in consumer.done)
-    assert consumer.done[first] == 2 and consumer.done[second] == 0  # its request computes its prompt
-    assert not producer.dead and not consumer.dead
+def test_holds_beyond_kv_buffer_size_are_not_sent():
+    producer, consumer, _ = connect(3 * BLOCK_BYTES)
+    pool = BlockPool(10)
+    assert producer.send("a", keys_of(0, 2), [0, 1])
+    assert not producer.send("b", keys_of(1, 2), [2, 3]) and producer.dropped == 1  # 4 > 3 blocks held
+    assert producer.send("c", keys_of(2, 1), [4])
+    assert sorted(producer.held_blocks) == [0, 1, 4]
+    land_until(consumer, pool, ["a", "c"])
+    wait_for(lambda: not producer.held)
+    assert sorted(b for ids in producer.take_released() for b in ids) == [0, 1, 4]
+    assert producer.send("d", keys_of(3, 3), [5, 6, 7])  # room again
+
+
+def test_a_full_pool_lands_a_prefix_and_cached_keys_are_not_copied():
+    producer, consumer, remote = connect(12 * BLOCK_BYTES, local_blocks=4)
+    pool = BlockPool(4)
+    busy = pool.allocate(2)  # two blocks in use by running requests: never taken
+    keys = keys_of(0, 4)
+    assert producer.send("a", keys, [3, 4, 5, 6])
+    land_until(consumer, pool, ["a"])
+    assert consumer.done["a"] == 2 and consumer.partial_transfers == 1  # the rest is computed
+    assert [pool.lookup(k) is not None for k in keys] == [True, True, False, False]
+    assert all(pool.blocks[b].ref_cnt == 1 and pool.blocks[b].block_hash is None for b in busy)
+    before = consumer.pool.clone()
+    assert producer.send("b", keys[:2], [8, 9])  # the same keys from other blocks: already here
+    land_until(consumer, pool, ["b"])
+    assert consumer.done["b"] == 2 and torch.equal(consumer.pool, before)
+    assert torch.equal(consumer.pool[:, :, pool.lookup(keys[0])], remote[:, :, 3])
+    pool.check_invariants()
+
+
+def test_a_malformed_transfer_ends_the_connection_not_the_engine():
+    producer, consumer, _ = connect(12 * BLOCK_BYTES)
+    producer.channel.send_message({"id": "x", "keys": [keys_of(0, 1)[0].hex()], "blocks": [12]}, tag=DATA)
+    wait_for(lambda: consumer.dead)
+    pool = BlockPool(10)
+    consumer.land(pool)  # nothing lands, nothing breaks
+    assert pool.num_cached_blocks == 0 and "x" not in consumer.done
 
 
 @pytest.mark.unit

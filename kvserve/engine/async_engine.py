@@ -205,9 +205,10 @@ class AsyncEngine:
             if not self._drain(block):
                 if block:  # idle: sessions may have gone quiet long enough to leave the GPU
                     try:
+                        eng.housekeeping()
                         eng.offload_idle_sessions()
                     except Exception:  # noqa: BLE001 - housekeeping must not kill the engine
-                        log.exception("idle-session offload failed")
+                        log.exception("idle housekeeping failed")
                 continue
             if eng.has_unfinished_requests():  # commands alone (/is_sleeping polls) are not activity
                 self._last_busy = self._clock()

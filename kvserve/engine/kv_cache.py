@@ -30,23 +30,24 @@ from kvserve.models.arch import ModelArch
 class KVCache:
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, swap_blocks: int = 0, fmt: KVFormat | None = None,
-                 residual_slots: int = 0, scales: torch.Tensor | None = None, groups: KVGroups | None = None):
+                 residual_slots: int = 0, scales: torch.Tensor | None = None, groups: KVGroups | None = None,
+                 alloc=None):
         """``scales``: calibrated [layers, 2, kv_heads] (static fp8/int8 formats); ``groups``:
-        None for one group of every layer."""
+        None for one group of every layer; ``alloc(shape, dtype, device)``: the zero-filled pool
+        tensor (default ``torch.zeros``; a disaggregated producer's is memory its consumer maps)."""
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
         self.fmt = fmt or KVFormat("auto", arch.num_kv_heads, arch.head_dim, block_size, dtype)
         self.residual = None
         n = arch.num_layers
+        alloc = alloc or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
         page, slot = (n, range(n)) if groups is None else (groups.page_layers, groups.layer_slot)
         if not self.fmt.quantized:
-            self.data = torch.zeros(page, 2, num_blocks, block_size, arch.num_kv_heads,
-                                    arch.head_dim, dtype=dtype, device=device)
+            self.data = alloc((page, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim), dtype, device)
             self.layers = [(self.data[slot[i], 0], self.data[slot[i], 1]) for i in range(n)]
         else:
             if self.fmt.kivi and page != n:
                 raise ValueError("KIVI formats keep one group of every layer (their key residual is per sequence)")
-            self.data = torch.zeros(page, 1, num_blocks, self.fmt.block_bytes, dtype=torch.uint8,
-                                    device=device)
+            self.data = alloc((page, 1, num_blocks, self.fmt.block_bytes), torch.uint8, device)
             if self.fmt.kivi:
                 self.residual = torch.zeros(n, max(1, residual_slots), block_size,
                                             arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)

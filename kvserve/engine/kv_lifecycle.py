@@ -41,7 +41,7 @@ class KVLifecycle:
         with timed(self.startup_seconds, "kv_cache"):
             self.kv_cache = KVCache(self.arch, plan.num_blocks, self.block_size, self.dtype, self.device,
                                     plan.swap_blocks, fmt=plan.fmt, residual_slots=plan.residual_rows,
-                                    scales=plan.scales, groups=plan.groups)
+                                    scales=plan.scales, groups=plan.groups, alloc=self.kv_alloc)
         self.kv_groups = plan.groups
         if self.sleep_mode is None or self.sleep_mode.weights_awake:
             self.prepare_device()

@@ -4,25 +4,28 @@ are in ``kvserve/kvtier/transfer.py`` and, for CudaIpcConnector, ``kvserve/kvtie
 Producer: when a request finishes (a prefill run with ``max_tokens=1``), its prompt's full blocks
 are still in the prefix cache under their hashes (finishing frees blocks but keeps their hashes
 until the pool reuses them, and no allocation happens before this runs): they are copied out
-and queued for the consumer, and the request's output carries ``kv_transfer_params`` naming the
-transfer, for the decode request to pass on.
+and queued for the consumer (CudaIpcConnector: held in the pool until the consumer copied them),
+and the request's output carries ``kv_transfer_params`` naming the transfer, for the decode
+request to pass on.
 Consumer: the tiers' connector asks ``Consumer.waiting`` before admitting a request marked
-``do_remote_prefill``; what arrived is loaded like any chunk of the CPU tier.
+``do_remote_prefill``; what arrived is loaded like any chunk of the CPU tier (CudaIpcConnector:
+it is in the prefix cache already, landed by ``poll`` before the step).
 """
 from __future__ import annotations
 
 import logging
+import uuid
 
 import torch
 
 from kvserve.errors import ConfigError
+from kvserve.kvtier.ipc import IpcConsumer, IpcProducer
 
 log = logging.getLogger(__name__)
 
 
 class KVTransfer:
     def __init__(self, engine):
-        from kvserve.kvtier.ipc import IpcConsumer, IpcProducer
         from kvserve.kvtier.transfer import Channel, Consumer, Producer, TierConsumer
         cfg = engine.config.kv_transfer_config
         if engine.kv_plan.groups.num_groups != 1:
@@ -48,11 +51,14 @@ class KVTransfer:
             block_bytes *= s
         timeout = cfg.extra("transfer_timeout_s")
         if cfg.is_producer and ipc:
-            self.producer = IpcProducer(channel, data.device, block_bytes, cfg.kv_buffer_size, timeout)
+            self.producer = IpcProducer(channel, engine.kv_shared, tuple(data.shape), data.dtype, block_bytes,
+                                        cfg.kv_buffer_size)
         elif cfg.is_producer:
             self.producer = Producer(channel, block_bytes, cfg.kv_buffer_size)
+        elif ipc:
+            self.consumer = IpcConsumer(channel, engine.store, timeout, data)
         else:
-            self.consumer = (IpcConsumer if ipc else Consumer)(channel, engine.store, timeout)
+            self.consumer = Consumer(channel, engine.store, timeout)
 
     def wants(self, req) -> bool:
         """Whether a finished request's prompt KV goes to the consumer: every request of a
@@ -86,7 +92,13 @@ class KVTransfer:
             ids.append(bid)
         keys = keys[:len(ids)]
         tid = None
-        if ids:
+        if ids and isinstance(self.producer, IpcProducer):  # held, not copied: the consumer reads them
+            kv.pool.touch(ids)
+            tid = uuid.uuid4().hex
+            if not self.producer.send(tid, keys, ids):
+                kv.pool.free(ids[::-1])
+                tid = None
+        elif ids:
             data = self.engine.runner.kv_cache.data
             blocks = data.movedim(2, 0)[torch.tensor(ids, device=data.device)]  # a copy, [n, *block]
             tid = self.producer.send(keys, blocks if data.device.type == "cuda" else blocks.cpu())
@@ -94,6 +106,20 @@ class KVTransfer:
         if tid is not None:
             out["transfer_id"] = tid
         return out
+
+    def poll(self) -> None:
+        """Engine thread, before each step and when idle (CudaIpcConnector): land what arrived,
+        release what the consumer copied."""
+        pool = self.engine.kv.pool
+        if isinstance(self.consumer, IpcConsumer):
+            self.consumer.land(pool)
+        elif isinstance(self.producer, IpcProducer):
+            for ids in self.producer.take_released():
+                pool.free(ids[::-1])
+
+    def held(self) -> list[int]:
+        """Blocks the producer holds for the consumer (one reference each)."""
+        return self.producer.held_blocks if isinstance(self.producer, IpcProducer) else []
 
     def snapshot(self) -> dict:
         if self.consumer is not None:

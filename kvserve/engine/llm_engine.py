@@ -86,7 +86,7 @@ class LLMEngine(MemoryControls):
             raise ConfigError("kv_eviction", f"{config.cache.kv_eviction!r} is for full-attention models; "
                               f"{src.name} has sliding-window layers, whose blocks out of the window are "
                               "freed already")
-        rt.allocate_kv_cache(plan)
+        self._allocate_kv(plan)
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),
                                  groups.windows, eviction=config.cache.kv_eviction)
@@ -289,8 +289,7 @@ class LLMEngine(MemoryControls):
         bookkeeping then runs while the device computes the next step, and a request that stops
         here has computed one token too many, which is dropped."""
         t_call = time.perf_counter()
-        if self.pins.pins:
-            self.pins.expire()
+        self.housekeeping()
         cur, self._inflight = self._inflight, None
         if cur is None:
             # Nothing in flight: a graph warmed by the last step is captured before the next.
@@ -446,5 +445,5 @@ class LLMEngine(MemoryControls):
 
     def check_invariants(self) -> None:
         live = [r for g in self.scheduler.groups.values() for r in g if not r.is_finished]
-        self.kv.check_invariants(live, self.pins.held())
+        self.kv.check_invariants(live, self.pins.held() + self._transfer_held())
         self.pins.check()

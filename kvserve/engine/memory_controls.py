@@ -25,6 +25,31 @@ class MemoryControls:
         from kvserve.kvtier.connector import TierConnector
         return TierConnector(store)
 
+    def _allocate_kv(self, plan) -> None:
+        """The runner's KV pool: a CudaIpcConnector producer's in memory its consumer maps."""
+        kt, self.kv_shared = self.config.kv_transfer_config, None
+        if kt is not None and kt.kv_connector == "CudaIpcConnector" and kt.is_producer:
+            from kvserve.kvtier.ipc import shared_zeros
+
+            def alloc(shape, dtype, device):
+                if self.kv_shared is not None:  # (sleep mode, which re-allocates it, is refused)
+                    raise RuntimeError("the shared KV pool of a CudaIpcConnector producer is allocated once")
+                t, self.kv_shared = shared_zeros(shape, dtype, device)
+                return t
+            self.runner.kv_alloc = alloc
+        self.runner.allocate_kv_cache(plan)
+
+    def housekeeping(self) -> None:
+        """Before each step, and between steps when idle: expired pins go, the KV hand-over
+        lands what arrived and releases what the consumer copied."""
+        if self.pins.pins:
+            self.pins.expire()
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()
+
+    def _transfer_held(self) -> list[int]:
+        return self.kv_transfer.held() if self.kv_transfer is not None else []
+
     def _kv_transfer(self):
         from kvserve.engine.kv_transfer import KVTransfer
         kt = KVTransfer(self)

@@ -88,6 +88,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.graph_capture = None  # when each of them is captured (engine/graph_capture.py)
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
+        self.kv_alloc = None  # KVCache's pool allocator, set by a CudaIpcConnector producer (shared memory)
         self.gpu_timer: GpuTimer | None = None  # set by benchmarks: device time of the steps
         self._bitmask: structured.BitmaskFiller | None = None  # made on the first constrained step
         # A step launched ahead whose grammar rows wait for their matchers to catch up.

@@ -1,25 +1,34 @@
-"""``CudaIpcConnector``: disaggregated prefill and decode between two processes of one host, the
-KV passing through memory both map instead of a network (NCCL cannot put two ranks on one GPU).
+"""``CudaIpcConnector``: disaggregated prefill and decode between two processes of one host. The
+consumer maps the producer's whole KV pool and copies a prompt's blocks straight out of it into
+its own: one device-to-device copy per byte, no buffer in between, no trip through host memory.
 
     connect   the gloo channel of kvserve/kvtier/transfer.py (control messages only) checks the
-              layouts; the producer allocates its buffer of ``kv_buffer_size`` bytes once
-              (kvserve/kvtier/ipc_buffer.py: device memory with CUDA IPC, or a host file) and
-              sends its handle; the consumer opens it and answers whether it could
-    producer  sender thread: waits for a slot of the buffer (``Ring``), copies the transfer's
-              blocks into it, synchronises, sends {id, keys, offset, nbytes} (tag 0)
-              ack thread: each acknowledgement (tag 1) frees the oldest slot
-    consumer  receiver thread: copies the slot out to host memory, acknowledges it, then stores
-              the blocks in the staging memory as the gloo transport's receiver does
+              layouts; the producer's pool was allocated shareable (``SharedBuffer``: device
+              memory with CUDA IPC, or a host file); it sends the handle and the pool's shape,
+              the consumer maps it and answers whether it could
+    producer  engine thread, a request finished: its prompt's blocks are *held* (one more
+              reference each in the producer's pool, so they are neither reused nor evicted),
+              at most ``kv_buffer_size`` bytes at a time; sender thread: once the device wrote
+              them, {id, keys, blocks} (tag 0); ack thread: an acknowledgement {ack: id} (tag 1)
+              queues the transfer's blocks for release, which the engine thread does at its next
+              step (``take_released``)
+    consumer  receiver thread: checks each message and queues it; engine thread (``land``, at
+              each step and when idle): for the keys not cached here it allocates blocks,
+              copies producer -> consumer (kvserve/kernels/block_copy.py on a GPU), registers
+              them in the prefix cache under their keys (free and cached: the request's prefix
+              lookup revives them), and acknowledges once the copy is complete
 
-Invariants: slots are used and freed in the order sent (one sender, one receiver, one ack per
-slot), so the free space is one contiguous run that may wrap once. A slot is overwritten only
-after its acknowledgement, which the consumer sends once its copy is complete. A transfer that
-gets no slot within ``transfer_timeout_s`` is announced without blocks, so its request computes
-its prompt at once instead of waiting; one larger than the whole buffer is never queued.
+Invariants: a held block is referenced by the producer's pool until its acknowledgement (or the
+consumer's end) releases it, so the consumer never reads a block the producer reuses; the
+consumer acknowledges only after its copy finished. Landing takes free blocks of the consumer's
+pool and gives them back as cached ones, so it never takes room from a running request; when the
+pool has fewer free blocks than a transfer, the first ones land (keys are chained: a prefix of
+them is still a prefix hit) and the rest is computed.
 """
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -28,169 +37,226 @@ import torch
 
 from kvserve.errors import ConfigError
 from kvserve.kvtier.ipc_buffer import SharedBuffer
-from kvserve.kvtier.transfer import Channel, Consumer, Producer
+from kvserve.kvtier.transfer import Channel, Consumer
 
 log = logging.getLogger(__name__)
 
 DATA, ACK = 0, 1  # channel tags: producer -> consumer messages, consumer -> producer acknowledgements
 
 
-class Ring:
-    """Slots of a circular buffer of ``capacity`` bytes, freed in the order allocated. A slot
-    never wraps around the end: when the tail is too short it starts at 0 (the tail stays unused
-    until the slots before it are freed)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.slots: deque[tuple[int, int]] = deque()  # (start, end) of each slot in use, oldest first
-        self.head = 0  # the end of the last slot allocated: slots go round the whole buffer
-
-    def alloc(self, n: int) -> int | None:
-        """The offset of a new slot of ``n`` bytes (0 < n <= capacity), None if no room now."""
-        fits_here = self.head + n <= self.capacity
-        if not self.slots:
-            start = self.head if fits_here else 0
-        elif self.slots[-1][0] >= self.slots[0][0]:  # not wrapped: room up to the end, then before the first
-            start = self.head if fits_here else 0 if n <= self.slots[0][0] else None
-        else:  # wrapped: room between the last slot and the first
-            start = self.head if self.head + n <= self.slots[0][0] else None
-        if start is not None:
-            self.slots.append((start, start + n))
-            self.head = start + n
-        return start
-
-    def free(self, offset: int) -> None:
-        """Free the oldest slot, which must start at ``offset``."""
-        if not self.slots or self.slots[0][0] != offset:
-            raise RuntimeError(f"acknowledgement of offset {offset}, expected "
-                               f"{self.slots[0][0] if self.slots else 'none'}")
-        self.slots.popleft()
-
-    @property
-    def used(self) -> int:
-        return sum(e - s for s, e in self.slots)
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, SharedBuffer]:
+    """A zero-filled tensor in memory another process of this host can map, and its buffer."""
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    buf = SharedBuffer.create(device, nbytes)
+    if buf.tensor.is_cuda:  # (a new host file reads as zeros)
+        buf.tensor.zero_()
+    return buf.tensor.view(dtype).view(shape), buf
 
 
-class IpcProducer(Producer):
-    def __init__(self, channel: Channel, device: torch.device, block_bytes: int, buffer_bytes: float,
-                 timeout_s: float):
-        nbytes = int(buffer_bytes)
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """``dst[:, :, d] = src[:, :, s]`` for each pair, one read and one write per byte."""
+    from kvserve import kernels
+    if kernels.available(dst):
+        from kvserve.kernels.block_copy import copy_blocks as kernel
+        kernel(src, dst, torch.tensor(pairs, dtype=torch.int64).to(dst.device, non_blocking=True))
+        return
+    i = 0
+    while i < len(pairs):  # runs of consecutive blocks on both sides, one strided copy each
+        j = i + 1
+        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1 and pairs[j][1] == pairs[j - 1][1] + 1:
+            j += 1
+        (s, d), n = pairs[i], j - i
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+        i = j
+
+
+class IpcProducer:
+    """The producer's half: holds blocks for the consumer and releases them when told."""
+
+    def __init__(self, channel: Channel, pool: SharedBuffer, shape: tuple[int, ...], dtype: torch.dtype,
+                 block_bytes: int, buffer_bytes: float):
+        self.channel, self.block_bytes, self.cuda = channel, block_bytes, pool.tensor.is_cuda
+        self.max_blocks = int(buffer_bytes) // block_bytes
         try:
-            if nbytes < block_bytes:
-                raise ConfigError("kv_transfer_config.kv_buffer_size", f"{nbytes} bytes cannot hold one KV block "
-                                  f"({block_bytes} bytes) in CudaIpcConnector's shared buffer")
-            self.buffer = SharedBuffer.create(device, nbytes)
-        except Exception as e:
-            channel.send_message({"buffer": None})  # (the consumer must not wait for it)
-            channel.close()
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError("kv_transfer_config.kv_buffer_size", f"cannot create the shared KV buffer: {e}"
-                              [:500]) from None
-        try:
-            channel.send_message({"buffer": self.buffer.handle})
+            if self.max_blocks < 1:
+                raise ConfigError("kv_transfer_config.kv_buffer_size", f"{int(buffer_bytes)} bytes cannot hold one "
+                                  f"KV block ({block_bytes} bytes) for the consumer")
+            channel.send_message({"pool": pool.handle, "shape": list(shape), "dtype": str(dtype)})
             reply, _ = channel.recv_message(0)
+        except ConfigError:
+            channel.send_message({"pool": None})  # (the consumer must not wait for it)
+            channel.close()
+            raise
         except Exception as e:
             channel.close()
             raise ConfigError("kv_transfer_config", f"the consumer left while connecting: {e}"[:500]) from None
         finally:
-            self.buffer.unlink()
+            pool.unlink()
         if not reply.get("attached"):
             channel.close()
-            raise ConfigError("kv_transfer_config", f"the consumer could not open this producer's KV buffer "
+            raise ConfigError("kv_transfer_config", f"the consumer could not map this producer's KV pool "
                               f"(CudaIpcConnector links two processes of one host): {reply.get('error')}"[:500])
-        self.ring, self.timeout_s = Ring(nbytes), timeout_s
-        self.refused = 0
-        self._space = threading.Condition()
-        super().__init__(channel, block_bytes, buffer_bytes)
+        self.held: dict[str, list[int]] = {}  # transfer id -> its blocks, until acknowledged
+        self.released: list[list[int]] = []
+        self.sent_blocks = self.dropped = 0
+        self.dead = False
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._sender, daemon=True, name="kv-transfer-send").start()
         threading.Thread(target=self._acks, daemon=True, name="kv-transfer-acks").start()
 
-    def send(self, keys: list[bytes], blocks: torch.Tensor) -> str | None:
-        nbytes = blocks.numel() * blocks.element_size()
-        if nbytes > self.ring.capacity:
-            log.error("a prompt's KV (%d blocks, %d bytes) is larger than kv_buffer_size (%d bytes), the shared "
-                      "buffer of CudaIpcConnector: not sent, the consumer computes it; raise kv_buffer_size to "
-                      "hand over prompts this long", len(keys), nbytes, self.ring.capacity)
-            with self._lock:
-                self.refused += 1
-                self.dropped += 1
-            return None
-        return super().send(keys, blocks)
+    @property
+    def held_blocks(self) -> list[int]:
+        """Every block this side still references: held, or released and not yet taken."""
+        with self._lock:
+            return [b for ids in (*self.held.values(), *self.released) for b in ids]
 
-    def _deliver(self, tid: str, keys: list[bytes], payload: torch.Tensor) -> int:
-        n = payload.numel()
-        deadline = time.monotonic() + self.timeout_s
-        with self._space:
-            while (offset := self.ring.alloc(n)) is None and not self.dead:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._space.wait(left)
-        if self.dead:
-            raise RuntimeError("the consumer is gone")
-        if offset is None:  # the consumer is not freeing slots fast enough: it computes this prompt
-            log.warning("no room in kv_buffer_size (%d bytes) for %d bytes of KV within %.0f s; transfer "
-                        "given up", self.ring.capacity, n, self.timeout_s)
-            with self._lock:
+    def send(self, tid: str, keys: list[bytes], blocks: list[int]) -> bool:
+        """Offer ``blocks`` (the caller took a reference on each) under ``keys``; False: not sent
+        (the consumer is gone, or more would be held than ``kv_buffer_size``), the caller drops
+        its references again."""
+        with self._lock:
+            if self.dead or sum(map(len, self.held.values())) + len(blocks) > self.max_blocks:
                 self.dropped += 1
-            self.channel.send_message({"id": tid, "keys": []}, tag=DATA)
-            return 0
-        self.buffer.write(offset, payload)
-        self.channel.send_message({"id": tid, "keys": [k.hex() for k in keys], "offset": offset, "nbytes": n},
-                                  tag=DATA)
-        return len(keys)
+                return False
+            self.held[tid] = blocks
+        ready = None  # the sender waits until the device finished writing them
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put((tid, keys, blocks, ready))
+        return True
+
+    def take_released(self) -> list[list[int]]:
+        """Blocks whose transfers ended (engine thread: it drops the references)."""
+        with self._lock:
+            out, self.released = self.released, []
+        return out
+
+    def _sender(self) -> None:
+        while True:
+            tid, keys, blocks, ready = self._queue.get()
+            try:
+                if self.dead:
+                    continue
+                if ready is not None:
+                    ready.synchronize()
+                self.channel.send_message({"id": tid, "keys": [k.hex() for k in keys], "blocks": blocks}, tag=DATA)
+                self.sent_blocks += len(blocks)
+            except Exception as e:  # the consumer is gone: nothing more can be sent
+                self._end(f"KV transfer to the consumer failed; prompts are no longer sent: {e}")
 
     def _acks(self) -> None:
         while True:
             try:
                 meta, _ = self.channel.recv_message(0, tag=ACK)
-                with self._space:
-                    self.ring.free(int(meta["ack"]))
-                    self._space.notify_all()
+                with self._lock:
+                    ids = self.held.pop(str(meta["ack"]))  # (a KeyError: the consumer broke the protocol)
+                    self.released.append(ids)
             except Exception as e:  # the consumer is gone (or broke the protocol)
-                if not self.dead:
-                    log.error("KV transfer to the consumer failed; prompts are no longer sent: %s", e)
-                self.dead = True
-                with self._space:
-                    self._space.notify_all()
+                self._end(f"KV transfer to the consumer ended; prompts are no longer sent: {e!r}")
                 return
+
+    def _end(self, why: str) -> None:
+        """No acknowledgement will come: every held block is released."""
+        with self._lock:
+            if not self.dead:
+                log.error("%s", why)
+            self.dead = True
+            self.released.extend(self.held.values())
+            self.held.clear()
 
 
 class IpcConsumer(Consumer):
-    def __init__(self, channel: Channel, store, timeout_s: float, clock=time.monotonic):
+    """The consumer's half: maps the producer's pool and lands transfers in its own."""
+
+    def __init__(self, channel: Channel, store, timeout_s: float, pool: torch.Tensor, clock=time.monotonic):
         try:
             meta, _ = channel.recv_message(0)
         except Exception as e:
             channel.close()
             raise ConfigError("kv_transfer_config", f"the producer left while connecting: {e}"[:500]) from None
-        if meta.get("buffer") is None:  # the producer could not allocate it (and says why itself)
+        if meta.get("pool") is None:  # the producer refused its own configuration (and says why itself)
             channel.close()
-            raise ConfigError("kv_transfer_config.kv_buffer_size", "the producer could not allocate its shared "
-                              "KV buffer (see its log)")
+            raise ConfigError("kv_transfer_config.kv_buffer_size", "the producer could not share its KV pool "
+                              "(see its log)")
         try:
-            buffer = SharedBuffer.open(meta["buffer"])
+            shape = meta.get("shape")
+            if (not isinstance(shape, list) or len(shape) != pool.dim() or meta.get("dtype") != str(pool.dtype)
+                    or not all(type(s) is int and s > 0 for s in shape)
+                    or shape[:2] != list(pool.shape[:2]) or shape[3:] != list(pool.shape[3:])):
+                raise ValueError(f"the producer's pool {shape!r:.200} {meta.get('dtype')!r:.30} does not have this "
+                                 f"pool's layout {list(pool.shape)} {pool.dtype}")
+            buffer = SharedBuffer.open(meta["pool"])
+            if buffer.nbytes != pool.element_size() * torch.Size(shape).numel():
+                raise ValueError(f"the producer's pool is {buffer.nbytes} bytes, not {shape}")
+            remote = buffer.tensor.view(pool.dtype).view(shape)  # (another GPU of the host: read as peer memory)
+            if remote.device.type != pool.device.type:
+                raise ValueError(f"the producer's pool is on {remote.device.type}, this one on {pool.device.type}")
         except Exception as e:  # (not the same host, GPUs or user; another torch)
             channel.send_message({"attached": False, "error": f"{type(e).__name__}: {e}"[:400]})
             channel.close()
-            raise ConfigError("kv_transfer_config", f"cannot open the producer's KV buffer (CudaIpcConnector "
-                              f"links two processes of one host, as one user): {e}"[:500]) from None
+            raise ConfigError("kv_transfer_config", f"cannot map the producer's KV pool (CudaIpcConnector links "
+                              f"two processes of one host, as one user): {e}"[:500]) from None
         channel.send_message({"attached": True})
         self.buffer: SharedBuffer | None = buffer
+        self.remote, self.pool = remote, pool
+        self.inbox: deque[tuple[str, list[bytes], list[int]]] = deque()
+        self.unacked: deque[tuple[object, str]] = deque()  # (copy finished event, transfer id)
+        self.partial_transfers = 0
         super().__init__(channel, store, timeout_s, clock)
 
-    def _receive(self, limit: int) -> tuple[dict, torch.Tensor | None]:
-        # (``limit`` bounds what a network peer could make this process allocate; here the
-        # buffer's own size does, and the staging memory takes what fits.)
-        meta, _ = self.channel.recv_message(0, tag=DATA)
-        if not meta.get("keys"):
-            return meta, None
-        offset, n = meta.get("offset"), meta.get("nbytes")
-        if not (isinstance(offset, int) and isinstance(n, int) and 0 <= offset and 0 < n
-                and offset + n <= self.buffer.nbytes):
-            raise RuntimeError(f"transfer {meta.get('id')!r}: bad slot {offset!r}+{n!r}")
-        payload = self.buffer.read(offset, n)
-        self.channel.send_message({"ack": offset}, tag=ACK)
-        return meta, payload
+    def _receiver(self) -> None:
+        n = self.remote.shape[2]
+        while True:
+            try:
+                meta, _ = self.channel.recv_message(0, tag=DATA)
+                tid, keys, blocks = str(meta["id"]), [bytes.fromhex(k) for k in meta["keys"]], meta["blocks"]
+                if (not isinstance(blocks, list) or len(blocks) != len(keys)
+                        or not all(type(b) is int and 0 <= b < n for b in blocks)):
+                    raise RuntimeError(f"transfer {tid!r:.40}: {len(keys)} keys, blocks {str(blocks)[:100]}")
+            except Exception as e:
+                if not self.dead:
+                    log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
+                self.dead = True
+                return
+            self.inbox.append((tid, keys, blocks))
 
-    def _stopped(self) -> None:
-        self.buffer = None  # (unmaps it: the producer's memory may be gone)
+    def land(self, pool) -> None:
+        """Engine thread: copy what arrived into this engine's pool (``pool``: its BlockPool) and
+        acknowledge the copies that finished."""
+        while self.inbox:
+            tid, keys, src = self.inbox.popleft()
+            if self.dead:  # (the producer's memory may be gone: nothing is read from it any more)
+                self.inbox.clear()
+                break
+            todo = [(k, s) for k, s in zip(keys, src) if pool.lookup(k) is None]
+            n = min(len(todo), pool.num_free_blocks)
+            dst = pool.allocate(n)
+            copy_blocks(self.remote, self.pool, [(s, d) for (_, s), d in zip(todo, dst)])
+            for (k, _), d in zip(todo, dst):
+                pool.cache_block(d, k)
+            pool.free(dst[::-1])  # (a prompt's first blocks, which more requests share, evicted last)
+            self.partial_transfers += n < len(todo)
+            done = None
+            if self.pool.is_cuda:
+                done = torch.cuda.Event()
+                done.record()
+            self.unacked.append((done, tid))
+            self.received_blocks += n
+            self.done[tid] = len(keys) - len(todo) + n
+            while len(self.done) > 4096:
+                self.done.popitem(last=False)
+        while self.unacked and (self.unacked[0][0] is None or self.unacked[0][0].query()):
+            _, tid = self.unacked.popleft()
+            if not self.dead:
+                try:
+                    self.channel.send_message({"ack": tid}, tag=ACK)
+                except Exception as e:  # noqa: BLE001 - the producer is gone; its requests compute here
+                    log.warning("KV transfer acknowledgement failed; prompts are computed here: %s", e)
+                    self.dead = True
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "partial_transfers": self.partial_transfers}

@@ -1,8 +1,9 @@
-"""The shared buffer of ``CudaIpcConnector`` (kvserve/kvtier/ipc.py): one region of memory that
-the producer allocates and the consumer maps, described by a JSON handle sent at connect time.
+"""The shared memory of ``CudaIpcConnector`` (kvserve/kvtier/ipc.py): one region that the
+producer allocates (its KV pool) and the consumer maps, described by a JSON handle sent at
+connect time.
 
-Only this module depends on the device; everything above it (slots, acknowledgements, flow
-control, the engine's hand-over) is the same for both:
+Only this module depends on the device; everything above it (holds, acknowledgements, the
+engine's hand-over) is the same for both:
 
     CUDA   device memory shared with CUDA IPC: torch's ``reduce_tensor`` on the producer, its
            ``rebuild_cuda_tensor`` on the consumer (one GPU, or two GPUs of one host)
@@ -79,15 +80,15 @@ class SharedBuffer:
                 t = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 rebuild, args = reduce_tensor(t)
             except RuntimeError as e:  # (out of memory included)
-                raise ConfigError("kv_transfer_config.kv_buffer_size", f"cannot share {nbytes} bytes of {device} "
-                                  f"with CUDA IPC (the buffer is allocated beside the KV cache): {e}"[:500]) from None
+                raise ConfigError("kv_cache_memory", f"cannot share {nbytes} bytes of {device} with CUDA IPC "
+                                  f"(the KV pool of a CudaIpcConnector producer): {e}"[:500]) from None
             return cls(t, {"kind": "cuda", "nbytes": nbytes, "rebuild": rebuild.__name__,
                            "args": [_encode(a) for a in args], "gpu": _gpu_uuid(t.device.index)})
         # A tmpfs file must fit the free space: writing past it would kill the process (SIGBUS).
         room = [d for d in _dirs() if _free(d) >= nbytes]
         if not room:
-            raise ConfigError("kv_transfer_config.kv_buffer_size", f"{nbytes} bytes do not fit the free space of "
-                              f"{' or '.join(_dirs())} (the shared KV buffer of host memory)")
+            raise ConfigError("kv_cache_memory", f"{nbytes} bytes do not fit the free space of "
+                              f"{' or '.join(_dirs())} (the shared KV pool of a CudaIpcConnector producer on the CPU)")
         fd, path = tempfile.mkstemp(prefix=PREFIX, dir=room[0])  # (mode 0600: this user's processes only)
         try:
             os.ftruncate(fd, nbytes)
@@ -142,20 +143,6 @@ class SharedBuffer:
             except FileNotFoundError:
                 pass
             self.path = None
-
-    def write(self, offset: int, payload: torch.Tensor) -> None:
-        """Copy ``payload`` (uint8, on this buffer's device) to ``offset``; when this returns, the
-        peer can read it."""
-        self.tensor[offset:offset + payload.numel()].copy_(payload)
-        if self.tensor.is_cuda:
-            torch.cuda.current_stream(self.tensor.device).synchronize()
-
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A host copy of ``nbytes`` at ``offset``; when this returns, the peer may overwrite them.
-        From a GPU the copy lands in pinned memory (torch caches it), at the link's full speed."""
-        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.tensor.is_cuda)
-        out.copy_(self.tensor[offset:offset + nbytes])  # (synchronous: not non_blocking)
-        return out
 
 
 def _gpu_uuid(index: int) -> str | None:
