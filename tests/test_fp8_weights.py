@@ -90,3 +90,26 @@ def test_fp8_takes_no_group_size():
     with pytest.raises(ConfigError) as e:
         LLM("dummy:tiny", quantization="fp8", quantization_group_size=32, show_progress=False)
     assert e.value.option == "quantization_group_size"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU with FP8: compute capability 9.0)")
+@pytest.mark.parametrize("M", [1, 8, 16, 17, 64])
+def test_layer_on_the_gpu_both_paths(M):
+    """Up to ``wq_skinny_max_rows`` rows the weight-only kernel (e4m3 weights, activations as they
+    are), above it ``_scaled_mm`` (W8A8): each within e4m3's error of the bfloat16 product, and the
+    few-row path equal to the dequantized weights' product."""
+    g = torch.Generator().manual_seed(M)
+    N, K = 1024, 4096
+    lin = Linear(K, N, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * 0.02)
+        lin.bias.copy_(torch.randn(N, generator=g))
+    layer = Fp8Linear.from_linear(lin.to(torch.bfloat16)).cuda()
+    x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16).cuda()
+    y = layer(x).double()
+    exact = torch.nn.functional.linear(x.double(), lin.weight.double().cuda(), lin.bias.double().cuda())
+    assert ((y - exact).norm() / exact.norm()).item() < 0.05
+    if M <= 16:
+        w = layer.qweight.double() * layer.wscale.double()[:, None]
+        ref = x.double() @ w.t() + layer.bias.double()
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # (bfloat16 output rounding)

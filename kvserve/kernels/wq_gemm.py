@@ -3,6 +3,8 @@ memory and are dequantized in registers, tile by tile (formats: ``kvserve/layers
 
     int8  W [N, K] int8, scale [N]:            y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
           or scale [N, K/g] (group-wise, no min; GGUF's Q8_0 and Q6_K, ``layers/gguf_blocks.py``)
+    fp8   W [N, K] float8_e4m3fn, scale [N]: as int8 (an FP8 layer's few-row products,
+          ``layers/fp8_linear.py``: its weights times unquantized activations)
     int4  W [N, K/2] uint8 (2 codes a byte),   y[m, n] = sum_groups scale[n, j] * sum_(k in j) x[m, k] q[n, k]
           scale, min [N, K/g]                                  + min[n, j] * sum_(k in j) x[m, k]
 
@@ -31,11 +33,14 @@ import triton.language as tl
 from kvserve.kernels.common import dot_precision
 
 MAX_SKINNY_ROWS = 32  # rows the one-wave skinny shape takes; more: the tiled GEMM
+FP8_UNIT = tl.constexpr(256.0)  # what ``_e4m3``'s codes are multiplied by (in the scale) to give e4m3 values
 
 
 @triton.jit
-def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] codes of W at column k0, as float32 (int4: 0..15; int8: -127..127)."""
+def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr,
+           EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] codes of W at column k0, as float32 (int4: 0..15; int8: -127..127;
+    FP8: the e4m3 value / 256, exact, see ``_e4m3``)."""
     if INT4:
         rkh = tl.arange(0, BLOCK_K // 2)
         ptrs = W + rn_safe[:, None] * stride_wn + k0 // 2 + rkh[None, :]
@@ -46,8 +51,23 @@ def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, BLOCK_K: tl.con
         return tl.interleave(b & 15, b >> 4).to(tl.float32)
     ptrs = W + rn_safe[:, None] * stride_wn + k0 + rk[None, :]
     if EVEN_K:
-        return tl.load(ptrs).to(tl.float32)
-    return tl.load(ptrs, mask=(k0 + rk < K)[None, :], other=0).to(tl.float32)
+        b = tl.load(ptrs)
+    else:
+        b = tl.load(ptrs, mask=(k0 + rk < K)[None, :], other=0)
+    if FP8:
+        return _e4m3(b)
+    return b.to(tl.float32)
+
+
+@triton.jit
+def _e4m3(b):
+    """e4m3 bytes (W passed as uint8) -> their values / 256 in float32. The byte's exponent and
+    mantissa bits, moved under float16's, read as a float16 (exponent bias 15 instead of 7,
+    subnormals alike) give the value times 2^-8; the 2^8 goes into the scale (``FP8_UNIT``).
+    A few integer operations, and no conversion instruction the interpreter lacks."""
+    h = b.to(tl.uint16)
+    h = ((h & 0x7F) << 7) | ((h & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -68,8 +88,8 @@ def _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP: tl.constexpr, BLOCK_K:
 
 @triton.jit
 def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                  INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                  INT4: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr,
+                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -81,7 +101,7 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, NG] if GROUPED else [BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, EVEN_K)
+            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(X + k0 + rk).to(tl.float32)
             else:
@@ -103,7 +123,7 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
         x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, EVEN_K)
+            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             else:
@@ -120,6 +140,8 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
         y = acc
     if not GROUPED:
         y = y * tl.load(S + rn_safe).to(tl.float32)[None, :]
+        if FP8:
+            y = y * FP8_UNIT
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)[None, :]
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -129,19 +151,21 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
 
 @triton.jit
 def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
-                    INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    INT4: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     rk = tl.arange(0, BLOCK_K)
-    q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, BLOCK_K, False)
+    q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, False)
     if GROUPED:
         NG: tl.constexpr = BLOCK_K // GROUP
         s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
         w = tl.reshape(tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None] + z[:, :, None], [BLOCK_N, BLOCK_K])
     else:
         w = q * tl.load(S + rn_safe).to(tl.float32)[:, None]
+        if FP8:
+            w = w * FP8_UNIT
     out = Out + rn_safe[:, None] * stride_on + k0 + rk[None, :]
     tl.store(out, w.to(Out.dtype.element_ty), mask=(rn < N)[:, None] & (k0 + rk < K)[None, :])
 
@@ -164,7 +188,8 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
     """(N, K, int4) of a packed weight, its parameters checked against each other and x. Group-wise
     int8 (``group_size`` > 0) takes groups of 16 or more and mins optionally."""
     int4 = qweight.dtype == torch.uint8
-    assert int4 or qweight.dtype == torch.int8, f"packed weights are int8 or uint8 (int4), got {qweight.dtype}"
+    assert int4 or qweight.dtype in (torch.int8, torch.float8_e4m3fn), \
+        f"packed weights are int8, float8_e4m3fn or uint8 (int4), got {qweight.dtype}"
     assert qweight.dim() == 2 and qweight.stride(1) == 1, "the packed weight must be row-major [N, K(/2)]"
     N = qweight.shape[0]
     K = qweight.shape[1] * 2 if int4 else qweight.shape[1]
@@ -180,6 +205,7 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
         assert mins is None or (mins.shape == scales.shape and mins.stride() == scales.stride())
     else:
         assert scales.shape == (N,) and scales.is_contiguous(), f"int8 scales must be [{N}], got {tuple(scales.shape)}"
+    assert qweight.dtype != torch.float8_e4m3fn or not group_size, "e4m3 weights take one scale per row"
     if x is not None:
         assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, f"x must be [M, {K}] with unit column stride"
     return N, K, int4
@@ -204,10 +230,11 @@ def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: to
     group = group_size or 1
     block_k = max(group, min(block_k, triton.next_power_of_2(K)))
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-    _wq_mm_kernel[grid](x, qweight, scales, scales if mins is None else mins,
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    _wq_mm_kernel[grid](x, qweight.view(torch.uint8) if fp8 else qweight, scales, scales if mins is None else mins,
                         bias if bias is not None else scales, y,
                         M, N, K, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                        INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group,
+                        INT4=int4, FP8=fp8, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group,
                         HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                         PRECISION=dot_precision(x.dtype), **cfg)
@@ -225,8 +252,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     group = group_size or 1
     block_n, block_k = 32, max(group, min(256, triton.next_power_of_2(K)))
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    _dequant_kernel[grid](qweight, scales, scales if mins is None else mins, out, N, K, qweight.stride(0),
-                          scales.stride(0), out.stride(0), INT4=int4, GROUPED=group_size > 0,
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    _dequant_kernel[grid](qweight.view(torch.uint8) if fp8 else qweight, scales, scales if mins is None else mins,
+                          out, N, K, qweight.stride(0), scales.stride(0), out.stride(0), INT4=int4, FP8=fp8,
+                          GROUPED=group_size > 0,
                           HAS_MIN=mins is not None, GROUP=group,
                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
@@ -235,7 +264,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
                    group_size: int = 0) -> torch.Tensor:
     """Plain PyTorch, float32: the formats' definitions."""
-    if qweight.dtype == torch.int8 and not group_size:
+    if qweight.dtype in (torch.int8, torch.float8_e4m3fn) and not group_size:
         return qweight.float() * scales.float()[:, None]
     N = qweight.shape[0]
     q = qweight if qweight.dtype == torch.int8 else torch.stack((qweight & 15, qweight >> 4), dim=-1)

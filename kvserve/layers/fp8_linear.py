@@ -9,11 +9,19 @@ to e4m3 per token at run time, one ``torch._scaled_mm`` for the product.
 nothing saturates. ``_scaled_mm`` takes these row-wise scales on Hopper (bfloat16 out) and on
 the CPU in PyTorch 2.13; elsewhere the layer multiplies the dequantized operands in x's dtype
 (``fp8_mm_ref``, the same math) so every device runs it.
+
+On a GPU a product of few rows (decode steps, up to the kernel config's ``wq_skinny_max_rows``)
+reads each weight once and does little arithmetic: there the e4m3 weights meet the activations
+unquantized (W8A16) in the kernel of the other weight-only formats (``kernels/wq_gemm.py``), which
+decodes them in registers; more rows take ``_scaled_mm``.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kvserve import kernels
+from kvserve.layers.forward_context import kernel_config
 
 E4M3_MAX = 448.0
 _TINY = torch.finfo(torch.float32).tiny
@@ -64,6 +72,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
+        if kernels.available(x) and x.shape[0] <= kernel_config().wq_skinny_max_rows:
+            from kvserve.kernels.wq_gemm import wq_mm
+            y = wq_mm(x.contiguous(), self.qweight, self.wscale, bias=self.bias)
+            return y.view(*shape[:-1], self.out_features)
         if scaled_mm_supported(x.device, x.dtype):
             qx, sx = quantize_rows(x)
             y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx, scale_b=self.wscale.view(1, -1),

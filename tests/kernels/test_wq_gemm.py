@@ -2,7 +2,8 @@
 in float64, on weights quantized by ``kvserve/layers/rtn.py``.
 
 Covers one row (the elementwise path), 2..32 rows (the skinny ``tl.dot`` path) and more (the tiled
-GEMM, several row tiles, the last partial), int8 and int4 with every group size, K a multiple of the
+GEMM, several row tiles, the last partial), int8, e4m3 (an FP8 layer's weights, decoded from their
+bits in the kernel) and int4 with every group size, K a multiple of the
 tile and not (the last tile masked in whole groups), N that the tile does not divide, bias, and the
 ``dequantize`` kernel that feeds cuBLAS at large batches. The output is poisoned first so an
 unwritten element fails.
@@ -17,6 +18,7 @@ pytest.importorskip("triton")
 from kernelutil import needs_cuda  # noqa: E402
 
 from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm, wq_mm_ref  # noqa: E402
+from kvserve.layers.fp8_linear import quantize_rows  # noqa: E402
 from kvserve.layers.rtn import quantize_int4, quantize_int8  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
@@ -32,6 +34,9 @@ def _case(M, N, K, method, group, dtype, device, seed, bias=False):
     if method == "int8":
         q, s = quantize_int8(w.to(device), dtype)
         return x, (q, s, None, 0), b
+    if method == "fp8":  # (the FP8 layer's own quantizer: e4m3 codes, one float32 scale a row)
+        q, s = quantize_rows(w.to(device))
+        return x, (q, s.view(-1), None, 0), b
     q, s, z = quantize_int4(w.to(device), group, dtype)
     return x, (q, s, z, group), b
 
@@ -46,7 +51,7 @@ def _check(M, N, K, method, group, dtype, device, seed, config=None, bias=False)
     assert err < TOL[dtype], err
 
 
-FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+FORMATS = [("int8", 0), ("fp8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
 
 
 @pytest.mark.parametrize("method,group", FORMATS)
@@ -87,7 +92,7 @@ def test_dequantize(method, group, dtype, device):
     torch.testing.assert_close(w.float(), ref.to(dtype).float(), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("method,group", FORMATS)
+@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
 def test_rtn_error_is_half_a_step(method, group):
     """Each weight comes back within half a quantization step of the original (float32 scales)."""
     g = torch.Generator().manual_seed(group + 1)
