@@ -27,7 +27,9 @@ under --out after each setup. Options left unset take the device's defaults (``D
 
 On one GPU the two processes share it with ``--connector CudaIpcConnector`` (the default there:
 NCCL cannot pair two processes on one device), the memory split by ``--kv-cache-memory`` per
-engine; on two GPUs of one host either connector works (``--prefill-device cuda:1``).
+engine; on two GPUs of one host either connector works (``--prefill-device cuda:1``). Two
+processes on one GPU take turns on it (time slices) unless CUDA MPS runs them side by side:
+``--prefill-sm-percent`` then caps the prefill process's share of the SMs.
 
 One H200 (141 GB), Llama-3-8B shape (bf16: 15 GiB of weights per engine, 128 KiB of KV a token,
 1 GiB per 8k prompt): 24 GiB of KV cache per engine holds 196k tokens (the decode engine needs
@@ -95,6 +97,8 @@ def kv_config(args, role: str, port: int) -> dict:
 
 
 def _prefill_worker(args, port: int, threads: int, jobs, results) -> None:
+    if args.prefill_sm_percent:  # (read when this process's CUDA context starts: before any CUDA call)
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.prefill_sm_percent)
     import torch
 
     from kvserve import LLM, SamplingParams
@@ -327,8 +331,10 @@ def main() -> None:
                    help="the disaggregated setup's KV transport (default: CudaIpcConnector when both engines "
                    "share one GPU, else TorchDistributedConnector)")
     p.add_argument("--kv-buffer-size", default=None, help="bytes of KV in flight, cpu 1GiB, cuda 4GiB "
-                   "(CudaIpcConnector: its shared buffer, allocated beside the producer's KV cache; the "
-                   "consumer's staging memory takes as much host memory)")
+                   "(CudaIpcConnector: the prefill engine's blocks held until the decode engine copied them)")
+    p.add_argument("--prefill-sm-percent", type=int, default=None, help="under CUDA MPS (a running "
+                   "nvidia-cuda-mps-control daemon): the share of the GPU's SMs the prefill process may use, "
+                   "so that the decode process's kernels run beside its prefills instead of taking turns")
     p.add_argument("--out", default=None, help="directory for disagg.json")
     args = p.parse_args()
     import torch

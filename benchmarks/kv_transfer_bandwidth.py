@@ -26,8 +26,9 @@ The ceiling, measured in the consumer's process on the same number of bytes: ``d
 contiguous tensor copied into another on the device; on the CPU a host memcpy); on CUDA also the
 host link (device to pinned host and back), which a transfer through host memory would be bound
 by. Every GB/s counts the bytes handed over, each once: a copy of N bytes is N bytes, although the
-memory reads N and writes N. Every landed transfer is compared with the producer's blocks (an exact
-checksum of each).
+memory reads N and writes N. After each pattern every landed transfer is compared with the
+producer's blocks read through the mapping, and the mapping with the producer's own checksum of its
+pool (exact checksums).
 
     PYTHONPATH=$PWD python benchmarks/kv_transfer_bandwidth.py --blocks 8 --transfers 3     # CPU, tiny
     PYTHONPATH=$PWD python benchmarks/kv_transfer_bandwidth.py --device cuda --out DIR       # H200
@@ -43,6 +44,7 @@ import platform
 import random
 import socket
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,20 +112,18 @@ def _producer(args, port: int, go, out) -> None:
     channel.handshake(layout)
     producer = IpcProducer(channel, shared[0], tuple(cache.data.shape), cache.data.dtype, block_bytes,
                            cfg.kv_buffer_size)
-    out.put(("ready", None))
+    out.put(("ready", _checksum(cache.data, list(range(cache.data.shape[2])))))
     rng = random.Random(1)
     while (i := go.get()) is not None:
         ids = rng.sample(range(2 * args.blocks), args.blocks)  # (scattered, as a real prompt's blocks)
-        want = _checksum(cache.data, ids)
-        _sync(device)
         while True:  # (streamed: as many as kv_buffer_size lets it hold)
             producer.take_released()
             t0 = time.monotonic()
             if producer.send(str(i), _keys(i, args.blocks), ids):
                 break
             producer.dropped -= 1  # (waiting for room here, not dropping)
-            time.sleep(0.0002)
-        out.put((i, t0, ids, want))
+            time.sleep(0.00005)
+        out.put((i, t0, ids))
     while producer.held:
         time.sleep(0.001)
     out.put(("done", producer.dropped))
@@ -164,16 +164,17 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
     """``n`` transfers numbered from ``first``, one at a time or streamed."""
     from kvserve.engine.block_pool import BlockPool
     bp = BlockPool(data.shape[2])
-    rows, bad, copy = [], 0, 0.0
+    rows, landed, copy = [], [], 0.0
     for i in [first] if pattern == "one at a time" else range(first, first + n):
         go.put(i)
     for k in range(n):
-        i, t0, src, want = out.get(timeout=600)
+        i, t0, src = out.get(timeout=600)
         tid = str(i)
         assert i == first + k
         while not consumer.inbox and tid not in consumer.done:  # (the message on its way)
             if consumer.dead:
                 raise RuntimeError("the KV transfer stopped")
+            time.sleep(0.00005)  # (lets the receiver thread have the interpreter)
         t1 = time.monotonic()
         while tid not in consumer.done:
             consumer.land(bp)
@@ -181,11 +182,14 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
         t2 = time.monotonic()
         copy += t2 - t1
         rows.append((t0, t1, t2))
-        dst = [bp.lookup(key) for key in _keys(i, args.blocks)]
-        bad += None in dst or _checksum(data, dst) != want
+        landed.append((i, src))
         consumer.land(bp)  # (acknowledges: the copy is complete)
         if pattern == "one at a time" and k + 1 < n:
             go.put(first + k + 1)
+    bad = 0
+    for i, src in landed:  # (the producer's blocks, read through the mapping, against the copies)
+        dst = [bp.lookup(key) for key in _keys(i, args.blocks)]
+        bad += None in dst or _checksum(data, dst) != _checksum(consumer.remote, src)
     nbytes = args.blocks * args.block_bytes
     if pattern == "one at a time":  # (each transfer's own time: not the gaps between them)
         span = sum(r[2] - r[0] for r in rows)
@@ -196,6 +200,38 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
             "handed_over_ms": [round((r[2] - r[0]) * 1e3, 3) for r in rows],
             "message_ms": [round((r[1] - r[0]) * 1e3, 3) for r in rows],
             "stage_seconds": {"message": None if message is None else round(message, 6), "copy": round(copy, 6)}}
+
+
+def ipc_copy(remote, local, n: int, block_bytes: int, reps: int = 10) -> dict:
+    """The data path alone: ``n`` scattered blocks copied out of the producer's pool (mapped here)
+    into this process's, as ``land`` does; the median of ``reps`` after a warm-up, as wall time
+    (the call, synchronised: what ``land`` pays) and on CUDA as device time (CUDA events around
+    the call: the kernel)."""
+    import torch
+
+    from kvserve.kvtier.ipc import copy_blocks
+    rng = random.Random(2)
+    pairs = list(zip(rng.sample(range(remote.shape[2]), n), rng.sample(range(local.shape[2]), n)))
+    wall, dev = [], []
+    for _ in range(reps + 1):
+        _sync(local.device)
+        t = time.perf_counter()
+        if local.is_cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        copy_blocks(remote, local, pairs)
+        if local.is_cuda:
+            b.record()
+            b.synchronize()
+            dev.append(a.elapsed_time(b) / 1e3)
+        _sync(local.device)
+        wall.append(time.perf_counter() - t)
+    med = sorted(wall[1:])[reps // 2]
+    out = {"seconds": med, "gbps": n * block_bytes / med / 1e9}
+    if dev:
+        d = sorted(dev[1:])[reps // 2]
+        out.update(device_seconds=d, device_gbps=n * block_bytes / d / 1e9)
+    return out
 
 
 def main() -> None:
@@ -224,8 +260,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     args.kv_buffer_size = parse_size(args.kv_buffer_size, "--kv-buffer-size")
     device = torch.device(args.device)
-    cache, layout, args.block_bytes = _pool(args, device, 2 * args.blocks)
+    _, _, args.block_bytes = _pool(args, device, 1)
     nbytes = args.blocks * args.block_bytes
+    # Room for every transfer of a pattern: none is evicted before it is checked, after the pattern.
+    cache, layout, _ = _pool(args, device, (max(args.transfers, args.warmup) + 1) * args.blocks)
     if nbytes > args.kv_buffer_size:
         p.error(f"one transfer ({nbytes} bytes) is more than --kv-buffer-size ({args.kv_buffer_size}) holds")
     with socket.socket() as s:
@@ -241,24 +279,31 @@ def main() -> None:
         channel = Channel(cfg, torch.device("cpu"))
         channel.handshake(layout)
         consumer = IpcConsumer(channel, store, cfg.extra("transfer_timeout_s"), cache.data)
-        assert out.get(timeout=600)[0] == "ready"
+        tag, whole = out.get(timeout=600)
+        assert tag == "ready"
+        mapping_ok = _checksum(consumer.remote, list(range(consumer.remote.shape[2]))) == whole
         res = {"args": vars(args), "machine": platform.platform(), "cpus": os.cpu_count(),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "block_shape": list(cache.block_shape), "block_bytes": args.block_bytes, "transfer_bytes": nbytes,
-               "units": "GB/s = 1e9 bytes handed over (or copied) per second, each byte counted once"}
+               "units": "GB/s = 1e9 bytes handed over (or copied) per second, each byte counted once",
+               "mapping_ok": mapping_ok}
         n, w = args.transfers, max(1, args.warmup)
         _run(args, "streamed", 0, w, go, out, consumer, cache.data)
         res["one_at_a_time"] = _run(args, "one at a time", w, n, go, out, consumer, cache.data)
         res["streamed"] = _run(args, "streamed", w + n, n, go, out, consumer, cache.data)
+        res["ipc_copy"] = ipc_copy(consumer.remote, cache.data, args.blocks, args.block_bytes)
         go.put(None)
         res["dropped_transfers"] = out.get(timeout=600)[1]
         consumer.dead = True  # (the producer's end closes the channel: expected now)
         res.update(ceilings(nbytes, device))
-        for name in ("one_at_a_time", "streamed"):  # (the goal: the hand-over near the device copy)
-            res[name]["handed_over_vs_device_copy"] = res[name]["handed_over_gbps"] / res["device_copy_gbps"]
+        for r in (res["one_at_a_time"], res["streamed"], res["ipc_copy"]):  # (the goal: near the device copy)
+            r["vs_device_copy"] = r.get("handed_over_gbps", r.get("gbps")) / res["device_copy_gbps"]
     finally:
         go.put(None)
         proc.join(30)
+    for t in threading.enumerate():  # (the producer is gone: the receiver's channel fails, it ends)
+        if t.name == "kv-transfer-recv":
+            t.join(30)
     report(res)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -279,11 +324,18 @@ def report(res: dict) -> None:
         med = sorted(r["handed_over_ms"])[len(r["handed_over_ms"]) // 2]
         print(f"| {name.replace('_', ' ')} | {r['handed_over_gbps']:.2f} | {100 * r['handed_over_gbps'] / ceil:.1f} | "
               f"{med:.2f} | {' / '.join('-' if st[k] is None else f'{st[k]:.4f}' for k in ('message', 'copy'))} |")
+    c = res["ipc_copy"]
+    print(f"| the copy alone (scattered blocks, producer's pool -> this one's) | {c['gbps']:.2f} | "
+          f"{100 * c['gbps'] / ceil:.1f} | {c['seconds'] * 1e3:.2f} | - |")
+    if "device_gbps" in c:
+        print(f"| the copy's kernel (CUDA events) | {c['device_gbps']:.2f} | {100 * c['device_gbps'] / ceil:.1f} | "
+              f"{c['device_seconds'] * 1e3:.2f} | - |")
     link = "".join(f", {k.removesuffix('_gbps').replace('_', ' ')} {res[k]:.2f}" for k in
                    ("device_to_host_gbps", "host_to_device_gbps") if k in res)
     wrong = sum(res[k]["transfers_wrong"] for k in ("one_at_a_time", "streamed"))
+    mapping = "the producer's" if res["mapping_ok"] else "DIFFERENT"
     print(f"ceilings (GB/s): device copy {ceil:.2f}{link}; dropped transfers {res['dropped_transfers']}; "
-          f"transfers wrong {wrong}")
+          f"transfers wrong {wrong}; bytes read through the mapping: {mapping}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ class KVTransferConfig:
     meet at ``kv_ip:kv_port`` (the producer listens) and send blocks with torch.distributed
     (gloo on the CPU, NCCL on CUDA). ``CudaIpcConnector``: the same pair, two processes of one
     host (one GPU, which NCCL cannot share between two ranks, or two GPUs of the host): the
-    producer shares a buffer of ``kv_buffer_size`` bytes of its device (CUDA IPC; host memory on
-    the CPU) through which the blocks pass, gloo at ``kv_ip:kv_port`` carrying only control
-    messages; a prompt's KV larger than the buffer is not sent (its consumer computes it).
+    producer's KV pool is shared (CUDA IPC; a host file on the CPU), a finished prompt's blocks are
+    held there until the consumer copied them into its own pool, at most ``kv_buffer_size`` bytes
+    at a time (a prompt beyond that is not sent: its consumer computes it), gloo at
+    ``kv_ip:kv_port`` carrying only block numbers, keys and acknowledgements.
     ``KVTierConnector``: the producer writes through to the disk or Redis tier both instances are
     configured with; the consumer loads by hash from there.
     ``kv_connector_extra_config``: ``transfer_timeout_s`` (how long a request waits for its KV
@@ -35,7 +36,7 @@ class KVTransferConfig:
     kv_parallel_size: int = 2
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
-    kv_buffer_size: float = 1e9  # bytes of KV in flight or waiting to load (CudaIpcConnector: its buffer)
+    kv_buffer_size: float = 1e9  # bytes of KV in flight or waiting to load (CudaIpcConnector: held by the producer)
     kv_connector_extra_config: dict = field(default_factory=dict, hash=False)
     kv_load_failure_policy: str = "recompute"  # KV that does not arrive: the consumer computes it
 

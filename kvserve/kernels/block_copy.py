@@ -32,17 +32,19 @@ def _rows(pool: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32) if flat.shape[-1] % 4 == 0 else flat
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block: int = 1024,
+                num_warps: int = 8) -> None:
     """``pairs``: int64 ``[n, 2]`` of (source block, destination block), on the pools' device.
-    The pools may differ in their number of blocks, not in anything else."""
+    The pools may differ in their number of blocks, not in anything else. ``block``: words a
+    program copies at most (a power of two)."""
     assert src.dtype == dst.dtype and src.shape[:2] == dst.shape[:2] and src.shape[3:] == dst.shape[3:]
     s, d = _rows(src), _rows(dst)
     n, (rows, _, e) = pairs.shape[0], s.shape
     if n == 0:
         return
-    block = min(4096, triton.next_power_of_2(e))
+    block = min(block, triton.next_power_of_2(e))
     _copy_blocks_kernel[(n, rows, triton.cdiv(e, block))](s, d, pairs.contiguous(), s.shape[1], d.shape[1], e,
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, num_warps=num_warps)
 
 
 def copy_blocks_ref(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
