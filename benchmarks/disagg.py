@@ -33,8 +33,8 @@ processes on one GPU take turns on it (time slices) unless CUDA MPS runs them si
 
 One H200 (141 GB), Llama-3-8B shape (bf16: 15 GiB of weights per engine, 128 KiB of KV a token,
 1 GiB per 8k prompt): 24 GiB of KV cache per engine holds 196k tokens (the decode engine needs
-about 100k: 32 x 1,024 plus 8 x 8,208); the 4 GiB shared buffer (and as much pinned host staging
-memory) holds four 8k prompts in flight; in all about 90 GB of the GPU. With the transfer
+about 100k: 32 x 1,024 plus 8 x 8,208); ``--kv-buffer-size`` 4 GiB lets the prefill engine hold
+four 8k prompts for the decode engine (in its own cache); in all about 80 GB of the GPU. With the transfer
 bandwidth (benchmarks/kv_transfer_bandwidth.py), in one command:
 
     PYTHONPATH=$PWD timeout 150 python benchmarks/kv_transfer_bandwidth.py --device cuda --out $OUT; \

@@ -259,6 +259,31 @@ def test_a_full_pool_lands_a_prefix_and_cached_keys_are_not_copied():
     pool.check_invariants()
 
 
+def test_cached_blocks_a_landing_evicts_are_spilled_before_being_overwritten():
+    """With KV tiers the pool records its evictions for the runner to copy out at the next step;
+    a landing overwrites the blocks it takes at once, so it must hand them to the tiers first, and
+    not leave them for the step (which would store the landed bytes under the evicted keys)."""
+    producer, consumer, remote = connect(12 * BLOCK_BYTES, local_blocks=4)
+    pool = BlockPool(4)
+    pool.record_evictions = True
+    old = keys_of(9, 4)
+    for b, k in zip(pool.allocate(4), old):  # four cached blocks of earlier requests, free
+        consumer.pool[:, :, b] = 1000 + b
+        pool.cache_block(b, k)
+        pool.free([b])
+    spilled = []
+    assert producer.send("a", keys_of(0, 2), [3, 7])
+    wait_for(lambda: consumer.inbox)
+    consumer.land(pool, lambda ev: spilled.extend((b, k, consumer.pool[:, :, b].clone()) for b, k in ev))
+    assert [k for _, k, _ in spilled] == old[:2]  # the two least recently freed
+    for b, _, kv in spilled:  # what the tiers got: the old bytes, not the landed ones
+        assert torch.equal(kv, torch.full_like(kv, 1000 + b))
+        assert not torch.equal(consumer.pool[:, :, b], kv)  # (overwritten after the spill)
+    assert pool.evicted == []  # nothing left for the step to copy out of overwritten blocks
+    assert torch.equal(consumer.pool[:, :, pool.lookup(keys_of(0, 2)[1])], remote[:, :, 7])
+    pool.check_invariants()
+
+
 def test_a_malformed_transfer_ends_the_connection_not_the_engine():
     producer, consumer, _ = connect(12 * BLOCK_BYTES)
     producer.channel.send_message({"id": "x", "keys": [keys_of(0, 1)[0].hex()], "blocks": [12]}, tag=DATA)

@@ -112,10 +112,19 @@ class KVTransfer:
         release what the consumer copied."""
         pool = self.engine.kv.pool
         if isinstance(self.consumer, IpcConsumer):
-            self.consumer.land(pool)
+            self.consumer.land(pool, self._spill)
         elif isinstance(self.producer, IpcProducer):
             for ids in self.producer.take_released():
                 pool.free(ids[::-1])
+
+    def _spill(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Cached blocks a landing is about to overwrite: to the tiers now, as the runner copies
+        the step's evictions."""
+        tiers = self.engine.tiers
+        todo = tiers.to_offload(evicted) if tiers is not None else []
+        if todo:
+            tiers.offload(self.engine.runner.kv_cache.data, todo)
+            tiers.stats.offloaded_blocks += len(todo)
 
     def held(self) -> list[int]:
         """Blocks the producer holds for the consumer (one reference each)."""

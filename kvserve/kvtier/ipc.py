@@ -224,9 +224,12 @@ class IpcConsumer(Consumer):
                 return
             self.inbox.append((tid, keys, blocks))
 
-    def land(self, pool) -> None:
+    def land(self, pool, spill=None) -> None:
         """Engine thread: copy what arrived into this engine's pool (``pool``: its BlockPool) and
-        acknowledge the copies that finished."""
+        acknowledge the copies that finished. ``spill(evicted)``: called with the (block, key)
+        pairs whose cached KV the allocation evicted, before they are overwritten (the tiers copy
+        them out then: recorded for the next step, they would be copied after the landing wrote
+        over them, a wrong block under its key)."""
         while self.inbox:
             tid, keys, src = self.inbox.popleft()
             if self.dead:  # (the producer's memory may be gone: nothing is read from it any more)
@@ -234,7 +237,13 @@ class IpcConsumer(Consumer):
                 break
             todo = [(k, s) for k, s in zip(keys, src) if pool.lookup(k) is None]
             n = min(len(todo), pool.num_free_blocks)
+            mark = len(pool.evicted)
             dst = pool.allocate(n)
+            if len(pool.evicted) > mark:
+                evicted = pool.evicted[mark:]
+                del pool.evicted[mark:]
+                if spill is not None:
+                    spill(evicted)
             copy_blocks(self.remote, self.pool, [(s, d) for (_, s), d in zip(todo, dst)])
             for (k, _), d in zip(todo, dst):
                 pool.cache_block(d, k)

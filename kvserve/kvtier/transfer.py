@@ -16,8 +16,9 @@ and a block is stored only once all of its transfer's bytes arrived.
 
 Invariants: one sender thread and one receiver thread, so messages arrive in the order sent;
 after a failed send or receive the channel is dead for good (requests stop waiting at once).
-``CudaIpcConnector`` (kvserve/kvtier/ipc.py) subclasses the producer and the consumer: the same
-channel carries its control messages, the bytes pass through memory both processes map.
+``CudaIpcConnector`` (kvserve/kvtier/ipc.py) subclasses the consumer and uses the same channel
+for its control messages; the bytes never cross it: the consumer copies them out of the
+producer's KV pool, which it maps.
 """
 from __future__ import annotations
 
