@@ -81,6 +81,27 @@ SLOW_TESTS = (
     "kvtier/test_write_through.py::test_a_process_that_just_ends_leaves_its_prefixes[dies-after-writes]",
     "kvtier/test_write_through.py::test_full_write_queue_drops_without_blocking_and_shutdown_writes_the_rest"
     "[no-cpu-tier]",
+    # (CudaIpcConnector's hand-over and its unit tests stay; its engine-level failure cases and
+    # long prompts are here)
+    "test_disagg_ipc.py::test_ipc_prompts_beyond_kv_buffer_size_pass_one_after_another",
+    "test_disagg_ipc.py::test_ipc_producer_killed_means_local_prefill",
+    "test_disagg_ipc.py::test_ipc_transfer_timeout_means_local_prefill",
+    "test_disagg_ipc.py::test_ipc_mismatched_kv_cache_dtype_is_refused",
+    "test_tensor_parallel.py::test_compressed_kv_per_rank",
+    "test_tensor_parallel.py::test_fewer_kv_heads_than_ranks_then_a_killed_worker",
+    "server/test_shutdown.py::test_requests_open_past_the_shutdown_timeout_end_in_openai_shape",
+    "server/test_sleep_server.py::test_idle_sleep_then_a_request_wakes_it",
+    "test_kv_cache_dtype.py::test_kivi_forks_and_preemption_keep_residual_rows",
+    "test_kv_cache_dtype.py::test_bad_kv_options_name_the_option[kw1-kv_group_size-words1]",
+    "test_graph_capture.py::test_engine_captures_each_size_once_after_its_first_step[lazy-True]",
+    "test_graph_capture.py::test_engine_captures_each_size_once_after_its_first_step[background-False]",
+    "test_graph_capture.py::test_engine_captures_each_size_once_after_its_first_step[background-True]",
+    "test_structured_async.py::test_async_gives_the_synchronous_tokens[preempting]",
+    "test_decode_rows.py::test_speculative_greedy_identical_through_rows[mixed-batches]",
+    "test_decode_rows.py::test_speculative_greedy_identical_through_rows[preemption]",
+    "kvtier/test_tier_security.py::test_generated_secret_is_private_outside_the_tier_and_shared_by_the_host",
+    "kvtier/test_tier_security.py::test_another_secret_cannot_read_the_chunks",
+    "kvtier/test_tier_security.py::test_encrypted_chunks_load_after_a_restart",
     # the largest kernel cases in the interpreter
     "kernels/test_decode_attention.py::test_decode_fused_rope_kv_write",
     "kernels/test_decode_attention.py::test_decode_fused_rope_rounding_not_contracted",
@@ -88,6 +109,12 @@ SLOW_TESTS = (
     "kernels/test_decode_attention.py::test_split_merge_counters_reset",
     "kernels/test_prefill_attention.py::test_prefill_page_against_tile",
     "kernels/test_kivi_decode.py::test_kivi4_decode_compiles_for_sm90_without_shared_memory",
+    "kernels/test_gemv.py::test_one_row_prefetch_depth",
+    "kernels/test_kv_quant.py::test_prefill_attention_compressed[64-fp8-static]",
+    "kernels/test_kv_quant.py::test_prefill_attention_compressed[64-int8-static]",
+    "kernels/test_streaming_attention.py::test_prefill_streaming_matches_kept_keys[16-16-8]",
+    "kernels/test_streaming_attention.py::test_prefill_streaming_matches_kept_keys[16-16-4]",
+    "kernels/test_window_attention.py::test_prefill_window_matches_reference[16-16-40]",
 )
 
 
@@ -134,12 +161,15 @@ def pytest_collection_modifyitems(config, items):
         if entry is not None:
             item.add_marker("slow")
             used.add(entry)
-    # Files holding the most slow tests first. scripts/test.sh hands whole files to xdist's
-    # workers in this order (--dist loadfile --no-loadscope-reorder), so the longest files start
-    # first and the short ones fill in beside them, instead of one long file running alone at the
-    # end while the other workers idle. Stable: a file's tests keep their order.
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])
+    # The longest files first. scripts/test.sh hands whole files to xdist's workers in this order
+    # (--dist loadfile --no-loadscope-reorder), so the short ones fill in beside the long ones,
+    # instead of one long file running alone at the end while the other workers idle. The whole
+    # suite: the files holding the most slow tests; the fast loop (-m "not slow"): those holding
+    # the most other tests (the kernels' many small cases add up). Stable: a file's tests keep
+    # their order.
+    fast_loop = "not slow" in (config.option.markexpr or "")
+    weight = Counter(item.path for item in items if bool(item.get_closest_marker("slow")) != fast_loop)
+    items.sort(key=lambda item: -weight[item.path])
     # A listed test that was renamed would quietly join the fast loop: say so whenever its whole
     # file was collected.
     if not any("::" in a for a in config.args):

@@ -1,6 +1,7 @@
 """CudaIpcConnector (kvserve/kvtier/ipc.py): a prefill instance in another process of this host
-hands its prompts' KV over through a buffer both processes map (CUDA IPC on a GPU, a host file
-on the CPU; the slots, acknowledgements and flow control are the same code). As for the gloo
+hands its prompts' KV over by letting the decode instance copy the blocks out of its own KV pool,
+which both processes map (CUDA IPC on a GPU, a host file on the CPU; the holds,
+acknowledgements and landings are the same code). As for the gloo
 transport (tests/test_disagg.py): the decode side's greedy output equals one engine's with the
 prompt's full blocks counted as cached, no block leaks on either side, and a transfer that fails
 costs only the recomputation. The CUDA cases run two processes on one GPU and skip without CUDA:
@@ -10,8 +11,10 @@ costs only the recomputation. The CUDA cases run two processes on one GPU and sk
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +26,7 @@ from kvserve.config import KVTransferConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.errors import ConfigError
 from kvserve.kvtier import TieredStore
-from kvserve.kvtier.ipc import DATA, IpcConsumer, IpcProducer, shared_zeros
+from kvserve.kvtier.ipc import ACK, DATA, IpcConsumer, IpcProducer, shared_zeros
 from kvserve.kvtier.ipc_buffer import PREFIX, SharedBuffer
 from kvserve.kvtier.transfer import Channel
 from tests.server.server_proc import free_port
@@ -31,8 +34,9 @@ from tests.test_disagg import TINY, TINY_PROMPTS, Producer, decode, full_blocks,
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC: needs CUDA")
 _rng = random.Random(11)
-# Four prompts of 43 full blocks (344 KiB of KV each): more than a 1 MiB buffer holds, so the
-# fourth one's slot wraps round to the start.
+# Four prompts of 43 full blocks (344 KiB of KV each): more than a kv_buffer_size of 1 MiB lets
+# the producer hold at once (three would be 1,032 KiB), so they pass only if it releases each
+# prompt's blocks once the consumer copied them.
 LONG_PROMPTS = [{"prompt_token_ids": [_rng.randrange(1, 512) for _ in range(700)]} for _ in range(4)]
 MIB = 2**20
 
@@ -98,7 +102,7 @@ def test_ipc_prefill_then_decode_matches_one_engine(tiny_reference):
     check_hand_over(TINY, TINY_PROMPTS, tiny_reference)
 
 
-def test_ipc_buffer_smaller_than_the_prompts_in_flight():
+def test_ipc_prompts_beyond_kv_buffer_size_pass_one_after_another():
     check_hand_over(TINY, LONG_PROMPTS, reference(TINY, LONG_PROMPTS))
 
 
@@ -156,9 +160,9 @@ SHAPE = (2, 3, 12, 4)  # a float32 pool [layers, K/V, 12 blocks, 4 values]: a bl
 BLOCK_BYTES = 2 * 3 * 4 * 4
 
 
-def connecting(buffer_bytes: int, local_blocks: int = 10) -> tuple[list, torch.Tensor]:
-    """Both ends connecting, each in a thread: the futures of the producer and the consumer, and
-    the producer's pool (random values)."""
+def connecting(buffer_bytes: int, local_blocks: int = 10) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Both ends connecting, each in a thread: the futures of the producer and the consumer, the
+    producer's pool (random values) and the consumer's."""
     port, store = free_port(), TieredStore(SHAPE[:2] + SHAPE[3:], torch.float32, torch.device("cpu"))
     remote, shared = shared_zeros(SHAPE, torch.float32, torch.device("cpu"))
     remote.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(5)))
@@ -171,12 +175,12 @@ def connecting(buffer_bytes: int, local_blocks: int = 10) -> tuple[list, torch.T
         return IpcConsumer(ch, store, 30.0, local)
 
     with ThreadPoolExecutor(2) as ex:
-        return [ex.submit(side, role) for role in ("kv_producer", "kv_consumer")], remote
+        return [ex.submit(side, role) for role in ("kv_producer", "kv_consumer")], remote, local
 
 
-def connect(buffer_bytes: int, local_blocks: int = 10) -> tuple[IpcProducer, IpcConsumer, torch.Tensor]:
-    (producer, consumer), remote = connecting(buffer_bytes, local_blocks)
-    return producer.result(), consumer.result(), remote
+def connect(buffer_bytes: int, local_blocks: int = 10) -> tuple[IpcProducer, IpcConsumer, torch.Tensor, torch.Tensor]:
+    (producer, consumer), remote, local = connecting(buffer_bytes, local_blocks)
+    return producer.result(), consumer.result(), remote, local
 
 
 def keys_of(i: int, n: int) -> list[bytes]:
@@ -190,16 +194,16 @@ def wait_for(cond, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def land_until(consumer: IpcConsumer, pool: BlockPool, tids: list[str]) -> None:
+def land_until(consumer: IpcConsumer, pool: BlockPool, local: torch.Tensor, tids: list[str]) -> None:
     """The consumer engine's step loop, reduced to its landing."""
     def landed():
-        consumer.land(pool)
+        consumer.land(pool, local)
         return all(t in consumer.done for t in tids)
     wait_for(landed)
 
 
 def test_a_buffer_smaller_than_a_block_is_refused_on_both_sides():
-    (producer, consumer), _ = connecting(BLOCK_BYTES - 1)
+    (producer, consumer), _, _ = connecting(BLOCK_BYTES - 1)
     with pytest.raises(ConfigError, match="kv_buffer_size.*cannot hold one KV block"):
         producer.result()
     with pytest.raises(ConfigError, match="kv_buffer_size.*could not share"):  # (not left waiting)
@@ -207,20 +211,20 @@ def test_a_buffer_smaller_than_a_block_is_refused_on_both_sides():
 
 
 def test_held_blocks_land_byte_exact_and_are_released():
-    producer, consumer, remote = connect(12 * BLOCK_BYTES)
+    producer, consumer, remote, local = connect(12 * BLOCK_BYTES)
     # The file's name is gone once both processes mapped it: nothing is left if they die.
     assert consumer.buffer.handle["path"] and not os.path.exists(consumer.buffer.handle["path"])
     pool = BlockPool(10)
     sent = {"a": (keys_of(0, 3), [7, 2, 9]), "b": (keys_of(1, 2), [0, 1]), "c": (keys_of(2, 1), [11])}
     for tid, (keys, ids) in sent.items():
         assert producer.send(tid, keys, ids)
-    land_until(consumer, pool, list(sent))
+    land_until(consumer, pool, local, list(sent))
     for tid, (keys, ids) in sent.items():
         assert consumer.done[tid] == len(keys)
         for k, src in zip(keys, ids):
             dst = pool.lookup(k)  # registered in the prefix cache, free until a request revives it
             assert dst is not None and pool.blocks[dst].ref_cnt == 0
-            assert torch.equal(consumer.pool[:, :, dst], remote[:, :, src])
+            assert torch.equal(local[:, :, dst], remote[:, :, src])
     pool.check_invariants()
     assert pool.num_free_blocks == 10
     wait_for(lambda: not producer.held)  # every transfer acknowledged
@@ -229,33 +233,33 @@ def test_held_blocks_land_byte_exact_and_are_released():
 
 
 def test_holds_beyond_kv_buffer_size_are_not_sent():
-    producer, consumer, _ = connect(3 * BLOCK_BYTES)
+    producer, consumer, _, local = connect(3 * BLOCK_BYTES)
     pool = BlockPool(10)
     assert producer.send("a", keys_of(0, 2), [0, 1])
     assert not producer.send("b", keys_of(1, 2), [2, 3]) and producer.dropped == 1  # 4 > 3 blocks held
     assert producer.send("c", keys_of(2, 1), [4])
     assert sorted(producer.held_blocks) == [0, 1, 4]
-    land_until(consumer, pool, ["a", "c"])
+    land_until(consumer, pool, local, ["a", "c"])
     wait_for(lambda: not producer.held)
     assert sorted(b for ids in producer.take_released() for b in ids) == [0, 1, 4]
     assert producer.send("d", keys_of(3, 3), [5, 6, 7])  # room again
 
 
 def test_a_full_pool_lands_a_prefix_and_cached_keys_are_not_copied():
-    producer, consumer, remote = connect(12 * BLOCK_BYTES, local_blocks=4)
+    producer, consumer, remote, local = connect(12 * BLOCK_BYTES, local_blocks=4)
     pool = BlockPool(4)
     busy = pool.allocate(2)  # two blocks in use by running requests: never taken
     keys = keys_of(0, 4)
     assert producer.send("a", keys, [3, 4, 5, 6])
-    land_until(consumer, pool, ["a"])
+    land_until(consumer, pool, local, ["a"])
     assert consumer.done["a"] == 2 and consumer.partial_transfers == 1  # the rest is computed
     assert [pool.lookup(k) is not None for k in keys] == [True, True, False, False]
     assert all(pool.blocks[b].ref_cnt == 1 and pool.blocks[b].block_hash is None for b in busy)
-    before = consumer.pool.clone()
+    before = local.clone()
     assert producer.send("b", keys[:2], [8, 9])  # the same keys from other blocks: already here
-    land_until(consumer, pool, ["b"])
-    assert consumer.done["b"] == 2 and torch.equal(consumer.pool, before)
-    assert torch.equal(consumer.pool[:, :, pool.lookup(keys[0])], remote[:, :, 3])
+    land_until(consumer, pool, local, ["b"])
+    assert consumer.done["b"] == 2 and torch.equal(local, before)
+    assert torch.equal(local[:, :, pool.lookup(keys[0])], remote[:, :, 3])
     pool.check_invariants()
 
 
@@ -263,33 +267,118 @@ def test_cached_blocks_a_landing_evicts_are_spilled_before_being_overwritten():
     """With KV tiers the pool records its evictions for the runner to copy out at the next step;
     a landing overwrites the blocks it takes at once, so it must hand them to the tiers first, and
     not leave them for the step (which would store the landed bytes under the evicted keys)."""
-    producer, consumer, remote = connect(12 * BLOCK_BYTES, local_blocks=4)
+    producer, consumer, remote, local = connect(12 * BLOCK_BYTES, local_blocks=4)
     pool = BlockPool(4)
     pool.record_evictions = True
     old = keys_of(9, 4)
     for b, k in zip(pool.allocate(4), old):  # four cached blocks of earlier requests, free
-        consumer.pool[:, :, b] = 1000 + b
+        local[:, :, b] = 1000 + b
         pool.cache_block(b, k)
         pool.free([b])
     spilled = []
     assert producer.send("a", keys_of(0, 2), [3, 7])
     wait_for(lambda: consumer.inbox)
-    consumer.land(pool, lambda ev: spilled.extend((b, k, consumer.pool[:, :, b].clone()) for b, k in ev))
+    consumer.land(pool, local, lambda ev: spilled.extend((b, k, local[:, :, b].clone()) for b, k in ev))
     assert [k for _, k, _ in spilled] == old[:2]  # the two least recently freed
     for b, _, kv in spilled:  # what the tiers got: the old bytes, not the landed ones
         assert torch.equal(kv, torch.full_like(kv, 1000 + b))
-        assert not torch.equal(consumer.pool[:, :, b], kv)  # (overwritten after the spill)
+        assert not torch.equal(local[:, :, b], kv)  # (overwritten after the spill)
     assert pool.evicted == []  # nothing left for the step to copy out of overwritten blocks
-    assert torch.equal(consumer.pool[:, :, pool.lookup(keys_of(0, 2)[1])], remote[:, :, 7])
+    assert torch.equal(local[:, :, pool.lookup(keys_of(0, 2)[1])], remote[:, :, 7])
     pool.check_invariants()
 
 
+def test_an_acknowledgement_never_waits_in_the_engine_thread():
+    """A producer that does not take its acknowledgements (paused, or its ack thread gone) must
+    not stall the consumer's steps: the ack waits in the ack thread, landing goes on."""
+    producer, consumer, remote, local = connect(12 * BLOCK_BYTES)
+    gate, send = threading.Event(), consumer.channel.send_message
+    consumer.channel.send_message = lambda *a, **kw: (gate.wait(), send(*a, **kw))[1]
+    pool = BlockPool(10)
+    assert producer.send("a", keys_of(0, 2), [0, 1]) and producer.send("b", keys_of(1, 2), [2, 3])
+    t0 = time.monotonic()
+    land_until(consumer, pool, local, ["a", "b"])
+    consumer.land(pool, local)
+    assert time.monotonic() - t0 < 10 and producer.held.keys() == {"a", "b"}  # landed, acks held up
+    gate.set()
+    wait_for(lambda: not producer.held)
+    assert sorted(b for ids in producer.take_released() for b in ids) == [0, 1, 2, 3]
+
+
+def test_a_failed_landing_leaks_nothing_and_is_acknowledged(caplog):
+    producer, consumer, _, local = connect(12 * BLOCK_BYTES, local_blocks=4)
+    pool = BlockPool(4)
+    pool.record_evictions = True
+    for b, k in zip(pool.allocate(4), keys_of(9, 4)):  # cached blocks, so the landing evicts
+        pool.cache_block(b, k)
+        pool.free([b])
+
+    def spill(evicted):
+        raise OSError("the disk tier is full")
+    assert producer.send("a", keys_of(0, 2), [3, 7])
+    wait_for(lambda: consumer.inbox)
+    with caplog.at_level(logging.ERROR, logger="kvserve.kvtier.ipc"):
+        consumer.land(pool, local, spill)
+    assert "could not be landed" in caplog.text
+    assert consumer.done["a"] == 0 and consumer.failed_transfers == 1  # its request computes its prompt
+    assert pool.num_free_blocks == 4 and all(pool.lookup(k) is None for k in keys_of(0, 2))
+    pool.check_invariants()
+    wait_for(lambda: not producer.held)  # the hold is released all the same
+    assert producer.take_released() == [[3, 7]]
+
+
+def test_a_landing_keeps_the_cached_blocks_it_skips():
+    """Of a transfer's keys, those cached here already are not copied; the allocation for the
+    others must not evict them (they are the oldest cached blocks here)."""
+    producer, consumer, remote, local = connect(12 * BLOCK_BYTES, local_blocks=4)
+    pool = BlockPool(4)
+    keys = keys_of(0, 4)
+    for b, k in zip(pool.allocate(2), keys[:2]):
+        pool.cache_block(b, k)
+        pool.free([b])
+    assert producer.send("a", keys, [3, 4, 5, 6])
+    land_until(consumer, pool, local, ["a"])
+    assert [pool.lookup(k) is not None for k in keys] == [True, True, True, True]
+    assert consumer.done["a"] == 4 and consumer.partial_transfers == 0
+    assert torch.equal(local[:, :, pool.lookup(keys[3])], remote[:, :, 6])
+    pool.check_invariants()
+
+
+def test_asleep_transfers_wait_and_land_in_the_pool_of_the_wake():
+    """Asleep the engine has no KV tensor: transfers wait; after the wake they land in the new
+    one (never in the tensor of before the sleep)."""
+    producer, consumer, remote, local = connect(12 * BLOCK_BYTES)
+    pool = BlockPool(10)
+    assert producer.send("a", keys_of(0, 2), [4, 5])
+    wait_for(lambda: consumer.inbox)
+    consumer.land(pool, None)
+    assert "a" not in consumer.done and len(consumer.inbox) == 1
+    woken = torch.zeros_like(local)
+    land_until(consumer, pool, woken, ["a"])
+    assert torch.equal(woken[:, :, pool.lookup(keys_of(0, 2)[1])], remote[:, :, 5])
+    assert not local.any()
+
+
+def test_an_unknown_acknowledgement_keeps_the_holds(caplog):
+    """A consumer that breaks the protocol may still be copying: the producer stops sending but
+    releases nothing it holds (a bounded loss, where releasing could hand reused blocks over)."""
+    producer, consumer, _, _ = connect(12 * BLOCK_BYTES)
+    assert producer.send("a", keys_of(0, 2), [0, 1])
+    wait_for(lambda: consumer.inbox)
+    with caplog.at_level(logging.ERROR, logger="kvserve.kvtier.ipc"):
+        consumer.channel.send_message({"ack": "never-sent"}, tag=ACK)
+        wait_for(lambda: producer.dead)
+    assert "unknown transfer" in caplog.text and "stay held" in caplog.text
+    assert producer.held == {"a": [0, 1]} and producer.take_released() == []
+    assert not producer.send("b", keys_of(1, 1), [2])
+
+
 def test_a_malformed_transfer_ends_the_connection_not_the_engine():
-    producer, consumer, _ = connect(12 * BLOCK_BYTES)
+    producer, consumer, _, local = connect(12 * BLOCK_BYTES)
     producer.channel.send_message({"id": "x", "keys": [keys_of(0, 1)[0].hex()], "blocks": [12]}, tag=DATA)
     wait_for(lambda: consumer.dead)
     pool = BlockPool(10)
-    consumer.land(pool)  # nothing lands, nothing breaks
+    consumer.land(pool, local)  # nothing lands, nothing breaks
     assert pool.num_cached_blocks == 0 and "x" not in consumer.done
 
 
@@ -338,7 +427,7 @@ CUDA_TINY = {**TINY, "device": "cuda"}
 
 @needs_cuda
 def test_cuda_ipc_one_gpu_matches_one_engine():
-    prompts = TINY_PROMPTS + LONG_PROMPTS  # more than the 1 MiB buffer holds at once
+    prompts = TINY_PROMPTS + LONG_PROMPTS  # more than a 1 MiB kv_buffer_size holds at once
     check_hand_over(CUDA_TINY, prompts, reference(CUDA_TINY, prompts, warm=True))
 
 

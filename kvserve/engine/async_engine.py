@@ -202,13 +202,10 @@ class AsyncEngine:
                 self._sleep_if_idle()
                 if self._capture_if_idle():  # more may follow: look at the queue without waiting
                     block = False
-            if not self._drain(block):
-                if block:  # idle: sessions may have gone quiet long enough to leave the GPU
-                    try:
-                        eng.housekeeping()
-                        eng.offload_idle_sessions()
-                    except Exception:  # noqa: BLE001 - housekeeping must not kill the engine
-                        log.exception("idle housekeeping failed")
+            drained = self._drain(block)
+            if block:  # idle: every pass (commands such as a dashboard's polls may keep coming)
+                self._idle_housekeeping(sessions=not drained)
+            if not drained:
                 continue
             if eng.has_unfinished_requests():  # commands alone (/is_sleeping polls) are not activity
                 self._last_busy = self._clock()
@@ -227,6 +224,17 @@ class AsyncEngine:
         for rid in list(eng.scheduler.groups):
             eng.abort_request(rid)
         self._take_snapshot()
+
+    def _idle_housekeeping(self, sessions: bool) -> None:
+        """Expired pins, the KV hand-over's landings and releases; with ``sessions`` (no command
+        for a while) the sessions gone quiet long enough to leave the GPU."""
+        eng = self.engine
+        try:
+            eng.housekeeping()
+            if sessions:
+                eng.offload_idle_sessions()
+        except Exception:  # noqa: BLE001 - housekeeping must not kill the engine
+            log.exception("idle housekeeping failed")
 
     def _sleep_if_idle(self) -> None:
         eng = self.engine

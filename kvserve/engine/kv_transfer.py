@@ -112,7 +112,8 @@ class KVTransfer:
         release what the consumer copied."""
         pool = self.engine.kv.pool
         if isinstance(self.consumer, IpcConsumer):
-            self.consumer.land(pool, self._spill)
+            cache = self.engine.runner.kv_cache  # (None asleep; a wake allocates a new one)
+            self.consumer.land(pool, None if cache is None else cache.data, self._spill)
         elif isinstance(self.producer, IpcProducer):
             for ids in self.producer.take_released():
                 pool.free(ids[::-1])

@@ -13,17 +13,20 @@ its own: one device-to-device copy per byte, no buffer in between, no trip throu
               queues the transfer's blocks for release, which the engine thread does at its next
               step (``take_released``)
     consumer  receiver thread: checks each message and queues it; engine thread (``land``, at
-              each step and when idle): for the keys not cached here it allocates blocks,
-              copies producer -> consumer (kvserve/kernels/block_copy.py on a GPU), registers
-              them in the prefix cache under their keys (free and cached: the request's prefix
-              lookup revives them), and acknowledges once the copy is complete
+              each step and when idle, not while asleep): for the keys not cached here it
+              allocates blocks, copies producer -> consumer (kvserve/kernels/block_copy.py on a
+              GPU), registers them in the prefix cache under their keys (free and cached: the
+              request's prefix lookup revives them); ack thread: the acknowledgement of each
+              transfer whose copy is complete (network I/O never waits in the engine thread)
 
-Invariants: a held block is referenced by the producer's pool until its acknowledgement (or the
-consumer's end) releases it, so the consumer never reads a block the producer reuses; the
-consumer acknowledges only after its copy finished. Landing takes free blocks of the consumer's
-pool and gives them back as cached ones, so it never takes room from a running request; when the
-pool has fewer free blocks than a transfer, the first ones land (keys are chained: a prefix of
-them is still a prefix hit) and the rest is computed.
+Invariants: a held block is referenced by the producer's pool until its acknowledgement, or the
+end of the consumer's process, releases it, so the consumer never reads a block the producer
+reuses (a consumer that breaks the protocol but may still be copying leaves its blocks held for
+good); the consumer acknowledges only after its copy finished. Landing takes free blocks of the
+consumer's pool and gives them back as cached ones, so it never takes room from a running
+request, and it holds the transfer's blocks that were cached here already while it allocates;
+when the pool has fewer free blocks than a transfer, the first ones land (keys are chained: a
+prefix of them is still a prefix hit) and the rest is computed.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import torch
 
 from kvserve.errors import ConfigError
 from kvserve.kvtier.ipc_buffer import SharedBuffer
-from kvserve.kvtier.transfer import Channel, Consumer
+from kvserve.kvtier.transfer import Channel, Consumer, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class IpcProducer:
 
     def __init__(self, channel: Channel, pool: SharedBuffer, shape: tuple[int, ...], dtype: torch.dtype,
                  block_bytes: int, buffer_bytes: float):
-        self.channel, self.block_bytes, self.cuda = channel, block_bytes, pool.tensor.is_cuda
+        self.channel, self.block_bytes, self.device = channel, block_bytes, pool.tensor.device
         self.max_blocks = int(buffer_bytes) // block_bytes
         try:
             if self.max_blocks < 1:
@@ -123,9 +126,9 @@ class IpcProducer:
                 return False
             self.held[tid] = blocks
         ready = None  # the sender waits until the device finished writing them
-        if self.cuda:
+        if self.device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))
         self._queue.put((tid, keys, blocks, ready))
         return True
 
@@ -153,20 +156,30 @@ class IpcProducer:
             try:
                 meta, _ = self.channel.recv_message(0, tag=ACK)
                 with self._lock:
-                    ids = self.held.pop(str(meta["ack"]))  # (a KeyError: the consumer broke the protocol)
-                    self.released.append(ids)
-            except Exception as e:  # the consumer is gone (or broke the protocol)
+                    ids = self.held.pop(str(meta.get("ack")), None)
+                    if ids is not None:
+                        self.released.append(ids)
+                if ids is None:
+                    raise ProtocolError(f"acknowledgement of an unknown transfer {str(meta.get('ack'))[:40]!r}")
+            except ProtocolError as e:  # the consumer is there, maybe still copying: keep the holds
+                self._end(f"KV transfer to the consumer ended ({e}); prompts are no longer sent, and the "
+                          f"blocks it may still read stay held", release=False)
+                return
+            except Exception as e:  # the channel failed: the consumer's process is gone
                 self._end(f"KV transfer to the consumer ended; prompts are no longer sent: {e!r}")
                 return
 
-    def _end(self, why: str) -> None:
-        """No acknowledgement will come: every held block is released."""
+    def _end(self, why: str, release: bool = True) -> None:
+        """No acknowledgement will come. ``release``: the consumer can no longer read the held
+        blocks (its process is gone), so they are released; else they stay held for good (a
+        bounded loss of pool space, where releasing could hand the consumer reused blocks)."""
         with self._lock:
             if not self.dead:
                 log.error("%s", why)
             self.dead = True
-            self.released.extend(self.held.values())
-            self.held.clear()
+            if release:
+                self.released.extend(self.held.values())
+                self.held.clear()
 
 
 class IpcConsumer(Consumer):
@@ -202,18 +215,20 @@ class IpcConsumer(Consumer):
                               f"two processes of one host, as one user): {e}"[:500]) from None
         channel.send_message({"attached": True})
         self.buffer: SharedBuffer | None = buffer
-        self.remote, self.pool = remote, pool
+        self.remote: torch.Tensor | None = remote
         self.inbox: deque[tuple[str, list[bytes], list[int]]] = deque()
         self.unacked: deque[tuple[object, str]] = deque()  # (copy finished event, transfer id)
         self.partial_transfers = 0
+        self._acks_out: queue.SimpleQueue = queue.SimpleQueue()
         super().__init__(channel, store, timeout_s, clock)
+        threading.Thread(target=self._ack_sender, daemon=True, name="kv-transfer-acks").start()
 
     def _receiver(self) -> None:
         n = self.remote.shape[2]
         while True:
             try:
                 meta, _ = self.channel.recv_message(0, tag=DATA)
-                tid, keys, blocks = str(meta["id"]), [bytes.fromhex(k) for k in meta["keys"]], meta["blocks"]
+                tid, keys, blocks = str(meta["id"])[:200], [bytes.fromhex(k) for k in meta["keys"]], meta["blocks"]
                 if (not isinstance(blocks, list) or len(blocks) != len(keys)
                         or not all(type(b) is int and 0 <= b < n for b in blocks)):
                     raise RuntimeError(f"transfer {tid!r:.40}: {len(keys)} keys, blocks {str(blocks)[:100]}")
@@ -224,48 +239,74 @@ class IpcConsumer(Consumer):
                 return
             self.inbox.append((tid, keys, blocks))
 
-    def land(self, pool, spill=None) -> None:
-        """Engine thread: copy what arrived into this engine's pool (``pool``: its BlockPool) and
-        acknowledge the copies that finished. ``spill(evicted)``: called with the (block, key)
-        pairs whose cached KV the allocation evicted, before they are overwritten (the tiers copy
-        them out then: recorded for the next step, they would be copied after the landing wrote
-        over them, a wrong block under its key)."""
-        while self.inbox:
-            tid, keys, src = self.inbox.popleft()
-            if self.dead:  # (the producer's memory may be gone: nothing is read from it any more)
+    def _ack_sender(self) -> None:
+        """Acknowledgements leave from here, never from the engine thread: a send waits for the
+        producer to take it, and a paused producer must not stall the steps."""
+        while True:
+            tid = self._acks_out.get()
+            try:
+                self.channel.send_message({"ack": tid}, tag=ACK)
+            except Exception as e:  # noqa: BLE001 - the producer is gone; its requests compute here
+                if not self.dead:
+                    log.warning("KV transfer acknowledgement failed; prompts are computed here: %s", e)
+                self.dead = True
+                return
+
+    def land(self, pool, data: torch.Tensor | None, spill=None) -> None:
+        """Engine thread: copy what arrived into this engine's pool (``pool``: its BlockPool,
+        ``data``: its KV tensor as it is now, a wake allocates a new one; None while asleep: the
+        transfers wait) and acknowledge the copies that finished. ``spill(evicted)``: called with
+        the (block, key) pairs whose cached KV the allocation evicted, before they are overwritten
+        (the tiers copy them out then: recorded for the next step, they would be copied after the
+        landing wrote over them, a wrong block under its key)."""
+        while self.inbox and data is not None:
+            if self.dead:  # (the producer's memory may be gone: nothing more is read from it)
                 self.inbox.clear()
                 break
+            self._land(pool, data, spill, *self.inbox.popleft())
+        while self.unacked and (self.unacked[0][0] is None or self.unacked[0][0].query()):
+            self._acks_out.put(self.unacked.popleft()[1])
+        if self.dead and not self.unacked and self.remote is not None:
+            self.remote = self.buffer = None  # (unmapped once no copy of ours reads it)
+
+    def _land(self, pool, data: torch.Tensor, spill, tid: str, keys: list[bytes], src: list[int]) -> None:
+        cached = [b for k in keys if (b := pool.lookup(k)) is not None]
+        pool.touch(cached)  # (this landing's own allocation must not evict them)
+        landed = 0
+        try:
             todo = [(k, s) for k, s in zip(keys, src) if pool.lookup(k) is None]
             n = min(len(todo), pool.num_free_blocks)
             mark = len(pool.evicted)
             dst = pool.allocate(n)
-            if len(pool.evicted) > mark:
-                evicted = pool.evicted[mark:]
-                del pool.evicted[mark:]
-                if spill is not None:
-                    spill(evicted)
-            copy_blocks(self.remote, self.pool, [(s, d) for (_, s), d in zip(todo, dst)])
+            try:
+                if len(pool.evicted) > mark:
+                    evicted = pool.evicted[mark:]
+                    del pool.evicted[mark:]
+                    if spill is not None:
+                        spill(evicted)
+                copy_blocks(self.remote, data, [(s, d) for (_, s), d in zip(todo, dst)])
+            except BaseException:
+                pool.free(dst[::-1])  # (no key registered: plain free blocks again)
+                raise
             for (k, _), d in zip(todo, dst):
                 pool.cache_block(d, k)
             pool.free(dst[::-1])  # (a prompt's first blocks, which more requests share, evicted last)
+            landed = len(cached) + n
             self.partial_transfers += n < len(todo)
-            done = None
-            if self.pool.is_cuda:
-                done = torch.cuda.Event()
-                done.record()
-            self.unacked.append((done, tid))
             self.received_blocks += n
-            self.done[tid] = len(keys) - len(todo) + n
+        except Exception:  # noqa: BLE001 - a failed landing costs its request the prompt, not the engine
+            log.exception("KV transfer %s could not be landed; its request computes its prompt", tid[:40])
+            self.failed_transfers += 1
+        finally:
+            pool.free(cached[::-1])
+            done = None
+            if data.is_cuda:  # (acknowledged once the copy finished: the producer may reuse the blocks then)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(data.device))
+            self.unacked.append((done, tid))
+            self.done[tid] = landed
             while len(self.done) > 4096:
                 self.done.popitem(last=False)
-        while self.unacked and (self.unacked[0][0] is None or self.unacked[0][0].query()):
-            _, tid = self.unacked.popleft()
-            if not self.dead:
-                try:
-                    self.channel.send_message({"ack": tid}, tag=ACK)
-                except Exception as e:  # noqa: BLE001 - the producer is gone; its requests compute here
-                    log.warning("KV transfer acknowledgement failed; prompts are computed here: %s", e)
-                    self.dead = True
 
     def snapshot(self) -> dict:
         return {**super().snapshot(), "partial_transfers": self.partial_transfers}

@@ -52,6 +52,11 @@ def check_layouts(mine: dict, theirs: dict, peer: str) -> None:
                               f"kv_cache_dtype and block_size")
 
 
+class ProtocolError(RuntimeError):
+    """The peer is there but sent what this protocol does not allow (as opposed to a channel that
+    failed: the peer's process gone)."""
+
+
 class Channel:
     """torch.distributed point to point between the two instances: gloo between CPU processes,
     NCCL between GPUs (one code path). Rank 0 (the producer) hosts the rendezvous store at
@@ -96,8 +101,13 @@ class Channel:
     def recv_message(self, max_payload: int, tag: int = 0) -> tuple[dict, torch.Tensor | None]:
         magic, n, m = self.recv(3, torch.int64, tag).tolist()
         if magic != MAGIC or not 0 < m <= _MAX_META or not 0 <= n <= max_payload:
-            raise RuntimeError(f"bad KV transfer header {magic:#x}/{n}/{m}")
-        meta = json.loads(bytes(self.recv(m, torch.uint8, tag).cpu().numpy()))
+            raise ProtocolError(f"bad KV transfer header {magic:#x}/{n}/{m}")
+        try:
+            meta = json.loads(bytes(self.recv(m, torch.uint8, tag).cpu().numpy()))
+        except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError both)
+            raise ProtocolError(f"bad KV transfer message: {e}"[:200]) from None
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"bad KV transfer message: {type(meta).__name__}, not an object")
         return meta, (self.recv(n, torch.uint8, tag) if n else None)
 
     def handshake(self, layout: dict) -> None:
