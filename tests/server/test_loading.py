@@ -55,8 +55,10 @@ def _serve(*args: str) -> tuple[subprocess.Popen, str]:
 
 def test_server_process_answers_while_loading():
     """Polled from the start: the first answers are 503 loading (the model loads after the port
-    opens), then 200; never a 200 before the engine exists."""
-    p, url = _serve("--model", "dummy:tiny", "--kv-cache-memory", "64MiB")
+    opens), then 200; never a 200 before the engine exists. The model is the default one's shape
+    with random weights: building it takes about a second, where a tiny model can be ready
+    before the first poll connects."""
+    p, url = _serve("--model", "dummy:smollm2-135m", "--kv-cache-memory", "64MiB")
     seen = []
     try:
         deadline = time.monotonic() + 60
@@ -71,7 +73,8 @@ def test_server_process_answers_while_loading():
                 time.sleep(0.02)
         assert seen and seen[-1] == 200 and set(seen) <= {200, 503}, seen
         assert 503 in seen, "the port should open before the model is loaded"
-        r = httpx.post(f"{url}/v1/completions", json={"model": "dummy:tiny", "prompt": [1], "max_tokens": 2})
+        r = httpx.post(f"{url}/v1/completions", json={"model": "dummy:smollm2-135m", "prompt": [1],
+                                                       "max_tokens": 2})
         assert r.status_code == 200
     finally:
         p.kill()
