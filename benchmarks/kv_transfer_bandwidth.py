@@ -177,13 +177,13 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
             time.sleep(0.00005)  # (lets the receiver thread have the interpreter)
         t1 = time.monotonic()
         while tid not in consumer.done:
-            consumer.land(bp)
+            consumer.land(bp, data)
         _sync(data.device)
         t2 = time.monotonic()
         copy += t2 - t1
         rows.append((t0, t1, t2))
         landed.append((i, src))
-        consumer.land(bp)  # (acknowledges: the copy is complete)
+        consumer.land(bp, data)  # (acknowledges: the copy is complete)
         if pattern == "one at a time" and k + 1 < n:
             go.put(first + k + 1)
     bad = 0

@@ -13,8 +13,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 # Bytecode caches on: pytest keeps each test module's rewritten asserts in __pycache__ and Python
-# the compiled modules, which saves the inner loop's collection most of its time on every run
-# after the first (PYTHONDONTWRITEBYTECODE, set by some images, would forbid both).
+# the compiled modules, so runs after the first skip rewriting and compiling them
+# (PYTHONDONTWRITEBYTECODE, set by some images, would forbid both).
 unset PYTHONDONTWRITEBYTECODE
 # The whole suite (tests/) unless an argument names a path (a file, directory or node id): then
 # only what it names, so a file or -k/-m selection narrows the run instead of adding to it. An

@@ -31,6 +31,7 @@ prefix of them is still a prefix hit) and the rest is computed.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -49,10 +50,7 @@ DATA, ACK = 0, 1  # channel tags: producer -> consumer messages, consumer -> pro
 
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, SharedBuffer]:
     """A zero-filled tensor in memory another process of this host can map, and its buffer."""
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
-    buf = SharedBuffer.create(device, nbytes)
+    buf = SharedBuffer.create(device, math.prod(shape) * dtype.itemsize)
     if buf.tensor.is_cuda:  # (a new host file reads as zeros)
         buf.tensor.zero_()
     return buf.tensor.view(dtype).view(shape), buf

@@ -1,5 +1,6 @@
-"""Block copies between two KV pools (``kvserve/kernels/block_copy.py``) against PyTorch's own
-indexing: every pair's block lands bit for bit, and no other block of the destination changes.
+"""Block copies between two KV pools (``kvserve/kernels/block_copy.py``) against its reference,
+PyTorch's own indexing one block at a time: every pair's block lands bit for bit, and no other
+block of the destination changes.
 The pools differ in size and the pairs are scattered (never contiguous runs), so a kernel that
 mixed up the two pools' block strides, or copied a neighbour, fails."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ pytest.importorskip("triton")
 
 from kernelutil import needs_cuda  # noqa: E402
 
-from kvserve.kernels.block_copy import copy_blocks
+from kvserve.kernels.block_copy import copy_blocks, copy_blocks_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
 
@@ -28,9 +29,10 @@ def pools(gen, shape_src, shape_dst, dtype, device):
 def check(src, dst, n, gen):
     s = torch.randperm(src.shape[2], generator=gen)[:n]
     d = torch.randperm(dst.shape[2], generator=gen)[:n]
+    pairs = torch.stack([s, d], 1).to(src.device)
     want = dst.clone()
-    want[:, :, d.to(dst.device)] = src[:, :, s.to(src.device)]
-    copy_blocks(src, dst, torch.stack([s, d], 1).to(src.device))
+    copy_blocks_ref(src, want, pairs)
+    copy_blocks(src, dst, pairs)
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
 
 
