@@ -347,6 +347,8 @@ def main() -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.kv_buffer_size = parse_size(args.kv_buffer_size, "--kv-buffer-size")
+    if args.prefill_sm_percent is not None and not 1 <= args.prefill_sm_percent <= 100:
+        p.error(f"--prefill-sm-percent must be in [1, 100], got {args.prefill_sm_percent}")
     if args.connector is None:
         one_gpu = args.device.startswith("cuda") and torch.device(args.device) == torch.device(args.prefill_device)
         args.connector = "CudaIpcConnector" if one_gpu else "TorchDistributedConnector"
