@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from kvserve.errors import ModelLoadError
@@ -138,12 +139,37 @@ def test_parallel_files_each_sink_per_thread(shards):
         return LateCopySink(dests, 64)
 
     jobs = [(p, shard_reader.read_header(p)) for p in files]
-    shard_reader.read_files(jobs, make, 64, workers=3, on_file=lambda p, d: seen.__setitem__(p, d))
-    assert seen == {p: _sha256(p) for p in files}
+    shard_reader.read_files(jobs, make, 64, workers=3, on_range=lambda p, i, d: seen.__setitem__(p, (i, d)))
+    assert seen == {p: (0, _sha256(p)) for p in files}
     assert len(made) == len(set(made))  # one sink per thread
     for path in files:
         for k, v in load_file(path).items():
             assert torch.equal(out[k], v)
+
+
+@pytest.mark.parametrize("block_bytes, new_hash", [(1, hashlib.sha256), (97, xxhash.xxh3_128),
+                                                   (4096, hashlib.sha256)])
+@pytest.mark.parametrize("sink_kind", ["direct", "late"])
+def test_ranges_hash_their_own_bytes_and_fill_every_tensor(shards, block_bytes, new_hash, sink_kind):
+    """Files read in byte ranges shared by several threads (ranges inside the header, ranges
+    cutting tensors): each range's digest is the hash library's own over those bytes, and
+    every tensor is safetensors' own."""
+    files, tensors = shards
+    out, dests = _dests(tensors)
+    seen = {}
+    make = (lambda: shard_reader.DirectSink(dests)) if sink_kind == "direct" else (lambda: LateCopySink(dests, 64))
+    jobs = [(p, shard_reader.read_header(p)) for p in files]
+    shard_reader.read_files(jobs, make, 64, workers=4, block_bytes=block_bytes, new_hash=new_hash,
+                            on_range=lambda p, i, d: seen.__setitem__((p, i), d))
+    want = {}
+    for p in files:
+        data = open(p, "rb").read()
+        want.update({(p, i // block_bytes): new_hash(data[i:i + block_bytes]).hexdigest()
+                     for i in range(0, len(data), block_bytes)})
+    assert seen == want
+    for path in files:
+        for k, v in load_file(path).items():
+            assert torch.equal(out[k], v), k
 
 
 def test_an_error_in_one_file_stops_the_others_and_finishes_every_sink(shards):
@@ -155,12 +181,12 @@ def test_an_error_in_one_file_stops_the_others_and_finishes_every_sink(shards):
         sinks.append(LateCopySink(dests, 16))
         return sinks[-1]
 
-    def reject(path, digest):
+    def reject(path, block, digest):
         raise ModelLoadError(f"{path}: rejected")
 
     jobs = [(p, shard_reader.read_header(p)) for p in files]
     with pytest.raises(ModelLoadError, match="rejected"):
-        shard_reader.read_files(jobs, make, 16, workers=2, on_file=reject)
+        shard_reader.read_files(jobs, make, 16, workers=2, on_range=reject, block_bytes=200)
     assert sinks and all(s.pending == [None, None] for s in sinks)  # finish ran: no copy left behind
 
 

@@ -203,7 +203,7 @@ def test_failed_wake_sleeps_on_and_a_retry_works(tmp_path):
     with open(shard, "r+b") as f:
         f.seek(len(good) - 3)
         f.write(bytes([good[-3] ^ 1]))
-    with pytest.raises(WakeUpError, match="sha256 does not match"):
+    with pytest.raises(WakeUpError, match="checksum does not match"):
         llm.wake_up()
     assert llm.is_sleeping() and _weights_gone(llm)
     open(shard, "wb").write(good)

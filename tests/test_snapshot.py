@@ -1,14 +1,14 @@
-"""Snapshots: written from the default model and dummies, read back by safetensors and hashlib,
+"""Snapshots: written from the default model and dummies, read back by safetensors and xxhash,
 loaded into engines that give the same greedy tokens and log-probs; every refusal."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 import kvserve
@@ -77,13 +77,14 @@ def test_manifest_checksums_and_tensors(tiny_snapshot):
     out, _, llm = tiny_snapshot
     m = json.load(open(os.path.join(out, snapshot.MANIFEST)))
     assert m["format_version"] == snapshot.FORMAT_VERSION and m["dtype"] == "float32"
-    assert m["device"] == {"kind": "cpu"} and m["checksum"] == "sha256"
+    assert m["device"] == {"kind": "cpu"} and m["checksum"] == "xxh3_128"
     params = dict(dense_parameters(llm.engine.runner.model))  # the CPU engine's projections are packed
     seen = {}
+    block = m["checksum_block_bytes"]
     for fname, entry in m["files"].items():
         path = os.path.join(out, fname)
-        with open(path, "rb") as f:
-            assert hashlib.sha256(f.read()).hexdigest() == entry["sha256"]
+        data = open(path, "rb").read()
+        assert entry["blocks"] == [xxhash.xxh3_128(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
         assert os.path.getsize(path) == entry["bytes"]
         seen.update(load_file(path))
     assert seen.keys() == params.keys()
@@ -150,7 +151,7 @@ def _shard(path: str) -> str:
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda p: _edit_manifest(p, format_version=2), "snapshot format version 2"),
+    (lambda p: _edit_manifest(p, format_version=1), "snapshot format version 1"),
     (lambda p: _edit_manifest(p, format_version=None), "snapshot format version None"),
     (lambda p: open(os.path.join(p, snapshot.MANIFEST), "w").write("{not json"), "not a readable snapshot manifest"),
     (lambda p: _edit_manifest(p, device={"kind": "cuda", "arch": "sm_90", "name": "NVIDIA H200"}),
@@ -160,6 +161,11 @@ def _shard(path: str) -> str:
     (lambda p: _edit_manifest(p, arch={"family": "falcon", "bogus": 1}), "model description is invalid"),
     (lambda p: os.remove(_shard(p)), "missing; the snapshot is incomplete"),
     (lambda p: os.truncate(_shard(p), os.path.getsize(_shard(p)) - 100), "the manifest says"),
+    (lambda p: _edit_manifest(p, checksum_block_bytes=0), "checksum_block_bytes is 0, not a positive integer"),
+    (lambda p: _edit_manifest(p, checksum_block_bytes=1000), "block checksums do not cover"),
+    (lambda p: _edit_manifest(p, files={"model-00000.safetensors": {"bytes": os.path.getsize(_shard(p)),
+                                                                     "blocks": None}}),
+     "block checksums do not cover"),
 ])
 def test_refused_snapshots(tiny_snapshot, tmp_path, damage, message):
     path = _copy(tiny_snapshot[0], tmp_path / "s")
@@ -176,7 +182,7 @@ def test_changed_bytes_fail_the_checksum(tiny_snapshot, tmp_path):
         b = f.read(1)
         f.seek(size - 5)
         f.write(bytes([b[0] ^ 0x40]))
-    with pytest.raises(ModelLoadError, match="sha256 does not match the manifest"):
+    with pytest.raises(ModelLoadError, match="checksum does not match the manifest"):
         _tiny(path)
 
 
@@ -219,7 +225,7 @@ def test_a_changed_byte_in_one_shard_names_it(sharded_snapshot, tmp_path):
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x01]))
-    with pytest.raises(ModelLoadError, match="model-00002.safetensors: sha256 does not match the manifest"):
+    with pytest.raises(ModelLoadError, match="model-00002.safetensors: checksum does not match the manifest"):
         _tiny(path)
 
 
@@ -227,6 +233,30 @@ def test_a_shard_cut_short_fails_even_when_the_manifest_agrees(sharded_snapshot,
     path = _copy(sharded_snapshot[0], tmp_path / "s")
     shard = os.path.join(path, "model-00001.safetensors")
     os.truncate(shard, os.path.getsize(shard) - 8)
-    _edit_manifest(path, files={"model-00001.safetensors": {"bytes": os.path.getsize(shard), "sha256": "0" * 64}})
+    _edit_manifest(path, files={"model-00001.safetensors": {"bytes": os.path.getsize(shard),
+                                                             "blocks": ["0" * 32]}})
     with pytest.raises(ModelLoadError, match="model-00001.safetensors: corrupt or truncated safetensors file"):
         _tiny(path)
+
+
+def test_small_checksum_blocks_round_trip_and_name_the_damaged_range(tmp_path):
+    """Many blocks per file (the loading threads share them): the output is the same, and a
+    changed byte is reported with the byte range of its block."""
+    llm = _tiny()
+    ref = _outputs(llm, TINY_PROMPTS)
+    out = str(tmp_path / "blocks")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(snapshot, "HASH_BLOCK_BYTES", 7_001)  # not a divisor of anything: blocks cut tensors
+        m = snapshot.write(llm.engine, out)
+    assert m["checksum_block_bytes"] == 7_001
+    assert all(len(e["blocks"]) == -(-e["bytes"] // 7_001) > 3 for e in m["files"].values())
+    assert _outputs(_tiny(out), TINY_PROMPTS) == ref
+    shard = _shard(out)
+    at = 3 * 7_001 + 17
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ModelLoadError, match=f"checksum does not match the manifest .bytes {3 * 7_001} to {4 * 7_001}"):
+        _tiny(out)

@@ -10,7 +10,9 @@ destination (or a staging buffer bound for the device) and is hashed on the way.
             each chunk is a slice of one tensor's own storage, read in place
 
 A chunk's ``pieces`` say where its bytes go (tensor, offset in the tensor, offset in the chunk,
-length). Bytes of no tensor (the header, any gap) are hashed and go nowhere. The device part is
+length). Bytes of no tensor (the header, any gap) are hashed and go nowhere. A file is read and
+hashed as whole or in fixed byte ranges (``ranges``), each with its own digest: ranges of all the
+files are the units the loading threads share, so a few large files keep every thread busy. The device part is
 a sink (``DirectSink``, ``StagedSink`` and its CUDA subclass in ``snapshot.py``): this file
 knows no device. The format is the safetensors project's
 (https://github.com/huggingface/safetensors#format); writing stays with its library.
@@ -112,13 +114,16 @@ def read_header(path: str) -> Header:
     return Header(raw, tuple(spans), size)
 
 
-def chunks(header: Header, chunk_bytes: int, split_at_tensors: bool) -> Iterator[Chunk]:
-    """The data region in reads of at most ``chunk_bytes``: fixed windows, or with
-    ``split_at_tensors`` windows that never cross a tensor's first or last byte."""
+def chunks(header: Header, chunk_bytes: int, split_at_tensors: bool, lo: int = 0,
+           hi: int | None = None) -> Iterator[Chunk]:
+    """The data region's bytes within [lo, hi) (default: the whole file) in reads of at most
+    ``chunk_bytes``: fixed windows, or with ``split_at_tensors`` windows that never cross a
+    tensor's first or last byte."""
+    hi = header.size if hi is None else hi
     spans = [s for s in header.spans if s.end > s.start]
-    cuts = sorted({header.size, *(x for s in spans for x in (s.start, s.end))}) if split_at_tensors else [header.size]
-    pos, first = header.data_start, 0  # spans before ``first`` end at or before ``pos``
-    for cut in cuts:
+    cuts = {hi, *(x for s in spans for x in (s.start, s.end) if lo < x < hi)} if split_at_tensors else {hi}
+    pos, first = max(lo, header.data_start), 0  # spans before ``first`` end at or before ``pos``
+    for cut in sorted(cuts):
         while pos < cut:
             end = min(pos + chunk_bytes, cut)
             while first < len(spans) and spans[first].end <= pos:
@@ -127,10 +132,15 @@ def chunks(header: Header, chunk_bytes: int, split_at_tensors: bool) -> Iterator
             for s in spans[first:]:
                 if s.start >= end:
                     break
-                lo, hi = max(s.start, pos), min(s.end, end)
-                pieces.append(Piece(s.name, lo - s.start, lo - pos, hi - lo))
+                lo_, hi_ = max(s.start, pos), min(s.end, end)
+                pieces.append(Piece(s.name, lo_ - s.start, lo_ - pos, hi_ - lo_))
             yield Chunk(pos, end - pos, tuple(pieces))
             pos = end
+
+
+def ranges(size: int, block_bytes: int) -> list[tuple[int, int]]:
+    """A file of ``size`` bytes in consecutive [lo, hi) ranges of ``block_bytes`` (the last shorter)."""
+    return [(lo, min(lo + block_bytes, size)) for lo in range(0, size, block_bytes)] or [(0, 0)]
 
 
 class DirectSink:
@@ -199,20 +209,29 @@ class StagedSink:
 
 
 def read_file(path: str, header: Header, sink, chunk_bytes: int, stop: threading.Event | None = None,
-              on_bytes: Callable[[int], None] | None = None) -> str | None:
-    """Read the file's data through ``sink`` and return the sha256 of the whole file (header
-    included); None when ``stop`` was set before the end."""
-    h = hashlib.sha256(header.raw)
+              on_bytes: Callable[[int], None] | None = None, new_hash: Callable = hashlib.sha256) -> str | None:
+    """Read the file's data through ``sink`` and return the digest of the whole file (header
+    included) by ``new_hash`` (a hashlib-style constructor); None when ``stop`` was set before
+    the end."""
+    return read_range(path, header, 0, header.size, sink, chunk_bytes, stop, on_bytes, new_hash)
+
+
+def read_range(path: str, header: Header, lo: int, hi: int, sink, chunk_bytes: int,
+               stop: threading.Event | None = None, on_bytes: Callable[[int], None] | None = None,
+               new_hash: Callable = hashlib.sha256) -> str | None:
+    """Read the file's bytes [lo, hi) through ``sink`` (those of the header are hashed from
+    ``header.raw``) and return their digest; None when ``stop`` was set before the end."""
+    h = new_hash(header.raw[lo:min(hi, header.data_start)])
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # deeper readahead on a cold read
-        for chunk in chunks(header, chunk_bytes, sink.split_at_tensors):
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_SEQUENTIAL)  # deeper readahead on a cold read
+        for chunk in chunks(header, chunk_bytes, sink.split_at_tensors, lo, hi):
             if stop is not None and stop.is_set():
                 return None
             view = sink.acquire(chunk)
             got = 0
-            while got < chunk.nbytes:  # preadv and hashlib release the GIL: shards read in parallel
+            while got < chunk.nbytes:  # preadv and the hashes release the GIL: ranges read in parallel
                 n = os.preadv(fd, [view[got:]], chunk.offset + got)
                 if n == 0:
                     raise _corrupt(path, f"ends at byte {chunk.offset + got}, its header says {header.size}")
@@ -225,26 +244,31 @@ def read_file(path: str, header: Header, sink, chunk_bytes: int, stop: threading
 
 
 def read_files(jobs: list[tuple[str, Header]], make_sink: Callable[[], object], chunk_bytes: int, workers: int,
-               on_file: Callable[[str, str], None], on_bytes: Callable[[int], None] | None = None) -> None:
-    """Read the files on ``workers`` threads, each with its own sink, and pass each file's
-    sha256 to ``on_file(path, digest)`` as it completes. The first error (of a read, a sink or
-    ``on_file``) stops every thread and is raised once all sinks have finished."""
+               on_range: Callable[[str, int, str], None], block_bytes: int | None = None,
+               on_bytes: Callable[[int], None] | None = None, new_hash: Callable = hashlib.sha256) -> None:
+    """Read the files on ``workers`` threads, each with its own sink, in ranges of
+    ``block_bytes`` (None: each file whole), handed out in file order to whichever thread is
+    free; pass each range's digest (``new_hash``) to ``on_range(path, index, digest)`` as it
+    completes. The first error (of a read, a sink or ``on_range``) stops every thread and is
+    raised once all sinks have finished."""
     stop, local, sinks, lock = threading.Event(), threading.local(), [], threading.Lock()
 
-    def one(path: str, header: Header) -> str | None:
+    def one(path: str, header: Header, lo: int, hi: int) -> str | None:
         sink = getattr(local, "sink", None)
         if sink is None:
             sink = local.sink = make_sink()
             with lock:
                 sinks.append(sink)
-        return read_file(path, header, sink, chunk_bytes, stop, on_bytes)
+        return read_range(path, header, lo, hi, sink, chunk_bytes, stop, on_bytes, new_hash)
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs))),
+    work = [(path, header, i, lo, hi) for path, header in jobs
+            for i, (lo, hi) in enumerate(ranges(header.size, block_bytes or max(header.size, 1)))]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, len(work))),
                                                  thread_name_prefix="kvserve-load")
-    try:
-        futures = {pool.submit(one, p, h): p for p, h in jobs}
+    try:  # the executor's queue is first in, first out: ranges are taken in file order
+        futures = {pool.submit(one, path, header, lo, hi): (path, i) for path, header, i, lo, hi in work}
         for fut in concurrent.futures.as_completed(futures):
-            on_file(futures[fut], fut.result())
+            on_range(*futures[fut], fut.result())
     finally:
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
