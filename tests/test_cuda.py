@@ -154,10 +154,11 @@ def test_verify_steps_replay_decode_graphs(model):
     assert outs["graphs"] == outs["never"]
 
 
-def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path):
-    """A bf16 snapshot (pinned staging, async copies) gives the HF directory's tokens, with CUDA
-    graphs; sleep at both levels gives the memory of the weights, KV pool and graphs back to the
-    driver (mem_get_info, not the allocator's count) and the same tokens after the wake."""
+def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path, monkeypatch):
+    """A bf16 snapshot (pinned staging, async copies, checksum blocks that cut tensors, the
+    device warm-up beside the load) gives the HF directory's tokens, with CUDA graphs; sleep at
+    both levels gives the memory of the weights, KV pool and graphs back to the driver
+    (mem_get_info, not the allocator's count) and the same tokens after the wake."""
     from kvserve.models import snapshot
     hf, path = _random_model(tmp_path, "llama")
     del hf  # the reference model stays off the GPU whose memory is counted
@@ -166,11 +167,13 @@ def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path):
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     src = LLM(path, **kw)
     ref = [o.outputs[0].token_ids for o in src.generate(prompts, sp, use_tqdm=False)]
+    monkeypatch.setattr(snapshot, "HASH_BLOCK_BYTES", (1 << 20) + 7)
     snapshot.write(src.engine, str(tmp_path / "snap"))
     del src
     torch.cuda.empty_cache()
     llm = LLM(str(tmp_path / "snap"), enable_sleep_mode=True, **kw)
     assert llm.engine.runner.graphs is not None
+    assert "device_warmup" in llm.engine.startup_seconds
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     torch.cuda.synchronize()
     used_awake = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]

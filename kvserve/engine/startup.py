@@ -5,6 +5,8 @@ and where the seconds go.
 ready):
 
     tokenizer     transformers' tokenizer, on its own thread while the weights load
+    device_warmup CUDA: Triton's runtime, cuBLAS and cuDNN brought up and the kernel modules
+                  imported, on their own thread while the weights load (``warm_device``)
     build         the model's modules allocated (no random initialisation when every weight is
                   loaded next: ``layers/weight_init.py``)
     weights       the weights read (and converted, quantized) into them
@@ -16,7 +18,8 @@ ready):
     gc            the full collection before start-up's objects are frozen out of the collector's reach
     total         ``LLMEngine.__init__`` from first line to last
 
-Phases sum to less than ``total`` (the tokenizer overlaps; the rest is bookkeeping).
+Phases sum to less than ``total`` (the tokenizer and the device warm-up overlap; the rest is
+bookkeeping).
 """
 from __future__ import annotations
 
@@ -51,7 +54,28 @@ def in_background(into: dict[str, float], phase: str, fn: Callable, *args) -> co
         pool.shutdown(wait=False)
 
 
-PHASES = ("tokenizer", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup", "graphs", "gc", "total")
+def warm_device(device, dtype, arch, backend: str) -> None:
+    """What a process pays once before its first forward, paid while the weights load instead
+    of in the first request's time to first token: Triton's runtime (the first kernel launch
+    of a process loads its driver helpers and launcher), cuBLAS's libraries, cuDNN's
+    initialisation, and the import of the attention kernels. Nothing here touches the model.
+    The loading threads spend their time in reads, hashing and copies, which release the GIL."""
+    import torch
+    torch.cuda.set_device(device)  # this thread's
+    x = torch.randn(16, arch.hidden_size, device=device, dtype=dtype)
+    (x @ x.T).sum()  # cuBLAS
+    if backend == "triton":
+        from kvserve.kernels.rmsnorm import rmsnorm
+        from kvserve.layers.triton_attention import _sdpa_causal
+        rmsnorm(x, torch.ones(arch.hidden_size, device=device, dtype=dtype), 1e-6)
+        q = torch.randn(64, arch.num_heads, arch.head_dim, device=device, dtype=dtype)
+        kv = torch.randn(64, arch.num_kv_heads, arch.head_dim, device=device, dtype=dtype)
+        _sdpa_causal(q, kv, kv, arch.head_dim ** -0.5)  # cuDNN
+    torch.cuda.synchronize(device)
+
+
+PHASES = ("tokenizer", "device_warmup", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup", "graphs", "gc",
+          "total")
 
 
 def ordered(seconds: dict[str, float]) -> dict[str, float]:

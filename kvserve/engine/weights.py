@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.engine import startup
 from kvserve.engine.device import default_dtype
 from kvserve.engine.startup import timed
 from kvserve.errors import ConfigError
@@ -40,7 +41,25 @@ class ModelWeights:
                               f"{src.quant_method}); only unquantized weights are quantized at load")
 
     def _build_and_load(self) -> torch.nn.Module:
-        """The model with its weights from the source, quantized where configured."""
+        """The model with its weights from the source, quantized where configured; on CUDA the
+        process's one-time device start-up runs beside it (``startup.warm_device``)."""
+        warm = None
+        if self.device.type == "cuda":  # the thread names the device by index (a new thread's is 0)
+            index = self.device.index
+            device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+            warm = startup.in_background(self.startup_seconds, "device_warmup", startup.warm_device, device,
+                                         self.dtype, self.arch, self.backend_name)
+        try:
+            model = self._build_and_load_model()
+        except BaseException:
+            if warm is not None:
+                warm.exception()  # its thread has finished before the error leaves
+            raise
+        if warm is not None:
+            warm.result()
+        return model
+
+    def _build_and_load_model(self) -> torch.nn.Module:
         with default_dtype(self.dtype), torch.device(self.device), timed(self.startup_seconds, "build"):
             model = (loader.build_model(self.src.arch, max_positions=self.max_model_len) if self.tp is None
                      else loader.build_model(self.src.arch, self.max_model_len, self.tp))

@@ -10,6 +10,7 @@ Triton path.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -17,11 +18,9 @@ import torch
 
 @functools.cache
 def has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Triton is installed. Found, not imported: on CUDA the import (a few tenths of a second)
+    happens on the device warm-up's thread while the weights load (``engine/startup.py``)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
