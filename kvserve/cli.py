@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 
+from kvserve.config import QUANT_METHODS
 from kvserve.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 
@@ -35,12 +36,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-scales", default=None,
                    help="calibrated fp8/int8 KV scales from 'kvserve calibrate-kv' (default: the file beside the "
                    "model if there is one; 'off': per-token scales)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8", "awq", "gptq", "gguf", "none"],
+    g.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
                    help="quantize the linear layers' weights at load (round-to-nearest; weight-only): int8 per "
                    "output channel, int4 per group of input columns; fp8: W8A8 (e4m3 weights per output "
-                   "channel, activations per token); awq, gptq: load such a 4-bit checkpoint (the default "
-                   "for one); gguf: a GGUF's blocks kept packed; none: float weights (default: a GGUF keeps "
-                   "its blocks on CUDA and is dequantized on the CPU, other models are float)")
+                   "channel, activations per token); awq, gptq, compressed-tensors: load such a 4-bit "
+                   "checkpoint (the default for one; `kvserve quantize` writes them); gguf: a GGUF's blocks "
+                   "kept packed; none: float weights (default: a GGUF keeps its blocks on CUDA and is "
+                   "dequantized on the CPU, other models are float)")
     g.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: input columns sharing a scale and a minimum: 32, 64 or 128 (default 128)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -394,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     d.set_defaults(func=cmd_disagg_proxy)
     from kvserve.bench.cli import add_bench_args
+    from kvserve.quantize import add_quantize_args
     add_bench_args(sub)
+    add_quantize_args(sub)
     return p
 
 

@@ -227,7 +227,8 @@ class KernelConfig:
                 "logits": self.gemv_max_rows_logits}[kind]
 
 
-QUANT_METHODS = ("int8", "int4", "fp8", "awq", "gptq", "gguf", "none")
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")  # a checkpoint's own packed weights
+QUANT_METHODS = ("int8", "int4", "fp8", *CHECKPOINT_METHODS, "gguf", "none")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -237,7 +238,8 @@ class QuantConfig:
     (formats: kvserve/layers/rtn.py). int8: symmetric, one scale per output channel; int4:
     asymmetric (a scale and a minimum) per ``group_size`` input columns, two codes a byte.
     fp8: W8A8, e4m3 weights per output channel, activations per token (layers/fp8_linear.py).
-    awq, gptq: an AutoAWQ / GPTQ 4-bit checkpoint's own weights, repacked (models/awq_gptq.py).
+    awq, gptq, compressed-tensors: such a 4-bit checkpoint's own weights, repacked
+    (models/awq_gptq.py; ``kvserve quantize`` writes compressed-tensors).
     gguf: a GGUF's blocks kept packed; none: float weights. Without a QuantConfig a GGUF keeps its
     blocks on CUDA and is dequantized on the CPU, where float GEMMs outrun the packed ones."""
     method: str
@@ -247,7 +249,7 @@ class QuantConfig:
         if not isinstance(self.method, str) or self.method not in QUANT_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANT_METHODS)} or None; got {self.method!r}")
         g = self.group_size
-        if self.method in ("int8", "fp8", "awq", "gptq", "gguf", "none"):
+        if self.method in ("int8", "fp8", *CHECKPOINT_METHODS, "gguf", "none"):
             if g is not None:
                 raise ConfigError("quantization_group_size", f"{self.method} takes no group size; "
                                   "a group size applies to int4 only")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.config import CHECKPOINT_METHODS
 from kvserve.engine import startup
 from kvserve.engine.device import default_dtype
 from kvserve.engine.startup import timed
@@ -18,12 +19,13 @@ class ModelWeights:
     ``tp`` and ``packed_weights`` are the runner's."""
 
     def _check_quantization(self) -> None:
-        """The quantization option against what the checkpoint already is (AWQ/GPTQ load packed;
+        """The quantization option against what the checkpoint already is (AWQ, GPTQ and
+        compressed-tensors load packed;
         int8, int4 and fp8 quantize only unquantized weights), each refusal naming the option."""
         config, src = self.config, self.src
         quant = config.quantization
         checkpoint = src.quant_method.lower() if src.quant_method else None
-        if quant is not None and quant.method in ("awq", "gptq") and checkpoint != quant.method:
+        if quant is not None and quant.method in CHECKPOINT_METHODS and checkpoint != quant.method:
             raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
                               f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
                               f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
@@ -36,7 +38,7 @@ class ModelWeights:
         if quant is not None and quant.method == "none" and checkpoint is not None:
             raise ConfigError("quantization", f"none: {src.name} is a {checkpoint} checkpoint, whose weights load "
                               f"packed; leave quantization unset")
-        if quant is not None and quant.method not in ("none", "awq", "gptq") and checkpoint is not None:
+        if quant is not None and quant.method not in ("none", *CHECKPOINT_METHODS) and checkpoint is not None:
             raise ConfigError("quantization", f"{src.name} is already quantized (quantization_config: "
                               f"{src.quant_method}); only unquantized weights are quantized at load")
 
@@ -78,7 +80,7 @@ class ModelWeights:
         with timed(self.startup_seconds, "weights"):
             self.load_weights(model)
             model.eval()
-            if quant is not None and quant.method not in ("none", "awq", "gptq", "gguf"):
+            if quant is not None and quant.method not in ("none", "gguf", *CHECKPOINT_METHODS):
                 quantize_model(model, quant)
         return model
 

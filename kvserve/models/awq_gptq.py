@@ -1,5 +1,6 @@
-"""AutoAWQ and GPTQ 4-bit checkpoints (Hugging Face directories), repacked at load into the int4
-layout of ``layers/quant_linear.py`` (codes [N, K/2], scale and min per group of input columns).
+"""AutoAWQ, GPTQ and compressed-tensors 4-bit checkpoints (Hugging Face directories), repacked at
+load into the int4 layout of ``layers/quant_linear.py`` (codes [N, K/2], scale and min per group
+of input columns).
 
 Both store, per projection ``P`` (``P.qweight``, ``P.qzeros``, ``P.scales``, GPTQ also ``P.g_idx``),
 eight 4-bit codes per int32, nibble i at bits 4i..4i+3, and define
@@ -11,6 +12,12 @@ eight 4-bit codes per int32, nibble i at bits 4i..4i+3, and define
     GPTQ            qweight [K/8, N]: nibble i of row r holds input row 8r + i; qzeros [G, N/8]:
                     nibble i holds column 8c + i, and the stored zero is z - 1 (symmetric: 7);
                     scales [G, N]; g(k) = g_idx[k] (act-order, desc_act, permutes it)
+
+    compressed-tensors (``format`` pack-quantized, ``strategy`` group; the layout vLLM and
+                    llm-compressor use, and ``kvserve quantize`` writes): weight_packed [N, K/8]:
+                    nibble i of word c holds column 8c + i as q + 8 (q in [-8, 7]);
+                    weight_scale [N, G]; asymmetric: weight_zero_point [N/8, G] packed the same
+                    way down the rows; weight_shape [N, K]; act-order: weight_g_idx [K]
 
 With act-order the input columns of a group are scattered: the layer keeps them sorted by group
 (a permutation of K it applies to x first), so its groups are contiguous again. q/k/v (and
@@ -26,7 +33,9 @@ import torch
 from kvserve.errors import ConfigError, ModelLoadError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx")  # a packed projection's tensors
+TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx",  # a packed projection's tensors
+           ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
+CT = "compressed-tensors"
 # our merged projection -> its checkpoint parts, in row order
 _PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -48,9 +57,12 @@ def check_config(q: dict, name: str) -> tuple[str, int, bool]:
     """(method, group size, desc_act) of a config this reader loads; ConfigError naming the field
     otherwise."""
     method = str(q.get("quant_method", "")).lower()
+    if method == CT:
+        w = _ct_weights(q, name)
+        return CT, w["group_size"], w.get("actorder") is not None
     if method not in ("awq", "gptq"):
         raise ConfigError("quantization", f"{name}'s quant_method {q.get('quant_method')!r} is not loaded; "
-                          f"supported: awq, gptq")
+                          f"supported: awq, gptq, {CT}")
     if q.get("bits", q.get("w_bit")) != 4:
         raise ConfigError("quantization", f"{name}: bits {q.get('bits', q.get('w_bit'))!r}; the int4 kernels take 4")
     g = q.get("group_size", q.get("q_group_size"))
@@ -63,6 +75,51 @@ def check_config(q: dict, name: str) -> tuple[str, int, bool]:
         raise ConfigError("quantization", f"{name}: checkpoint_format {q.get('checkpoint_format')!r}; "
                           f"GPTQ's own (v1) layout is loaded")
     return method, g, bool(q.get("desc_act", False))
+
+
+def _ct_weights(q: dict, name: str) -> dict:
+    """The weights scheme of a compressed-tensors config this reader loads: one config group of
+    int4 group-wise weights on the Linear layers, packed, no activation quantization."""
+    def bad(field: str, got, want: str) -> ConfigError:
+        return ConfigError("quantization", f"{name}: compressed-tensors {field} {got!r}; {want}")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise bad("config_groups", groups, "one group of 4-bit weights is loaded")
+    (group,) = groups.values()
+    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+        raise bad("config group", group, "a group with a weights scheme is loaded")
+    fmt = group.get("format") or q.get("format")
+    if fmt != "pack-quantized":
+        raise bad("format", fmt, "pack-quantized is loaded")
+    if "Linear" not in (group.get("targets") or []):
+        raise bad("targets", group.get("targets"), "the Linear layers must be the target")
+    if group.get("input_activations") is not None:
+        raise bad("input_activations", group.get("input_activations"), "weight-only schemes are loaded")
+    w = group["weights"]
+    for field, want in (("type", "int"), ("num_bits", 4), ("strategy", "group")):
+        if w.get(field) != want:
+            raise bad(f"weights.{field}", w.get(field), f"the int4 kernels take {want!r}")
+    if w.get("group_size") not in (32, 64, 128):
+        raise bad("weights.group_size", w.get("group_size"), "the int4 kernels take 32, 64 or 128")
+    if w.get("actorder") not in (None, "group", "weight", "static", "dynamic"):
+        raise bad("weights.actorder", w.get("actorder"), "null, group, weight, static or dynamic")
+    return w
+
+
+def unpack_ct(packed, scale, zero_point, shape, g_idx):
+    """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32 (8 when symmetric), g_idx)."""
+    N, K = (int(d) for d in shape)
+    if packed.dtype != torch.int32 or packed.shape != (N, -(-K // 8)) or scale.dim() != 2 or scale.shape[0] != N:
+        raise RuntimeError(f"weight_packed {tuple(packed.shape)} {packed.dtype} / weight_scale "
+                           f"{tuple(scale.shape)} for weight_shape [{N}, {K}]")
+    q = _nibbles(packed).reshape(N, -1)[:, :K]
+    if zero_point is None:
+        z = torch.full(scale.shape, 8.0)
+    else:
+        if zero_point.dtype != torch.int32 or zero_point.shape != (-(-N // 8), scale.shape[1]):
+            raise RuntimeError(f"weight_zero_point {tuple(zero_point.shape)} {zero_point.dtype}")
+        z = _nibbles(zero_point.t().contiguous()).reshape(scale.shape[1], -1)[:, :N].t().float()
+    return q.to(torch.uint8), scale.float(), z, None if g_idx is None else g_idx.long()
 
 
 def _nibbles(p: torch.Tensor) -> torch.Tensor:
@@ -123,13 +180,15 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
             rows, perms = [], []
             for part in parts:
                 p = f"model.layers.{i}.{part}"
-                need = ("qweight", "qzeros", "scales") + (("g_idx",) if method == "gptq" else ())
+                need, extra = _NEED[method]
                 missing = [f"{p}.{t}" for t in need if f"{p}.{t}" not in tensors]
                 if missing:
                     raise ModelLoadError(f"{name}: quantization_config says {method}, but {missing[0]} is missing")
-                t = [tensors[f"{p}.{x}"] for x in need]
+                t = [tensors[f"{p}.{x}"] for x in need] + [tensors.get(f"{p}.{x}") for x in extra]
+                need += tuple(x for x in extra if f"{p}.{x}" in tensors)
                 try:
-                    u = unpack_awq(*t, g) if method == "awq" else unpack_gptq(*t)
+                    u = (unpack_awq(*t, g) if method == "awq" else unpack_gptq(*t) if method == "gptq"
+                         else unpack_ct(t[0], t[1], t[3], t[2].tolist(), t[4]))
                 except RuntimeError as e:
                     raise ModelLoadError(f"{name}: {p} is not in {method}'s layout ({e})") from None
                 codes, s, m, perm = repack(*u, g, p)
@@ -153,6 +212,11 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
             parent, _, attr = f"layers.{i}.{ours}".rpartition(".")
             setattr(model.get_submodule(parent), attr, new)
     return frozenset(taken)
+
+
+# a projection's tensors by method: (required, optional)
+_NEED = {"awq": (("qweight", "qzeros", "scales"), ()), "gptq": (("qweight", "qzeros", "scales", "g_idx"), ()),
+         CT: (("weight_packed", "weight_scale", "weight_shape"), ("weight_zero_point", "weight_g_idx"))}
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -1,0 +1,325 @@
+"""``kvserve quantize``: a model's decoder projections quantized to 4-bit groups by round-to-
+nearest, AWQ or GPTQ (``algorithms.py``), written as a Hugging Face directory in the
+compressed-tensors ``pack-quantized`` layout (the format vLLM and llm-compressor read; kvserve
+loads it packed, ``models/awq_gptq.py``).
+
+Calibration runs kvserve's own engine once over the calibration text (full precision, no
+prefix cache) with hooks on every projection: each keeps its inputs (AWQ's search) and their
+Gram matrix X^T X (GPTQ's Hessian). Every layer is calibrated on the full-precision model's
+activations, in one pass; GPTQ implementations that re-run each layer on the quantized layers
+before it see slightly different inputs.
+
+AWQ's scales are folded where the model stays equivalent: the input projections' into the RMSNorm
+before them, down_proj's into up_proj's rows. o_proj's would go into v_proj's rows, which holds
+only when every query head has its own KV head; under grouped-query attention o_proj is rounded
+to nearest, as AutoAWQ does. Only Llama-family models (a plain RMSNorm before each block) are
+quantized: Gemma 3's (1 + w) norms are not handled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from kvserve.errors import ConfigError, ModelLoadError
+from kvserve.quantize import algorithms
+from kvserve.quantize.algorithms import Grid, Quantized
+
+METHODS = ("rtn", "awq", "gptq")
+GROUP_SIZES = (32, 64, 128)
+_PROJ = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def check_args(method: str, bits: int, group_size: int, num_tokens: int) -> None:
+    if method not in METHODS:
+        raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
+    if isinstance(bits, bool) or bits != 4:
+        raise ConfigError("bits", f"must be 4 (the int4 kernels' width); got {bits!r}")
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise ConfigError("group_size", f"must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 16 <= num_tokens <= 1 << 20:
+        raise ConfigError("num_tokens", f"must be an integer in [16, 1048576]; got {num_tokens!r}")
+
+
+# Calibration inputs kept per projection for AWQ's search (every n-th token, over the whole
+# text); GPTQ's X^T X sums every token.
+AWQ_ROWS = 1024
+
+
+def default_text() -> str:
+    """Calibration text that ships with Python: the docstrings of standard modules and of their
+    public classes and functions, about 100k tokens. ``pydoc_data`` and ``unittest`` are left
+    out: kvserve's quality measurements hold them out."""
+    import importlib
+    import inspect
+    names = ("abc argparse ast asyncio base64 bisect calendar codecs collections configparser contextlib copy "
+             "csv dataclasses datetime decimal difflib dis doctest email enum fnmatch fractions functools gettext "
+             "glob gzip hashlib heapq hmac html http.client inspect io ipaddress itertools json locale logging lzma "
+             "mailbox math mimetypes operator optparse os pathlib pickle platform pprint queue random re sched "
+             "secrets selectors shlex shutil signal smtplib socket sqlite3 ssl statistics string struct "
+             "subprocess tarfile tempfile textwrap threading time timeit tokenize traceback typing urllib.parse "
+             "uuid warnings weakref xml.etree.ElementTree zipfile zlib").split()
+    parts = []
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        parts.append(inspect.getdoc(mod) or "")
+        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            obj = getattr(mod, attr, None)
+            if not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj)):
+                parts.append(f"{name}.{attr}: {inspect.getdoc(obj) or ''}")
+    return "\n\n".join(p for p in parts if p.strip())
+
+
+class _Inputs:
+    """A projection's calibration inputs: every ``stride``-th row (for AWQ) and X^T X."""
+
+    def __init__(self, stride: int):
+        self.stride, self.rows, self.gram, self.count = stride, [], None, 0
+
+    def __call__(self, module, args) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
+        g = (x.t() @ x).double()
+        self.gram = g if self.gram is None else self.gram + g
+        first = -self.count % self.stride
+        self.rows.append(x[first::self.stride].clone())
+        self.count += x.shape[0]
+
+    def x(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+def calibrate(llm, ids: list[int], chunk: int, keep: int) -> dict[str, _Inputs]:
+    model = llm.engine.runner.model
+    inputs, handles = {}, []
+    stride = max(1, len(ids) // keep)
+    for i in range(len(model.layers)):
+        for p in _PROJ:
+            name = f"layers.{i}.{p}"
+            inputs[name] = _Inputs(stride)
+            handles.append(model.get_submodule(name).register_forward_pre_hook(inputs[name]))
+    from kvserve.sampling_params import SamplingParams
+    try:
+        prompts = [{"prompt_token_ids": ids[i:i + chunk]} for i in range(0, len(ids), chunk)]
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs
+
+
+def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_size: int = 128,
+             symmetric: bool = True, act_order: bool = False, text: str | None = None, num_tokens: int = 16384,
+             chunk: int = 512, device: str = "cpu") -> dict:
+    """Quantize ``model`` (a GGUF file or an unquantized Hugging Face directory of a Llama-family
+    model) and write the checkpoint to ``out`` (new or empty); returns its quantization_config."""
+    from kvserve.layers.linear import dense_parameters
+    from kvserve.llm import LLM
+    from kvserve.models import loader
+    check_args(method, bits, group_size, num_tokens)
+    if act_order and method != "gptq":
+        raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ModelLoadError(f"{out}: exists and is not an empty directory; choose a new --out")
+    src = loader.resolve(model)
+    if src.kind not in ("gguf", "hf") or src.quant_method or src.arch.family == "gemma3":
+        why = ("already quantized" if src.quant_method else "a Gemma 3 model" if src.arch.family == "gemma3"
+               else f"a {src.kind} source")
+        raise ModelLoadError(f"{src.name}: {why}; kvserve quantize takes an unquantized Llama-family GGUF file "
+                             f"or Hugging Face directory")
+    llm = LLM(model, device=device, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              quantization="none", show_progress=False, max_num_batched_tokens=max(chunk, 512))
+    eng, a = llm.engine, llm.engine.arch
+    widths = {a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size}
+    if any(k % group_size for k in widths):
+        shown = ", ".join(map(str, sorted(widths)))
+        raise ConfigError("group_size", f"must divide every projection's input width ({shown} for {src.name}); "
+                          f"{group_size} does not: use one of "
+                          f"{', '.join(str(g) for g in GROUP_SIZES if not any(k % g for k in widths)) or 'none'}")
+    if eng.tokenizer is None:
+        raise ModelLoadError(f"{src.name}: no tokenizer to encode the calibration text")
+    ids = eng.tokenizer.encode(text or default_text(), add_special_tokens=False)[:num_tokens]
+    if len(ids) < 16:
+        raise ConfigError("text", f"needs at least 16 tokens of calibration text, got {len(ids)}")
+    inputs = calibrate(llm, ids, chunk, keep=AWQ_ROWS)
+    params = {k: v.detach().float().clone() for k, v in dense_parameters(eng.runner.model)}
+    grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path))
+    packed: dict[str, Quantized] = {}
+    for i in range(a.num_layers):
+        pre = f"layers.{i}."
+        if method == "awq":
+            _awq_layer(params, inputs, pre, a, grid)
+        for p in _PROJ:
+            w = params.pop(f"{pre}{p}.weight")
+            if method == "gptq":
+                packed[pre + p] = algorithms.gptq(w, inputs[pre + p].gram, grid, act_order)
+            else:
+                packed[pre + p] = algorithms.rtn(w, grid)
+    config = _ct_config(group_size, symmetric, act_order)
+    _write(out, src, eng, a, params, packed, config,
+           {"method": method, "calibration_tokens": len(ids), "kvserve_version": _version()})
+    return config
+
+
+def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
+    """Search and fold AWQ's scales for one decoder layer (down first: its scale moves into
+    up_proj's rows before gate_up is searched)."""
+    inter = a.intermediate_size
+    w = params[pre + "mlp.down_proj.weight"]
+    s = algorithms.awq_scales(w, inputs[pre + "mlp.down_proj"].x(), grid)
+    params[pre + "mlp.down_proj.weight"] = w * s
+    params[pre + "mlp.gate_up_proj.weight"][inter:] /= s[:, None]
+    if a.num_heads == a.num_kv_heads:
+        w = params[pre + "self_attn.o_proj.weight"]
+        s = algorithms.awq_scales(w, inputs[pre + "self_attn.o_proj"].x(), grid)
+        params[pre + "self_attn.o_proj.weight"] = w * s
+        kv = a.num_kv_heads * a.head_dim
+        qkv = params[pre + "self_attn.qkv_proj.weight"]
+        qkv[qkv.shape[0] - kv:] /= s[:, None]
+        bias = params.get(pre + "self_attn.qkv_proj.bias")
+        if bias is not None:
+            bias[bias.shape[0] - kv:] /= s
+    for proj, norm in (("mlp.gate_up_proj", "post_attention_layernorm"), ("self_attn.qkv_proj", "input_layernorm")):
+        w = params[f"{pre}{proj}.weight"]
+        s = algorithms.awq_scales(w, inputs[pre + proj].x(), grid)
+        params[f"{pre}{proj}.weight"] = w * s
+        params[f"{pre}{norm}.weight"] /= s
+
+
+def _ct_config(group_size: int, symmetric: bool, act_order: bool) -> dict:
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size,
+               "dynamic": False, "actorder": "weight" if act_order else None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def pack_int32(codes: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Signed 4-bit codes [R, C] (int8 in [-8, 7]) -> int32 words along ``dim``: value i of a
+    run of eight at bits 4i, stored as q + 8 (compressed-tensors' ``pack_to_int32``)."""
+    u = (codes.to(torch.int32) + 8)
+    if dim == 0:
+        u = u.t()
+    R, C = u.shape
+    u = torch.nn.functional.pad(u, (0, -C % 8)).view(R, -1, 8)
+    words = (u << torch.arange(0, 32, 4, dtype=torch.int32)).sum(dim=-1, dtype=torch.int64)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return (words.t() if dim == 0 else words).contiguous()
+
+
+def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qconfig: dict, about: dict) -> None:
+    from safetensors.torch import save_file
+    dtype = torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
+        for ours, parts in _HF_PARTS.items():  # a fused bias is split like its weight
+            if name.endswith(f"{ours}.bias"):
+                for part, rows in zip(parts, _split(a, ours, t)):
+                    tensors["model." + name.replace(ours, part)] = rows.to(dtype).contiguous()
+                break
+        else:
+            tensors[name if name.startswith("lm_head") else "model." + name] = t.to(dtype).contiguous()
+    for name, q in packed.items():
+        ours = name.split(".", 2)[2]
+        for part, rows in zip(_HF_PARTS[ours], _row_ranges(a, ours)):
+            p = f"model.{name.replace(ours, part)}."
+            tensors[p + "weight_packed"] = pack_int32(q.codes[rows])
+            tensors[p + "weight_scale"] = q.scales[rows].contiguous()
+            tensors[p + "weight_shape"] = torch.tensor([rows.stop - rows.start, q.codes.shape[1]], dtype=torch.int64)
+            if not qconfig["config_groups"]["group_0"]["weights"]["symmetric"]:
+                tensors[p + "weight_zero_point"] = pack_int32(q.zeros[rows], dim=0)
+            if q.g_idx is not None:
+                tensors[p + "weight_g_idx"] = q.g_idx.to(torch.int32)
+    tmp = out.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    cfg = _hf_config(src)
+    cfg["quantization_config"] = qconfig
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(os.path.join(tmp, "kvserve_quantize.json"), "w") as f:
+        json.dump(about, f, indent=1)
+    eng.tokenizer.save_pretrained(tmp)
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+
+
+def _row_ranges(a, proj: str) -> list[slice]:
+    q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    return {"self_attn.qkv_proj": [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)],
+            "self_attn.o_proj": [slice(0, a.hidden_size)],
+            "mlp.gate_up_proj": [slice(0, inter), slice(inter, 2 * inter)],
+            "mlp.down_proj": [slice(0, a.hidden_size)]}[proj]
+
+
+def _split(a, proj: str, t: torch.Tensor) -> list[torch.Tensor]:
+    return [t[r] for r in _row_ranges(a, proj)]
+
+
+def _hf_dtype(path: str) -> torch.dtype:
+    with open(os.path.join(path, "config.json")) as f:
+        name = json.load(f).get("torch_dtype") or "bfloat16"
+    return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
+
+
+def _hf_config(src) -> dict:
+    if src.kind == "hf":
+        with open(os.path.join(src.path, "config.json")) as f:
+            return json.load(f)
+    from transformers import AutoConfig  # the GGUF's metadata as a Hugging Face config
+    cfg = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(src.path)),
+                                     gguf_file=os.path.basename(src.path)).to_dict()
+    cfg.pop("quantization_config", None)
+    return cfg
+
+
+def _version() -> str:
+    from kvserve.models.snapshot import kvserve_version
+    return kvserve_version()
+
+
+def add_quantize_args(sub) -> None:
+    """``kvserve quantize`` under the CLI's subcommands ``sub``."""
+    q = sub.add_parser("quantize", help="quantize a model's projections to 4-bit groups (RTN, AWQ or GPTQ) and "
+                       "write a compressed-tensors checkpoint that kvserve, vLLM and transformers load")
+    q.add_argument("model", metavar="MODEL", help="an unquantized Llama-family GGUF file or Hugging Face directory")
+    q.add_argument("--out", required=True, help="the checkpoint directory to create (new or empty)")
+    q.add_argument("--method", default="gptq", choices=list(METHODS))
+    q.add_argument("--bits", type=int, default=4, help="4 (the int4 kernels' width)")
+    q.add_argument("--group-size", type=int, default=128, help="input columns sharing a scale: 32, 64 or 128")
+    q.add_argument("--asymmetric", action="store_true", help="a zero point per group (default: symmetric)")
+    q.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing activation "
+                   "energy (the groups stay runs of columns)")
+    q.add_argument("--text-file", default=None, help="calibration text (default: documentation shipped with Python)")
+    q.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (GPTQ needs several times "
+                   "the widest projection's input: fewer and it fits the calibration text, not the model)")
+    q.add_argument("--device", default="cpu", help="where the calibration forward runs")
+    q.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args) -> int:
+    import time
+    text = None
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("text_file", f"cannot read {args.text_file!r} as UTF-8 text ({e})") from None
+    t0 = time.perf_counter()
+    quantize(args.model, args.out, args.method, args.bits, args.group_size, not args.asymmetric, args.act_order,
+             text, args.num_tokens, device=args.device)
+    print(f"{args.method} int4 (groups of {args.group_size}) checkpoint written to {args.out} in "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0

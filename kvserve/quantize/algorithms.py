@@ -1,0 +1,143 @@
+"""Weight quantizers for 4-bit group-wise weights: round-to-nearest, AWQ's activation-aware
+scales and GPTQ's Hessian-guided rounding. Pure tensor math on one weight matrix at a time; what
+runs the model and writes the checkpoint is in ``__init__.py``.
+
+The grid is the one compressed-tensors stores (``int``, ``num_bits`` 4, ``strategy`` group):
+signed codes q in [-8, 7] per group of ``g`` input columns, ``w ~ (q - z) * s``. Symmetric:
+z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetric: the range
+[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. Scales are rounded to the
+checkpoint's dtype before the codes are chosen, so codes fit the scales a reader will use.
+
+References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (scales
+s = mean|x|^a, a searched on a grid, folded into the op before the layer); GPTQ, Frantar et al.
+2022, arXiv:2210.17323 (columns quantized in order, each one's rounding error spread over the
+columns not yet quantized through the inverse Hessian's Cholesky factor).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QMIN, QMAX = -8, 7
+
+
+@dataclass(frozen=True)
+class Grid:
+    group_size: int
+    symmetric: bool
+    dtype: torch.dtype  # of the stored scales
+
+
+@dataclass
+class Quantized:
+    """One matrix: codes [N, K] int8 in [-8, 7], scales and zeros [N, K / g] (zeros int8, all 0
+    when symmetric), ``g_idx`` [K] (column -> group) when the groups are not the contiguous runs
+    of columns."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.codes.shape
+        g_idx = self.g_idx if self.g_idx is not None else torch.arange(K) // (K // self.scales.shape[1])
+        s = self.scales.float()[:, g_idx]
+        z = self.zeros.float()[:, g_idx]
+        return (self.codes.float() - z) * s
+
+
+def group_params(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, G, g] (or [N, g]) -> (scale, zero) per group, scale rounded to the stored dtype."""
+    if grid.symmetric:
+        scale = w.abs().amax(dim=-1) / ((QMAX - QMIN) / 2)
+        zero = torch.zeros_like(scale)
+    else:
+        lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
+        scale = (hi - lo) / (QMAX - QMIN)
+    scale = scale.to(grid.dtype).float().clamp(min=torch.finfo(grid.dtype).tiny)
+    if not grid.symmetric:
+        zero = torch.round(QMIN - lo / scale).clamp(QMIN, QMAX)
+    return scale, zero
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.round(w / scale[..., None] + zero[..., None]).clamp(QMIN, QMAX)
+
+
+def rtn(w: torch.Tensor, grid: Grid) -> Quantized:
+    """Round to nearest, per group of contiguous columns."""
+    N, K = w.shape
+    g = grid.group_size
+    wg = w.float().view(N, K // g, g)
+    scale, zero = group_params(wg, grid)
+    q = _codes(wg, scale, zero).view(N, K)
+    return Quantized(q.to(torch.int8), scale.to(grid.dtype), zero.to(torch.int8))
+
+
+def fake_quant(w: torch.Tensor, grid: Grid) -> torch.Tensor:
+    return rtn(w, grid).dequantize()
+
+
+def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20) -> torch.Tensor:
+    """AWQ: per input channel s = mean|x|^a (normalised so that max(s) * min(s) = 1), with a in
+    [0, 1) chosen on a grid of ``steps`` values to minimise ||x W^T - x (Q(W diag s) diag 1/s)^T||.
+    ``x`` [T, K] are the layer's inputs on calibration text. a = 0 (s = 1) is plain RTN, so the
+    result is never worse than RTN on these inputs."""
+    w, x = w.float(), x.float()
+    act = x.abs().mean(dim=0).clamp(min=1e-8)
+    ref = x @ w.t()
+    best, best_s = float("inf"), torch.ones_like(act)
+    for i in range(steps):
+        s = act.pow(i / steps)
+        s = s / (s.max() * s.min()).sqrt()
+        err = (x @ (fake_quant(w * s, grid) / s).t() - ref).pow(2).mean().item()
+        if err < best:
+            best, best_s = err, s
+    return best_s
+
+
+def gptq(w: torch.Tensor, hessian: torch.Tensor, grid: Grid, act_order: bool = False, damp: float = 0.01,
+         block: int = 128) -> Quantized:
+    """GPTQ on w [N, K] with H = X^T X [K, K] of its calibration inputs. A group's scale and zero
+    are taken from the (already updated) weights when its first column is reached. With
+    ``act_order`` the columns are quantized in order of decreasing H diagonal while the groups
+    stay runs of the original columns (compressed-tensors' ``actorder: weight``: no index to
+    store, nothing to permute at run time); their parameters are then taken from the weights
+    before any update, as the groups are visited out of order."""
+    W = w.float().clone()
+    N, K = W.shape
+    g = grid.group_size
+    H = hessian.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else None
+    scales = torch.zeros(N, K // g)
+    zeros = torch.zeros(N, K // g)
+    group = torch.arange(K) // g  # of each column in the order they are quantized
+    if perm is not None:
+        scales, zeros = group_params(W.view(N, K // g, g), grid)
+        W, H, group = W[:, perm], H[perm][:, perm], group[perm]
+    H += damp * torch.mean(torch.diag(H)) * torch.eye(K)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, K, block):
+        i2 = min(i1 + block, K)
+        W1, Q1, E1, Hi = W[:, i1:i2].clone(), torch.zeros(N, i2 - i1), torch.zeros(N, i2 - i1), hinv[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            col = i1 + j
+            if perm is None and col % g == 0:  # the group's parameters from its columns as they stand now
+                grp = torch.cat([W1[:, j:], W[:, i2:]], dim=1)[:, :g]
+                scales[:, col // g], zeros[:, col // g] = group_params(grp, grid)
+            s, z = scales[:, group[col]], zeros[:, group[col]]
+            q = torch.round(W1[:, j] / s + z).clamp(QMIN, QMAX)
+            Q1[:, j] = q
+            err = (W1[:, j] - (q - z) * s) / Hi[j, j]
+            W1[:, j:] -= err[:, None] * Hi[j, j:][None, :]
+            E1[:, j] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= E1 @ hinv[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Quantized(Q.to(torch.int8), scales.to(grid.dtype), zeros.to(torch.int8))

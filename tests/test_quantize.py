@@ -1,0 +1,220 @@
+"""``kvserve quantize`` (RTN, AWQ, GPTQ) and the compressed-tensors checkpoints it writes.
+
+References we did not write: the ``compressed-tensors`` library's own packing and, through
+transformers' loader for that format, its decompression and transformers' forward on the same
+checkpoint; plain float math for the quantizers' objectives. The models are small random Llamas
+(grouped-query and multi-head attention) with a byte-level tokenizer trained on the spot.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from byte_tokenizer import build
+
+from kvserve import LLM
+from kvserve.errors import ConfigError, ModelLoadError
+from kvserve.layers.linear import dense_parameters, unpack_cpu_weights
+from kvserve.layers.quant_linear import QuantLinear
+from kvserve.quantize import _awq_layer, calibrate, pack_int32, quantize
+from kvserve.quantize import algorithms as A
+
+pytestmark = pytest.mark.unit
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 8 + '{"name": "Ada", "age": 36, "tags": ["math"]} ' * 8
+        + "0123456789 red green blue yes no maybe " * 8)
+
+
+def _model_dir(path, heads: int, kv_heads: int, seed: int = 0, h: int = 128) -> str:
+    """A random Llama (hidden size ``h``) in float32, with outlier channels in its norms (the
+    activations AWQ and GPTQ are built for), and the byte-level tokenizer."""
+    from safetensors.torch import save_file
+    inter, vocab, layers = 2 * h, 512, 2
+    d = h // heads
+    g = torch.Generator().manual_seed(seed)
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g) * 0.5,
+         "model.norm.weight": torch.rand(h, generator=g) + 0.5}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            w = torch.rand(h, generator=g) + 0.5
+            w[torch.randperm(h, generator=g)[:4]] *= 12  # a few loud channels
+            t[p + n + ".weight"] = w
+        for name, shape in (("self_attn.q_proj", (heads * d, h)), ("self_attn.k_proj", (kv_heads * d, h)),
+                            ("self_attn.v_proj", (kv_heads * d, h)), ("self_attn.o_proj", (h, heads * d)),
+                            ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)), ("mlp.down_proj", (h, inter))):
+            t[p + name + ".weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+    os.makedirs(path, exist_ok=True)
+    save_file(t, os.path.join(path, "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": layers,
+           "vocab_size": vocab, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "float32", "eos_token_id": 0,
+           "bos_token_id": 0}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    build(path)
+    return str(path)
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.hidden_states(ids))
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    return _model_dir(tmp_path_factory.mktemp("gqa") / "m", heads=4, kv_heads=2)
+
+
+@pytest.mark.parametrize("codes_shape,dim", [((6, 40), 1), ((13, 24), 0), ((16, 64), 1), ((9, 3), 0)])
+def test_packing_is_the_libraries_own(codes_shape, dim):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    g = torch.Generator().manual_seed(sum(codes_shape))
+    codes = torch.randint(-8, 8, codes_shape, generator=g, dtype=torch.int8)
+    assert torch.equal(pack_int32(codes, dim), pack_to_int32(codes, 4, packed_dim=dim))
+
+
+def _layer(seed: int, n: int = 96, k: int = 256, t: int = 1024):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) * 0.2 + torch.eye(k)
+    x = torch.randn(t, k, generator=g) @ mix
+    x[:, torch.randperm(k, generator=g)[:6]] *= 15  # outlier input channels
+    return torch.randn(n, k, generator=g) / k ** 0.5, x
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_and_awq_beat_round_to_nearest_on_their_inputs(symmetric):
+    w, x = _layer(1)
+    grid = A.Grid(32, symmetric, torch.float32)
+    ref = x @ w.t()
+
+    def err(wq):
+        return ((x @ wq.t() - ref).pow(2).sum() / ref.pow(2).sum()).item()
+    rtn = A.rtn(w, grid)
+    assert rtn.codes.min() >= -8 and rtn.codes.max() <= 7
+    s = A.awq_scales(w, x, grid)
+    awq = A.fake_quant(w * s, grid) / s
+    gptq = A.gptq(w, x.t() @ x, grid)
+    ordered = A.gptq(w, x.t() @ x, grid, act_order=True)
+    assert err(gptq.dequantize()) < 0.7 * err(rtn.dequantize())
+    assert err(ordered.dequantize()) < 0.7 * err(rtn.dequantize())
+    assert err(awq) < err(rtn.dequantize())
+    # act-order keeps the groups as runs of columns, each with the grid of its original weights
+    assert ordered.g_idx is None
+    assert torch.equal(ordered.scales, rtn.scales) and torch.equal(ordered.zeros, rtn.zeros)
+    assert torch.equal(ordered.dequantize(), (ordered.codes.float() - ordered.zeros.float().repeat_interleave(32, 1))
+                       * ordered.scales.float().repeat_interleave(32, 1))
+
+
+def test_awq_folding_keeps_the_model_equivalent(tmp_path):
+    """Scales folded into the norms, up_proj and (multi-head) v_proj: without rounding, the
+    model computes the same logits."""
+    path = _model_dir(tmp_path / "mha", heads=4, kv_heads=4, seed=2)
+    llm = LLM(path, quantization="none", enable_prefix_caching=False, show_progress=False, kv_cache_memory="16MiB")
+    model = llm.engine.runner.model
+    unpack_cpu_weights(model)
+    ids = llm.engine.tokenizer.encode(TEXT)
+    before = _logits(llm, ids[:60])
+    inputs = calibrate(llm, ids, 64, keep=128)
+    params = {k: v.detach().clone() for k, v in dense_parameters(model)}
+    grid = A.Grid(32, True, torch.float32)
+    for i in range(2):
+        _awq_layer(params, inputs, f"layers.{i}.", llm.engine.arch, grid)
+    assert not torch.equal(params["layers.0.input_layernorm.weight"], model.layers[0].input_layernorm.weight)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    after = _logits(llm, ids[:60])
+    assert ((after - before).norm() / before.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("method,symmetric,act_order", [("rtn", True, False), ("awq", True, False),
+                                                        ("gptq", True, False), ("gptq", False, True)])
+def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path, method, symmetric, act_order):
+    from transformers import AutoModelForCausalLM
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, method, group_size=32, symmetric=symmetric, act_order=act_order, text=TEXT,
+             num_tokens=256, chunk=64)
+    cfg = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"
+    assert cfg["config_groups"]["group_0"]["weights"]["symmetric"] is symmetric
+    llm = LLM(out, show_progress=False, kv_cache_memory="16MiB")
+    layer = llm.engine.runner.model.layers[1]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
+    # every projection as the format's library decompresses it, read back through kvserve's layer
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+    weights = QuantizationArgs(**cfg["config_groups"]["group_0"]["weights"])
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    for ours_name, parts in (("self_attn.qkv_proj", "qkv"), ("mlp.gate_up_proj", ("gate", "up"))):
+        rows = []
+        for part in parts:
+            pre = f"model.layers.1.{'self_attn' if len(part) == 1 else 'mlp'}.{part}_proj."
+            sd = {k.removeprefix(pre): v for k, v in tensors.items() if k.startswith(pre)}
+            rows.append(PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float())
+        mod = llm.engine.runner.model.get_submodule(f"layers.1.{ours_name}")
+        with torch.inference_mode():
+            assert torch.allclose(mod(torch.eye(mod.in_features)).t(), torch.cat(rows), rtol=1e-6, atol=1e-7)
+    ids = llm.engine.tokenizer.encode("The lazy dog jumps over the quick brown fox. [1, 2, 3]")
+    ours = _logits(llm, ids)
+    if symmetric:  # transformers' loader (compressed-tensors 0.20) sizes asymmetric zero points unpacked
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
+    fp = LLM(gqa_model, show_progress=False, kv_cache_memory="16MiB")
+    base = _logits(fp, ids)
+    assert 0 < ((ours - base).norm() / base.norm()).item() < 1  # quantized, and the same model still
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"method": "hqq"}, "method"), ({"bits": 3}, "bits"), ({"bits": 2**63}, "bits"),
+    ({"group_size": 48}, "group_size"), ({"group_size": True}, "group_size"), ({"num_tokens": 8}, "num_tokens"),
+    ({"num_tokens": float("nan")}, "num_tokens"),
+    ({"method": "awq", "act_order": True}, "act_order"), ({"text": "a b"}, "text"),
+])
+def test_bad_arguments_name_the_field(gqa_model, tmp_path, kwargs, field):
+    args = {"method": "rtn", "group_size": 32, "text": TEXT, "num_tokens": 64} | kwargs
+    with pytest.raises(ConfigError, match=field):
+        quantize(gqa_model, str(tmp_path / "q"), **args)
+    assert not os.path.exists(tmp_path / "q")
+
+
+def test_refused_sources_and_destinations(gqa_model, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    with pytest.raises(ModelLoadError, match="not an empty directory"):
+        quantize(gqa_model, str(tmp_path / "full"), "rtn", group_size=32, text=TEXT, num_tokens=64)
+    with pytest.raises(ModelLoadError, match="a dummy source"):
+        quantize("dummy:tiny", str(tmp_path / "q"), "rtn", group_size=32, text=TEXT, num_tokens=64)
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        quantize(out, str(tmp_path / "q2"), "rtn", group_size=32, text=TEXT, num_tokens=64)
+    narrow = _model_dir(tmp_path / "narrow", heads=4, kv_heads=2, h=96)
+    with pytest.raises(ConfigError, match=r"group_size: must divide every projection's input width \(96, 192"):
+        quantize(narrow, str(tmp_path / "q3"), "rtn", group_size=64, text=TEXT, num_tokens=64)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8), "num_bits 8"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="channel"), "strategy 'channel'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size 16"),
+    (lambda q: q.update(format="naive-quantized") or q["config_groups"]["group_0"].pop("format"), "format"),
+    (lambda q: q["config_groups"].update(group_1=q["config_groups"]["group_0"]), "config_groups"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "input_activations"),
+])
+def test_unsupported_compressed_tensors_configs_are_refused(gqa_model, tmp_path, change, match):
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    path = os.path.join(out, "config.json")
+    cfg = json.load(open(path))
+    change(cfg["quantization_config"])
+    json.dump(cfg, open(path, "w"))
+    with pytest.raises(ConfigError, match=match):
+        LLM(out, show_progress=False, kv_cache_memory="16MiB")
