@@ -34,5 +34,6 @@ def test_explicit_backend_is_kept(requested):
 
 @pytest.mark.parametrize("eviction", ["none", "streaming"])
 def test_cpu_engine_runs_on_torch(eviction):
-    llm = LLM("dummy:tiny", kv_cache_memory="1MiB", max_model_len=64, show_progress=False, kv_eviction=eviction)
+    llm = LLM("dummy:tiny", device="cpu", kv_cache_memory="1MiB", max_model_len=64, show_progress=False,
+              kv_eviction=eviction)
     assert llm.engine.runner.backend_name == "torch"

@@ -110,8 +110,8 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", False), ("gptq", True)])
 def test_checkpoint_loads_packed_and_matches_dequantized(tmp_path, fmt, act_order):
     qdir, fdir, deq = _write(tmp_path, fmt, act_order)
-    llm = LLM(str(qdir), show_progress=False, kv_cache_memory="16MiB")
-    ref = LLM(str(fdir), show_progress=False, kv_cache_memory="16MiB")
+    llm = LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
+    ref = LLM(str(fdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
     layer = llm.engine.runner.model.layers[0]
     qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
     assert isinstance(qkv, QuantLinear) and qkv.fmt == fmt and qkv.group_size == G
@@ -140,7 +140,7 @@ def test_checkpoint_loads_packed_and_matches_dequantized(tmp_path, fmt, act_orde
 def test_bad_configs(tmp_path, qc, match):
     qdir, _, _ = _write(tmp_path, "awq", quant_cfg=qc)
     with pytest.raises(ConfigError, match=match) as e:
-        LLM(str(qdir), show_progress=False, kv_cache_memory="16MiB")
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
     assert e.value.option == "quantization"
 
 
@@ -148,7 +148,7 @@ def test_config_and_tensors_disagree(tmp_path):
     """A GPTQ config over AWQ tensors: GPTQ's g_idx is missing."""
     qdir, _, _ = _write(tmp_path, "awq", quant_cfg={"quant_method": "gptq", "bits": 4, "group_size": G})
     with pytest.raises(ModelLoadError, match="gptq.*g_idx is missing"):
-        LLM(str(qdir), show_progress=False, kv_cache_memory="16MiB")
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
 
 
 def test_method_must_match_checkpoint(tmp_path):

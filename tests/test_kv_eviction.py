@@ -90,7 +90,7 @@ def test_matches_masked_reference_in_a_mixed_batch(tmp_path):
     # A small step budget chunks the prompts; budgets of 9 (the least: sink + 1 block), 13, 20
     # tokens and none; the 3-block budget also forked (n=2), whose siblings share blocks.
     llm = LLM(path, show_progress=False, kv_cache_memory="1MiB", block_size=BS, max_num_batched_tokens=16,
-              kv_eviction="streaming")
+              kv_eviction="streaming", dtype="float32")  # the reference's dtype, on any device
     eng = llm.engine
     prompts = prompts_of((5, 23, 41, 30, 41))
     budgets = (9, 13, 20, None, 13)
@@ -109,7 +109,7 @@ def test_shared_blocks_survive_eviction(tmp_path):
     references; each gets its own reference's output, in either order of arrival."""
     model, path = make_llama(tmp_path)
     llm = LLM(path, show_progress=False, kv_cache_memory="1MiB", block_size=BS, max_num_batched_tokens=64,
-              kv_eviction="streaming")
+              kv_eviction="streaming", dtype="float32")  # the reference's dtype, on any device
     eng = llm.engine
     (p,) = prompts_of((40,), seed=3)
     full, streamed = masked_greedy(model, p, 12, None), masked_greedy(model, p, 12, 13)
@@ -129,7 +129,7 @@ def test_preemption_recomputes_under_the_same_mask(tmp_path):
     model, path = make_llama(tmp_path)
     # A pool of 16 blocks: the full-attention request grows to 14 and pushes the others out.
     llm = LLM(path, show_progress=False, kv_cache_memory="32KiB", block_size=BS, max_num_batched_tokens=64,
-              kv_eviction="streaming")
+              kv_eviction="streaming", dtype="float32")  # the reference's dtype, on any device
     eng = llm.engine
     prompts = prompts_of((30, 34, 26), seed=5)
     budgets = (13, None, 9)
@@ -153,7 +153,7 @@ def test_triton_backend_matches_torch_backend(tmp_path):
 
     def run(backend, budgets):
         llm = LLM(path, show_progress=False, kv_cache_memory="1MiB", block_size=BS, max_num_batched_tokens=24,
-                  kv_eviction="streaming", attention_backend=backend)
+                  kv_eviction="streaming", attention_backend=backend, dtype="float32")
         reqs = [(f"r{i}", {"prompt_token_ids": p}, params(b, n_new=8))
                 for i, (p, b) in enumerate(zip(prompts, budgets))]
         return drive(llm.engine, {0: reqs[:1], 2: reqs[1:]})

@@ -62,14 +62,15 @@ def warm_device(device, dtype, arch, backend: str) -> None:
     The loading threads spend their time in reads, hashing and copies, which release the GIL."""
     import torch
     torch.cuda.set_device(device)  # this thread's
-    x = torch.randn(16, arch.hidden_size, device=device, dtype=dtype)
+    # No random numbers: the device generator may be another engine's, mid-capture of a graph.
+    x = torch.full((16, arch.hidden_size), 0.01, device=device, dtype=dtype)
     (x @ x.T).sum()  # cuBLAS
     if backend == "triton":
         from kvserve.kernels.rmsnorm import rmsnorm
         from kvserve.layers.triton_attention import _sdpa_causal
         rmsnorm(x, torch.ones(arch.hidden_size, device=device, dtype=dtype), 1e-6)
-        q = torch.randn(64, arch.num_heads, arch.head_dim, device=device, dtype=dtype)
-        kv = torch.randn(64, arch.num_kv_heads, arch.head_dim, device=device, dtype=dtype)
+        q = torch.full((64, arch.num_heads, arch.head_dim), 0.01, device=device, dtype=dtype)
+        kv = torch.full((64, arch.num_kv_heads, arch.head_dim), 0.01, device=device, dtype=dtype)
         _sdpa_causal(q, kv, kv, arch.head_dim ** -0.5)  # cuDNN
     torch.cuda.synchronize(device)
 
