@@ -218,3 +218,49 @@ def test_unsupported_compressed_tensors_configs_are_refused(gqa_model, tmp_path,
     json.dump(cfg, open(path, "w"))
     with pytest.raises(ConfigError, match=match):
         LLM(out, show_progress=False, kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_checkpoint_the_format_library_wrote_loads(gqa_model, tmp_path, symmetric):
+    """Scales and zero points from compressed-tensors' own ``calculate_qparams``, packed by its
+    own compressor, config from its own ``QuantizationConfig``: kvserve loads every projection
+    as the library decompresses it."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    out = tmp_path / "ct"
+    out.mkdir()
+    for f in os.listdir(gqa_model):
+        if f != "model.safetensors":
+            (out / f).write_bytes(open(os.path.join(gqa_model, f), "rb").read())
+    tensors, expected = {}, {}
+    for name, w in load_file(os.path.join(gqa_model, "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = w
+            continue
+        groups = w.view(w.shape[0], -1, 32)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale,
+                                                        "weight_zero_point": zero}, scheme)
+        prefix = name.removesuffix("weight")
+        tensors.update({prefix + k: v for k, v in packed.items()})
+        expected[prefix.rstrip(".")] = PackedQuantizationCompressor.decompress(packed, scheme)["weight"].float()
+    save_file(tensors, str(out / "model.safetensors"))
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                            quantization_status="compressed", ignore=["lm_head"]).model_dump()
+    cfg = json.load(open(out / "config.json"))
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qc}
+    json.dump(cfg, open(out / "config.json", "w"))
+    llm = LLM(str(out), show_progress=False, kv_cache_memory="16MiB")
+    model = llm.engine.runner.model
+    for i in range(2):
+        for ours, parts in (("self_attn.qkv_proj", ("q", "k", "v")), ("self_attn.o_proj", ("o",)),
+                            ("mlp.gate_up_proj", ("gate", "up")), ("mlp.down_proj", ("down",))):
+            mod = model.get_submodule(f"layers.{i}.{ours}")
+            assert isinstance(mod, QuantLinear)
+            want = torch.cat([expected[f"model.layers.{i}.{ours.split('.')[0]}.{p}_proj"] for p in parts])
+            with torch.inference_mode():
+                assert torch.allclose(mod(torch.eye(mod.in_features)).t(), want, rtol=1e-6, atol=1e-7), (i, ours)
