@@ -1,0 +1,88 @@
+"""Quantizers against each other on the CPU: the default model (SmolLM2-135M) quantized to int4
+by ``kvserve quantize`` (RTN, AWQ, GPTQ, GPTQ with act-order; symmetric groups of 64, the largest
+size that divides its 576-wide projections) and by round-to-nearest at load (``--quantization
+int4``, asymmetric), each loaded by kvserve and scored by perplexity over a held-out text
+(Python's reference documentation, ``pydoc_data.topics``, which the calibration text leaves
+out) against the float32 model, in one run. Also the time each quantizer took and the checkpoint
+size.
+
+    PYTHONPATH=$PWD python benchmarks/quantizers.py --out benchmarks/results/quantizers_cpu
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvserve import LLM  # noqa: E402
+from kvserve.bench.quality import perplexity  # noqa: E402
+from kvserve.models.loader import default_model_path  # noqa: E402
+from kvserve.quantize import quantize  # noqa: E402
+
+METHODS = {"rtn": {"method": "rtn"}, "awq": {"method": "awq"}, "gptq": {"method": "gptq"},
+           "gptq act-order": {"method": "gptq", "act_order": True}}
+
+
+def heldout_ids(tok, n: int) -> list[int]:
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return tok.encode(text)[:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/quantizers_cpu")
+    ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
+    ap.add_argument("--calibration-tokens", type=int, default=16384)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    a = ap.parse_args()
+    model = default_model_path()
+    res = {"model": os.path.basename(model), "group_size": a.group_size, "calibration_tokens": a.calibration_tokens,
+           "rows": {}}
+    ref = LLM(model, dtype="float32", quantization="none", show_progress=False, max_model_len=4096)
+    ids = heldout_ids(ref.get_tokenizer(), a.tokens)
+    res["heldout_tokens"] = len(ids)
+    res["rows"]["fp32"] = {"perplexity": perplexity(ref, ids)}
+    del ref
+    gc.collect()
+    llm = LLM(model, dtype="float32", quantization="int4", quantization_group_size=a.group_size,
+              show_progress=False, max_model_len=4096)
+    res["rows"]["int4 at load (RTN, asymmetric)"] = {"perplexity": perplexity(llm, ids)}
+    del llm
+    gc.collect()
+    work = tempfile.mkdtemp(prefix="kvserve-quantizers-")
+    try:
+        for name in a.methods.split(","):
+            out = os.path.join(work, name.replace(" ", "-"))
+            t0 = time.perf_counter()
+            quantize(model, out, group_size=a.group_size, num_tokens=a.calibration_tokens, **METHODS[name])
+            seconds = time.perf_counter() - t0
+            llm = LLM(out, show_progress=False, max_model_len=4096)
+            res["rows"][f"kvserve quantize {name}"] = {
+                "perplexity": perplexity(llm, ids), "quantize_s": seconds,
+                "checkpoint_bytes": sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))}
+            del llm
+            gc.collect()
+            print(name, res["rows"][f"kvserve quantize {name}"], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = res["rows"]["fp32"]["perplexity"]
+    print(f"\nperplexity over {len(ids)} held-out tokens ({res['model']}, groups of {a.group_size})")
+    for name, r in res["rows"].items():
+        extra = f"  quantized in {r['quantize_s']:.0f} s" if "quantize_s" in r else ""
+        print(f"  {name:36s} {r['perplexity']:8.3f} ({r['perplexity'] / base - 1:+.1%}){extra}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "quantizers.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
