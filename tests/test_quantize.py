@@ -54,6 +54,8 @@ def _model_dir(path, heads: int, kv_heads: int, seed: int = 0, h: int = 128) -> 
            "bos_token_id": 0}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [0, 3]}, f)
     build(path)
     return str(path)
 
@@ -138,6 +140,7 @@ def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path,
     out = str(tmp_path / "q")
     quantize(gqa_model, out, method, group_size=32, symmetric=symmetric, act_order=act_order, text=TEXT,
              num_tokens=256, chunk=64)
+    assert json.load(open(os.path.join(out, "generation_config.json")))["eos_token_id"] == [0, 3]
     cfg = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"
     assert cfg["config_groups"]["group_0"]["weights"]["symmetric"] is symmetric

@@ -149,7 +149,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     if len(ids) < 16:
         raise ConfigError("text", f"needs at least 16 tokens of calibration text, got {len(ids)}")
     inputs = calibrate(llm, ids, chunk, keep=AWQ_ROWS)
-    params = {k: v.detach().float().clone() for k, v in dense_parameters(eng.runner.model)}
+    params = {k: v.detach().float().cpu().clone() for k, v in dense_parameters(eng.runner.model)}
     grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path))
     packed: dict[str, Quantized] = {}
     for i in range(a.num_layers):
@@ -249,6 +249,8 @@ def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qc
         json.dump(cfg, f, indent=1)
     with open(os.path.join(tmp, "kvserve_quantize.json"), "w") as f:
         json.dump(about, f, indent=1)
+    if src.kind == "hf" and os.path.exists(os.path.join(src.path, "generation_config.json")):
+        shutil.copy(os.path.join(src.path, "generation_config.json"), tmp)  # a chat model's end-of-turn ids
     eng.tokenizer.save_pretrained(tmp)
     if os.path.isdir(out):
         os.rmdir(out)
