@@ -178,7 +178,8 @@ def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path,
 @pytest.mark.parametrize("kwargs,field", [
     ({"method": "hqq"}, "method"), ({"bits": 3}, "bits"), ({"bits": 2**63}, "bits"),
     ({"group_size": 48}, "group_size"), ({"group_size": True}, "group_size"), ({"num_tokens": 8}, "num_tokens"),
-    ({"num_tokens": float("nan")}, "num_tokens"),
+    ({"num_tokens": float("nan")}, "num_tokens"), ({"group_size": 32.0}, "group_size"), ({"bits": 4.0}, "bits"),
+    ({"chunk": 0}, "chunk"), ({"text": ""}, "text"),
     ({"method": "awq", "act_order": True}, "act_order"), ({"text": "a b"}, "text"),
 ])
 def test_bad_arguments_name_the_field(gqa_model, tmp_path, kwargs, field):
@@ -267,3 +268,46 @@ def test_a_checkpoint_the_format_library_wrote_loads(gqa_model, tmp_path, symmet
             want = torch.cat([expected[f"model.layers.{i}.{ours.split('.')[0]}.{p}_proj"] for p in parts])
             with torch.inference_mode():
                 assert torch.allclose(mod(torch.eye(mod.in_features)).t(), want, rtol=1e-6, atol=1e-7), (i, ours)
+
+
+def test_a_failed_write_leaves_nothing_and_touches_no_neighbour(gqa_model, tmp_path, monkeypatch):
+    import safetensors.torch
+    (tmp_path / "q.partial").mkdir()
+    (tmp_path / "q.partial" / "notes.txt").write_text("mine")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        quantize(gqa_model, str(tmp_path / "q"), "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    assert sorted(os.listdir(tmp_path)) == ["q.partial"] and (tmp_path / "q.partial" / "notes.txt").exists()
+
+
+def test_the_source_dtype_and_architecture_are_kept(tmp_path):
+    """A config that says ``dtype`` (transformers' newer key) is written in that dtype; a
+    config without ``architectures`` gets its family's, as vLLM needs one."""
+    path = _model_dir(tmp_path / "f16", heads=4, kv_heads=2, seed=5)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    del cfg["torch_dtype"], cfg["architectures"]
+    json.dump({**cfg, "dtype": "float16"}, open(os.path.join(path, "config.json"), "w"))
+    out = str(tmp_path / "q")
+    quantize(path, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    written = json.load(open(os.path.join(out, "config.json")))
+    assert written["dtype"] == written["torch_dtype"] == "float16"
+    assert written["architectures"] == ["LlamaForCausalLM"]
+    from safetensors import safe_open
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.float16
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").dtype == torch.float16
+
+
+def test_a_malformed_weight_shape_is_a_load_error(gqa_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    path = os.path.join(out, "model.safetensors")
+    t = load_file(path)
+    t["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([128, 256, 1])
+    save_file(t, path)
+    with pytest.raises(ModelLoadError, match="down_proj is not in compressed-tensors's layout"):
+        LLM(out, show_progress=False, kv_cache_memory="16MiB")

@@ -162,6 +162,8 @@ def _shard(path: str) -> str:
     (lambda p: os.remove(_shard(p)), "missing; the snapshot is incomplete"),
     (lambda p: os.truncate(_shard(p), os.path.getsize(_shard(p)) - 100), "the manifest says"),
     (lambda p: _edit_manifest(p, checksum_block_bytes=0), "checksum_block_bytes is 0, not a positive integer"),
+    (lambda p: _edit_manifest(p, files={"model-00000.safetensors": {"bytes": float(os.path.getsize(_shard(p)))}}),
+     "has no integer size"),
     (lambda p: _edit_manifest(p, checksum_block_bytes=1000), "block checksums do not cover"),
     (lambda p: _edit_manifest(p, files={"model-00000.safetensors": {"bytes": os.path.getsize(_shard(p)),
                                                                      "blocks": None}}),

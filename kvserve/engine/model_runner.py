@@ -80,7 +80,13 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
             from kvserve.errors import ConfigError
             raise ConfigError("attention_backend", f"'triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
                               f"tests), got {self.device}; use torch or auto")
-        self.backend = get_backend(name, config.kernel)
+        try:
+            self.backend = get_backend(name, config.kernel)
+        except ImportError:  # "auto" found Triton installed, but it does not import: the PyTorch path
+            if name != "triton" or config.attention_backend != "auto":
+                raise
+            self.backend_name = name = "torch"
+            self.backend = get_backend(name, config.kernel)
         self.sampler = Sampler(self.device, config.seed, copy_ahead=config.async_scheduling)
         self.kv_cache: KVCache | None = None
         self.kv_groups = None  # kv_groups.KVGroups of the cache, set with it

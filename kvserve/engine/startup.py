@@ -66,8 +66,12 @@ def warm_device(device, dtype, arch, backend: str) -> None:
     x = torch.full((16, arch.hidden_size), 0.01, device=device, dtype=dtype)
     (x @ x.T).sum()  # cuBLAS
     if backend == "triton":
-        from kvserve.kernels.rmsnorm import rmsnorm
-        from kvserve.layers.triton_attention import _sdpa_causal
+        try:
+            from kvserve.kernels.rmsnorm import rmsnorm
+            from kvserve.layers.triton_attention import _sdpa_causal
+        except ImportError:  # Triton is installed but does not import: the runner falls back to torch
+            torch.cuda.synchronize(device)
+            return
         rmsnorm(x, torch.ones(arch.hidden_size, device=device, dtype=dtype), 1e-6)
         q = torch.full((64, arch.num_heads, arch.head_dim), 0.01, device=device, dtype=dtype)
         kv = torch.full((64, arch.num_kv_heads, arch.head_dim), 0.01, device=device, dtype=dtype)

@@ -19,7 +19,8 @@ import torch
 @functools.cache
 def has_triton() -> bool:
     """Triton is installed. Found, not imported: on CUDA the import (a few tenths of a second)
-    happens on the device warm-up's thread while the weights load (``engine/startup.py``)."""
+    happens on the device warm-up's thread while the weights load (``engine/startup.py``); a
+    Triton that is found but fails to import sends an "auto" engine to the PyTorch path there."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -189,7 +189,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 try:
                     u = (unpack_awq(*t, g) if method == "awq" else unpack_gptq(*t) if method == "gptq"
                          else unpack_ct(t[0], t[1], t[3], t[2].tolist(), t[4]))
-                except RuntimeError as e:
+                except (RuntimeError, ValueError, TypeError) as e:
                     raise ModelLoadError(f"{name}: {p} is not in {method}'s layout ({e})") from None
                 codes, s, m, perm = repack(*u, g, p)
                 rows.append((codes, s, m))

@@ -248,6 +248,8 @@ def _check_size(path: str, fname: str, entry: dict, block_bytes: int) -> None:
     fpath = os.path.join(path, fname)
     if not os.path.isfile(fpath):
         raise ModelLoadError(f"{fpath}: missing; the snapshot is incomplete, write it again")
+    if not isinstance(entry, dict) or type(entry.get("bytes")) is not int:
+        raise ModelLoadError(f"{fpath}: the manifest's entry {entry!r} has no integer size; write the snapshot again")
     if os.path.getsize(fpath) != entry.get("bytes"):
         raise ModelLoadError(f"{fpath}: {os.path.getsize(fpath)} bytes, the manifest says {entry.get('bytes')}: "
                              f"the file changed or is truncated; write the snapshot again")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import torch
 
@@ -35,15 +36,17 @@ _HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "sel
              "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def check_args(method: str, bits: int, group_size: int, num_tokens: int) -> None:
+def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512) -> None:
     if method not in METHODS:
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
-    if isinstance(bits, bool) or bits != 4:
+    if type(bits) is not int or bits != 4:
         raise ConfigError("bits", f"must be 4 (the int4 kernels' width); got {bits!r}")
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+    if type(group_size) is not int or group_size not in GROUP_SIZES:
         raise ConfigError("group_size", f"must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size!r}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 16 <= num_tokens <= 1 << 20:
         raise ConfigError("num_tokens", f"must be an integer in [16, 1048576]; got {num_tokens!r}")
+    if type(chunk) is not int or not 16 <= chunk <= 1 << 20:
+        raise ConfigError("chunk", f"must be an integer in [16, 1048576]; got {chunk!r}")
 
 
 # Calibration inputs kept per projection for AWQ's search (every n-th token, over the whole
@@ -79,31 +82,35 @@ def default_text() -> str:
 
 
 class _Inputs:
-    """A projection's calibration inputs: every ``stride``-th row (for AWQ) and X^T X."""
+    """A projection's calibration inputs: every ``stride``-th row (AWQ's search; ``rows``) or
+    X^T X (GPTQ's Hessian; ``gram``)."""
 
-    def __init__(self, stride: int):
-        self.stride, self.rows, self.gram, self.count = stride, [], None, 0
+    def __init__(self, stride: int, rows: bool = True, gram: bool = True):
+        self.stride, self.keep_rows, self.keep_gram = stride, rows, gram
+        self.rows, self.gram, self.count = [], None, 0
 
     def __call__(self, module, args) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
-        g = (x.t() @ x).double()
-        self.gram = g if self.gram is None else self.gram + g
-        first = -self.count % self.stride
-        self.rows.append(x[first::self.stride].clone())
+        if self.keep_gram:
+            g = (x.t() @ x).double()
+            self.gram = g if self.gram is None else self.gram + g
+        if self.keep_rows:
+            self.rows.append(x[-self.count % self.stride::self.stride].clone())
         self.count += x.shape[0]
 
     def x(self) -> torch.Tensor:
         return torch.cat(self.rows)
 
 
-def calibrate(llm, ids: list[int], chunk: int, keep: int) -> dict[str, _Inputs]:
+def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gram: bool = True
+              ) -> dict[str, _Inputs]:
     model = llm.engine.runner.model
     inputs, handles = {}, []
     stride = max(1, len(ids) // keep)
     for i in range(len(model.layers)):
         for p in _PROJ:
             name = f"layers.{i}.{p}"
-            inputs[name] = _Inputs(stride)
+            inputs[name] = _Inputs(stride, rows, gram)
             handles.append(model.get_submodule(name).register_forward_pre_hook(inputs[name]))
     from kvserve.sampling_params import SamplingParams
     try:
@@ -123,7 +130,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     from kvserve.layers.linear import dense_parameters
     from kvserve.llm import LLM
     from kvserve.models import loader
-    check_args(method, bits, group_size, num_tokens)
+    check_args(method, bits, group_size, num_tokens, chunk)
     if act_order and method != "gptq":
         raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -145,10 +152,13 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
                           f"{', '.join(str(g) for g in GROUP_SIZES if not any(k % g for k in widths)) or 'none'}")
     if eng.tokenizer is None:
         raise ModelLoadError(f"{src.name}: no tokenizer to encode the calibration text")
-    ids = eng.tokenizer.encode(text or default_text(), add_special_tokens=False)[:num_tokens]
+    ids = eng.tokenizer.encode(default_text() if text is None else text, add_special_tokens=False)[:num_tokens]
     if len(ids) < 16:
         raise ConfigError("text", f"needs at least 16 tokens of calibration text, got {len(ids)}")
-    inputs = calibrate(llm, ids, chunk, keep=AWQ_ROWS)
+    chunk = min(chunk, eng.max_model_len - 1)  # each prompt leaves room for the token it generates
+    # RTN needs no calibration; AWQ searches on input rows, GPTQ on X^T X.
+    inputs = {} if method == "rtn" else calibrate(llm, ids, chunk, AWQ_ROWS, rows=method == "awq",
+                                                    gram=method == "gptq")
     params = {k: v.detach().float().cpu().clone() for k, v in dense_parameters(eng.runner.model)}
     grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path))
     packed: dict[str, Quantized] = {}
@@ -216,7 +226,6 @@ def pack_int32(codes: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 
 def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qconfig: dict, about: dict) -> None:
-    from safetensors.torch import save_file
     dtype = torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in params.items():
@@ -238,13 +247,27 @@ def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qc
                 tensors[p + "weight_zero_point"] = pack_int32(q.zeros[rows], dim=0)
             if q.g_idx is not None:
                 tensors[p + "weight_g_idx"] = q.g_idx.to(torch.int32)
-    tmp = out.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.partial-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would keep the checkpoint from other users
+    try:
+        _write_into(tmp, out, src, eng, tensors, qconfig, about, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_into(tmp: str, out: str, src, eng, tensors: dict, qconfig: dict, about: dict, dtype) -> None:
+    from safetensors.torch import save_file
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     cfg = _hf_config(src)
     cfg["quantization_config"] = qconfig
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    if not cfg.get("architectures"):  # a GGUF's config names none; vLLM needs one
+        cfg["architectures"] = [_ARCHITECTURES[src.arch.family]]
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     with open(os.path.join(tmp, "kvserve_quantize.json"), "w") as f:
@@ -269,9 +292,13 @@ def _split(a, proj: str, t: torch.Tensor) -> list[torch.Tensor]:
     return [t[r] for r in _row_ranges(a, proj)]
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def _hf_dtype(path: str) -> torch.dtype:
     with open(os.path.join(path, "config.json")) as f:
-        name = json.load(f).get("torch_dtype") or "bfloat16"
+        cfg = json.load(f)
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
 
 
