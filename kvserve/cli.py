@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 from kvserve.config import QUANT_METHODS
 from kvserve.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -275,8 +276,6 @@ def make_engine(args):
 
 
 def cmd_snapshot(args) -> int:
-    import time
-
     from kvserve.models import snapshot
     args.model = args.model_path or args.model
     args.quantization = args.quantization or "none"  # a snapshot holds float weights
@@ -303,6 +302,39 @@ def cmd_calibrate_kv(args) -> int:
                      dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                      tensor_parallel_size=args.tensor_parallel_size)
     print(f"KV scales written to {path}")
+    return 0
+
+
+def add_quantize_args(sub) -> None:
+    q = sub.add_parser("quantize", help="quantize a model's projections to 4-bit groups (RTN, AWQ or GPTQ) and "
+                       "write a compressed-tensors checkpoint that kvserve, vLLM and transformers load")
+    q.add_argument("model", metavar="MODEL", help="an unquantized Llama-family GGUF file or Hugging Face directory")
+    q.add_argument("--out", required=True, help="the checkpoint directory to create (new or empty)")
+    q.add_argument("--method", default="gptq", help="rtn, awq or gptq")
+    q.add_argument("--bits", type=int, default=4, help="4 (the int4 kernels' width)")
+    q.add_argument("--group-size", type=int, default=128, help="input columns sharing a scale: 32, 64 or 128")
+    q.add_argument("--asymmetric", action="store_true", help="a zero point per group (default: symmetric)")
+    q.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing activation energy")
+    q.add_argument("--text-file", default=None, help="calibration text (default: documentation shipped with Python)")
+    q.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (GPTQ: many times its inputs)")
+    q.add_argument("--device", default="cpu", help="where the calibration forward runs")
+    q.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args) -> int:
+    from kvserve.quantize import quantize
+    text = None
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("text_file", f"cannot read {args.text_file!r} as UTF-8 text ({e})") from None
+    t0 = time.perf_counter()
+    quantize(args.model, args.out, args.method, args.bits, args.group_size, not args.asymmetric, args.act_order,
+             text, args.num_tokens, device=args.device)
+    print(f"{args.method} int4 (groups of {args.group_size}) checkpoint written to {args.out} in "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -396,7 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     d.set_defaults(func=cmd_disagg_proxy)
     from kvserve.bench.cli import add_bench_args
-    from kvserve.quantize import add_quantize_args
     add_bench_args(sub)
     add_quantize_args(sub)
     return p

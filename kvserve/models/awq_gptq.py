@@ -36,8 +36,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx",  # a packed projection's tensors
            ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
 CT = "compressed-tensors"
-# our merged projection -> its checkpoint parts, in row order
-_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+# our merged projection -> its checkpoint parts, in row order (also what `kvserve quantize` writes)
+PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
           "mlp.down_proj": ("mlp.down_proj",)}
 
@@ -176,7 +176,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
     method, g, _ = check_config(q, name)
     taken: set[str] = set()
     for i, _ in enumerate(model.layers):
-        for ours, parts in _PARTS.items():
+        for ours, parts in PARTS.items():
             rows, perms = [], []
             for part in parts:
                 p = f"model.layers.{i}.{part}"

@@ -24,25 +24,23 @@ import tempfile
 
 import torch
 
+from kvserve.config import INT4_GROUP_SIZES
 from kvserve.errors import ConfigError, ModelLoadError
+from kvserve.models.awq_gptq import PARTS
+from kvserve.models.snapshot import kvserve_version
 from kvserve.quantize import algorithms
 from kvserve.quantize.algorithms import Grid, Quantized
 
 METHODS = ("rtn", "awq", "gptq")
-GROUP_SIZES = (32, 64, 128)
-_PROJ = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-_HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-             "mlp.down_proj": ("mlp.down_proj",)}
-
+_PROJ = tuple(PARTS)  # our projections, in a layer's order
 
 def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512) -> None:
     if method not in METHODS:
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
     if type(bits) is not int or bits != 4:
         raise ConfigError("bits", f"must be 4 (the int4 kernels' width); got {bits!r}")
-    if type(group_size) is not int or group_size not in GROUP_SIZES:
-        raise ConfigError("group_size", f"must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size!r}")
+    if type(group_size) is not int or group_size not in INT4_GROUP_SIZES:
+        raise ConfigError("group_size", f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; got {group_size!r}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 16 <= num_tokens <= 1 << 20:
         raise ConfigError("num_tokens", f"must be an integer in [16, 1048576]; got {num_tokens!r}")
     if type(chunk) is not int or not 16 <= chunk <= 1 << 20:
@@ -149,7 +147,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
         shown = ", ".join(map(str, sorted(widths)))
         raise ConfigError("group_size", f"must divide every projection's input width ({shown} for {src.name}); "
                           f"{group_size} does not: use one of "
-                          f"{', '.join(str(g) for g in GROUP_SIZES if not any(k % g for k in widths)) or 'none'}")
+                          f"{', '.join(str(g) for g in INT4_GROUP_SIZES if not any(k % g for k in widths)) or 'none'}")
     if eng.tokenizer is None:
         raise ModelLoadError(f"{src.name}: no tokenizer to encode the calibration text")
     ids = eng.tokenizer.encode(default_text() if text is None else text, add_special_tokens=False)[:num_tokens]
@@ -174,7 +172,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
                 packed[pre + p] = algorithms.rtn(w, grid)
     config = _ct_config(group_size, symmetric, act_order)
     _write(out, src, eng, a, params, packed, config,
-           {"method": method, "calibration_tokens": len(ids), "kvserve_version": _version()})
+           {"method": method, "calibration_tokens": len(ids), "kvserve_version": kvserve_version()})
     return config
 
 
@@ -229,16 +227,16 @@ def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qc
     dtype = torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in params.items():
-        for ours, parts in _HF_PARTS.items():  # a fused bias is split like its weight
+        for ours, parts in PARTS.items():  # a fused bias is split like its weight
             if name.endswith(f"{ours}.bias"):
-                for part, rows in zip(parts, _split(a, ours, t)):
+                for part, rows in zip(parts, (t[r] for r in _row_ranges(a, ours))):
                     tensors["model." + name.replace(ours, part)] = rows.to(dtype).contiguous()
                 break
         else:
             tensors[name if name.startswith("lm_head") else "model." + name] = t.to(dtype).contiguous()
     for name, q in packed.items():
         ours = name.split(".", 2)[2]
-        for part, rows in zip(_HF_PARTS[ours], _row_ranges(a, ours)):
+        for part, rows in zip(PARTS[ours], _row_ranges(a, ours)):
             p = f"model.{name.replace(ours, part)}."
             tensors[p + "weight_packed"] = pack_int32(q.codes[rows])
             tensors[p + "weight_scale"] = q.scales[rows].contiguous()
@@ -288,10 +286,6 @@ def _row_ranges(a, proj: str) -> list[slice]:
             "mlp.down_proj": [slice(0, a.hidden_size)]}[proj]
 
 
-def _split(a, proj: str, t: torch.Tensor) -> list[torch.Tensor]:
-    return [t[r] for r in _row_ranges(a, proj)]
-
-
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -311,44 +305,3 @@ def _hf_config(src) -> dict:
                                      gguf_file=os.path.basename(src.path)).to_dict()
     cfg.pop("quantization_config", None)
     return cfg
-
-
-def _version() -> str:
-    from kvserve.models.snapshot import kvserve_version
-    return kvserve_version()
-
-
-def add_quantize_args(sub) -> None:
-    """``kvserve quantize`` under the CLI's subcommands ``sub``."""
-    q = sub.add_parser("quantize", help="quantize a model's projections to 4-bit groups (RTN, AWQ or GPTQ) and "
-                       "write a compressed-tensors checkpoint that kvserve, vLLM and transformers load")
-    q.add_argument("model", metavar="MODEL", help="an unquantized Llama-family GGUF file or Hugging Face directory")
-    q.add_argument("--out", required=True, help="the checkpoint directory to create (new or empty)")
-    q.add_argument("--method", default="gptq", choices=list(METHODS))
-    q.add_argument("--bits", type=int, default=4, help="4 (the int4 kernels' width)")
-    q.add_argument("--group-size", type=int, default=128, help="input columns sharing a scale: 32, 64 or 128")
-    q.add_argument("--asymmetric", action="store_true", help="a zero point per group (default: symmetric)")
-    q.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing activation "
-                   "energy (the groups stay runs of columns)")
-    q.add_argument("--text-file", default=None, help="calibration text (default: documentation shipped with Python)")
-    q.add_argument("--num-tokens", type=int, default=16384, help="calibration tokens (GPTQ needs several times "
-                   "the widest projection's input: fewer and it fits the calibration text, not the model)")
-    q.add_argument("--device", default="cpu", help="where the calibration forward runs")
-    q.set_defaults(func=cmd_quantize)
-
-
-def cmd_quantize(args) -> int:
-    import time
-    text = None
-    if args.text_file:
-        try:
-            with open(args.text_file, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError("text_file", f"cannot read {args.text_file!r} as UTF-8 text ({e})") from None
-    t0 = time.perf_counter()
-    quantize(args.model, args.out, args.method, args.bits, args.group_size, not args.asymmetric, args.act_order,
-             text, args.num_tokens, device=args.device)
-    print(f"{args.method} int4 (groups of {args.group_size}) checkpoint written to {args.out} in "
-          f"{time.perf_counter() - t0:.1f} s")
-    return 0
