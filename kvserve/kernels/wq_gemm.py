@@ -8,7 +8,9 @@ memory and are dequantized in registers, tile by tile (formats: ``kvserve/layers
     int4  W [N, K/2] uint8 (2 codes a byte),   y[m, n] = sum_groups scale[n, j] * sum_(k in j) x[m, k] q[n, k]
           scale, min [N, K/g]                                  + min[n, j] * sum_(k in j) x[m, k]
 
-One kernel, three shapes of program, by the rows of x:
+One kernel, three shapes of program, by the rows of x (one row of int8 or int4 goes to
+``wq_gemv.py``, which decodes the codes by integer operations instead of conversions; here one
+row is FP8's, or a caller's explicit tile):
 
     rows = 1     each program owns BLOCK_N output features and streams their packed rows over K
                  (as ``gemv.py``): codes times x elementwise, summed per group, then scaled;
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import wq_gemv
 from kvserve.kernels.common import dot_precision
 
 MAX_SKINNY_ROWS = 32  # rows the one-wave skinny shape takes; more: the tiled GEMM
@@ -212,15 +215,20 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
-          group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+          group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None,
+          pdl: bool = True) -> torch.Tensor:
     """x [M, K] times the dequantized weight's transpose -> [M, N] in x's dtype. ``qweight``: int8
     [N, K] with ``scales`` [N] (``group_size`` 0) or [N, K/g] (and optional ``mins``), or uint8
     [N, K/2] (int4) with ``scales``/``mins`` [N, K/g];
-    ``config``: the tile (None: ``default_config``)."""
+    ``config``: the tile (None: ``default_config``, or ``wq_gemv``'s for one row of a format it
+    takes; a config with ``KIND`` is ``wq_gemv``'s); ``pdl``: programmatic dependent launch
+    where the GPU has it (one-row kernel)."""
     N, K, int4 = _check(x, qweight, scales, mins, group_size)
     M = x.shape[0]
     if bias is not None:
         assert bias.shape == (N,) and bias.is_contiguous()
+    if M == 1 and (config is None or "KIND" in config) and wq_gemv.takes(qweight, group_size):
+        return wq_gemv.wq_gemv(x, qweight, scales, mins, group_size, bias, N, K, int4, config, pdl)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y

@@ -2,8 +2,9 @@
 blocks repacked as either, ``gguf_blocks.py``) on every device and are dequantized inside the
 product, never to a whole matrix at rest.
 
-    CUDA  the Triton kernels of ``kernels/wq_gemm.py``, picked per product by the rows of x and
-          the step's ``KernelConfig``:
+    CUDA  the kernels of ``kernels/wq_gemm.py``, picked per product by the rows of x and the
+          step's ``KernelConfig``:
+              one row (int8, int4)               ``kernels/wq_gemv.py``, codes decoded by integer ops
               rows <= wq_skinny_max_rows         skinny kernel, dequantized in registers
               rows <  wq_dequant_min_rows        tiled GEMM, dequantized in registers
               otherwise                          dequantize to x's dtype, then cuBLAS
@@ -130,7 +131,8 @@ class QuantLinear(nn.Module):
             if rows > kernel.wq_skinny_max_rows:
                 cfg = wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
                                              self.in_features, self.method == "int4")
-            return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg)
+            return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg,
+                                 pdl=kernel.pdl)
         w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
         return F.linear(x, w, self.bias)
 

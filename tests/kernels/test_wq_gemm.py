@@ -10,6 +10,10 @@ unwritten element fails.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -37,6 +41,12 @@ def _case(M, N, K, method, group, dtype, device, seed, bias=False):
     if method == "fp8":  # (the FP8 layer's own quantizer: e4m3 codes, one float32 scale a row)
         q, s = quantize_rows(w.to(device))
         return x, (q, s.view(-1), None, 0), b
+    if method.startswith("int8g"):  # group-wise int8, as GGUF's Q8_0 / Q6_K repack (with mins: "int8gm")
+        wg = w.view(N, K // group, group)
+        s = wg.abs().amax(dim=2).clamp_min(1e-8) / 127
+        q = (wg / s[..., None]).round().clamp(-128, 127).to(torch.int8).view(N, K)
+        z = (torch.randn(N, K // group, generator=g) * 0.01).to(dtype).to(device) if method == "int8gm" else None
+        return x, (q.to(device), s.to(dtype).to(device), z, group), b
     q, s, z = quantize_int4(w.to(device), group, dtype)
     return x, (q, s, z, group), b
 
@@ -51,7 +61,7 @@ def _check(M, N, K, method, group, dtype, device, seed, config=None, bias=False)
     assert err < TOL[dtype], err
 
 
-FORMATS = [("int8", 0), ("fp8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+FORMATS = [("int8", 0), ("fp8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int8g", 16), ("int8gm", 32)]
 
 
 @pytest.mark.parametrize("method,group", FORMATS)
@@ -60,6 +70,35 @@ FORMATS = [("int8", 0), ("fp8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
 def test_one_row(method, group, N, K, dtype, device):
     """K of one tile, of a partial tile (384 < 1024) and of one full and one partial tile."""
     _check(1, N, K, method, group, dtype, device, seed=N + K + group, bias=N == 37)
+
+
+@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
+@pytest.mark.parametrize("cfg", [{"KIND": "triton", "BLOCK_N": 2, "TILE_BYTES": 128, "PREFETCH": 1, "num_warps": 2},
+                                 {"KIND": "triton", "BLOCK_N": 8, "TILE_BYTES": 256, "PREFETCH": 2, "num_warps": 4}],
+                         ids=["p1", "p2"])
+@pytest.mark.parametrize("N,K", [(19, 1152), (6, 640)])
+def test_one_row_tiles(method, group, cfg, N, K, device):
+    """The one-row word kernel's tiles smaller than K, so that a row spans several (K = 1152:
+    4.5 tiles of 256 int8 columns; 640: an int8 row of 160 words, per channel 2.5 tiles of 64),
+    both prefetch depths, and N below and past BLOCK_N."""
+    _check(1, N, K, method, group, torch.float32, device, seed=N + K + group, config=cfg, bias=N == 19)
+
+
+def test_one_row_code_extremes(device):
+    """Every int8 code (-128..127) and int4 code (0..15) decodes exactly: a weight that holds each
+    one, against x = one-hot columns, gives the codes times the scale."""
+    K = 256
+    q8 = torch.arange(-128, 128, dtype=torch.int8).view(1, K).repeat(3, 1)
+    s8 = torch.tensor([1.0, 0.5, 2.0])
+    x = torch.eye(K)
+    ys = torch.cat([wq_mm(x[i:i + 1].to(device), q8.to(device), s8.to(device)) for i in range(K)])
+    torch.testing.assert_close(ys.cpu(), (q8.float() * s8[:, None]).t(), rtol=0, atol=0)
+    codes = torch.arange(K) % 16
+    q4 = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, K // 2)
+    s4, z4 = torch.full((1, K // 32), 0.25), torch.full((1, K // 32), -1.0)
+    ys = torch.cat([wq_mm(x[i:i + 1].to(device), q4.to(device), s4.to(device), z4.to(device), 32)
+                    for i in range(0, K, 7)])
+    torch.testing.assert_close(ys.cpu().view(-1), codes[0::7].float() * 0.25 - 1.0, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method,group", FORMATS)
@@ -92,7 +131,7 @@ def test_dequantize(method, group, dtype, device):
     torch.testing.assert_close(w.float(), ref.to(dtype).float(), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
+@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] in ("int8", "int4")])
 def test_rtn_error_is_half_a_step(method, group):
     """Each weight comes back within half a quantization step of the original (float32 scales)."""
     g = torch.Generator().manual_seed(group + 1)
@@ -115,3 +154,40 @@ def test_rtn_error_is_half_a_step(method, group):
 def test_real_size_bf16(method, group, M):
     """Llama-3-8B's down projection in bfloat16 at every shape of program."""
     _check(M, 4096, 14336, method, group, torch.bfloat16, torch.device("cuda"), seed=M + group)
+
+
+_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvserve.kernels.wq_gemv import _gl_row_kernel as K
+int4, group = sys.argv[1] == "int4", int(sys.argv[2])
+names = K.arg_names
+ptr = dict(X="*bf16", W="*i32", S="*bf16", Z="*bf16", B="*bf16", Y="*bf16")
+const = dict(INT4=int4, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False, WPG=group // (8 if int4 else 4) or 1,
+             BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
+sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
+div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const}
+src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+ptx = k.asm["ptx"]
+loop = ptx[ptx.index("griddepcontrol.wait"):]
+ints = ("s8", "u8", "s16", "u16", "s32", "u32")
+print(ptx.count("ld.local") + ptx.count("st.local"), sum(loop.count(f"cvt.rn.f32.{t}") for t in ints),
+      ptx.count("ld.global.v4.b32") + ptx.count("ld.global.nc.v4.b32"), ptx.count("griddepcontrol.wait"))
+"""
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32)])
+def test_gluon_row_kernel_compiles_for_sm90(fmt, group):
+    """The CUDA one-row kernel, compiled for sm90 in a subprocess (no GPU): nothing spilled to local
+    memory, no integer-to-float conversion instruction on the codes (they are decoded by integer
+    operations and one subtraction), the weights read as 16-byte vectors, and the wait on the
+    previous kernel present once (programmatic dependent launch)."""
+    p = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(group)], capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    spills, conversions, vector_loads, waits = map(int, p.stdout.split())
+    assert spills == 0 and conversions == 0 and waits == 1
+    assert vector_loads >= 1

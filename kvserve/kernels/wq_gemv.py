@@ -1,0 +1,346 @@
+"""One-row weight-only quantized products, ``y = x @ dequant(W).T (+ bias)`` for x [1, K]: a
+batch-1 decode step's projections, where the packed weights stream once through the SMs and the
+product is bound by instruction issue unless each code costs very few instructions (formats:
+``wq_gemm.py``; FP8's e4m3 codes stay there).
+
+**Codes to float32 without a conversion instruction**, which Hopper issues at a quarter of its
+float rate: the code's bits go under the mantissa of 2^23 (integer shift and mask), the word is
+read as a float32 (2^23 + code, exact) and 2^23 comes off with one subtraction:
+
+    int4  nibble j of a 32-bit word is column 8 w + j:  ((w >> 4j) & 0xF) | 0x4B000000   - 2^23
+    int8  byte j is column 4 w + j, two's complement:   byte_j(w ^ 0x80808080) | 0x4B000000 - (2^23 + 128)
+
+(the xor adds 128 to every signed byte of the word at once; a byte permute then places each
+under the exponent). Per code: two integer instructions (int4) or one and a quarter (int8), a
+subtraction and the fused multiply-add with x.
+
+**The Gluon kernel** (CUDA) fixes the layout Triton would not: a thread holds 16 contiguous
+bytes (4 words) of every one of the program's ``BLOCK_N`` rows, and the 32 (int4) or 16 (int8)
+values of x those bytes meet, read as 16-byte vectors: the x it converts serves every row, and a
+thread's sums over its columns stay in its registers, so the loop has no shuffles, no shared
+memory and no barriers; a group's scale (and min times the group's sum of x) is applied once a
+thread's 4 words (groups of at least 4 words: int4 g >= 32, int8 g >= 16; per channel at the
+end). Words go through inline PTX (``_INT4_ASM``, ``_INT8_ASM``), x is split into its columns in
+registers. Tiles asked for ``PREFETCH`` ahead; the first ones, weights and scales, before waiting
+on the previous kernel (programmatic dependent launch: weights are never written while the
+engine runs, x is read only after the wait).
+
+**The Triton kernel** (``_wq_row_kernel``: the interpreter, and rows that are not whole 16-byte
+vectors) does the same arithmetic on byte tiles whose layout the compiler chooses.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from kvserve.kernels import interpreting
+from kvserve.kernels.common import launch_pdl, pdl_kw, wait_inputs
+
+
+@triton.jit
+def _btile(W, S, Z, rn, k0, K, stride_wn, stride_sn, rb, rg, INT4: tl.constexpr, GROUPED: tl.constexpr,
+           HAS_MIN: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):
+    """The bytes [BLOCK_N, BLOCK_B] of the tile at column ``k0`` and, grouped, its scales and mins
+    [BLOCK_N, groups] (float32; past K read as 0)."""
+    b0 = k0 // 2 if INT4 else k0
+    kb = K // 2 if INT4 else K
+    ptrs = W + rn[:, None] * stride_wn + (b0 + rb)[None, :]
+    if MASKED:
+        b = tl.load(ptrs, mask=((b0 + rb) < kb)[None, :], other=0)
+    else:
+        b = tl.load(ptrs)
+    if GROUPED:
+        g = k0 // GROUP + rg
+        ok = (g * GROUP < K)[None, :]
+        soff = rn[:, None] * stride_sn + g[None, :]
+        s = tl.load(S + soff, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(Z + soff, mask=ok, other=0.0).to(tl.float32) if HAS_MIN else s
+    else:
+        s = b
+        z = b
+    return b, s, z
+
+
+@triton.jit
+def _bdecode(b, INT4: tl.constexpr):
+    """Bytes (uint8) -> codes as exact float32, in column order (int4: 0..15, two a byte, low
+    nibble first; int8: the byte read as two's complement)."""
+    if INT4:
+        c = tl.interleave(b & 15, b >> 4).to(tl.int32) | 0x4B000000
+        q = c.to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        c = b.to(tl.int32) ^ 0x4B000080
+        q = c.to(tl.float32, bitcast=True) - 8388736.0
+    return q
+
+
+@triton.jit
+def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
+                   INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+    tl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
+    rb = tl.arange(0, BLOCK_K // 2 if INT4 else BLOCK_K)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    rg = tl.arange(0, NG)
+    rk = tl.arange(0, BLOCK_K)
+    b, s, z = _btile(W, S, Z, rn_safe, 0, K, stride_wn, stride_sn, rb, rg, INT4, GROUPED, HAS_MIN, GROUP,
+                     not EVEN_K)
+    if PREFETCH == 2:
+        b1, s1, z1 = _btile(W, S, Z, rn_safe, BLOCK_K, K, stride_wn, stride_sn, rb, rg, INT4, GROUPED, HAS_MIN,
+                            GROUP, True)
+    wait_inputs(USE_PDL)
+    acc = tl.zeros([BLOCK_N, NG] if GROUPED else [BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        bn, sn, zn = _btile(W, S, Z, rn_safe, k0 + PREFETCH * BLOCK_K, K, stride_wn, stride_sn, rb, rg, INT4,
+                            GROUPED, HAS_MIN, GROUP, True)
+        if EVEN_K:
+            x = tl.load(X + k0 + rk).to(tl.float32)
+        else:
+            x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        if INT4:  # [BN, BK/2, 2]: a byte's low and high codes side by side, as x's pairs
+            lo = ((b & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = ((b >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            qx = tl.join(lo, hi) * tl.reshape(x, [BLOCK_K // 2, 2])[None, :, :]
+        else:
+            qx = _bdecode(b, INT4) * x[None, :]
+        if GROUPED:
+            acc += tl.sum(tl.reshape(qx, [BLOCK_N, NG, GROUP]), axis=2) * s
+            if HAS_MIN:
+                acc += z * tl.sum(tl.reshape(x, [NG, GROUP]), axis=1)[None, :]
+        else:
+            acc += tl.reshape(qx, [BLOCK_N, BLOCK_K])
+        if PREFETCH == 2:
+            b, s, z, b1, s1, z1 = b1, s1, z1, bn, sn, zn
+        else:
+            b, s, z = bn, sn, zn
+    y = tl.sum(acc, axis=1)
+    if not GROUPED:
+        y = y * tl.load(S + rn_safe).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + rn_safe).to(tl.float32)
+    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
+
+
+# -- the Gluon one-row kernel (CUDA; the interpreter runs ``_wq_row_kernel`` above) ----------------
+@gluon.jit
+def _pdl_wait(USE_PDL: gl.constexpr):
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gl_tile(W, S, Z, rn, v0, KV, stride_wn, stride_sn, t, vv, GROUPED: gl.constexpr,
+             HAS_MIN: gl.constexpr, WPG: gl.constexpr, VEC: gl.constexpr, MASKED: gl.constexpr):
+    """Words [BLOCK_N, NT, VEC] of the tile whose first 16-byte vector is ``v0`` (vectors at or past
+    ``KV`` read as 0), and each thread's group scale and min [BLOCK_N, NT] (float32)."""
+    vec = v0 + t  # [NT]
+    off = gl.expand_dims(gl.expand_dims(rn * stride_wn, 1), 2) + \
+        gl.expand_dims(gl.expand_dims(gl.multiple_of(vec * VEC, VEC), 0), 2) + gl.expand_dims(gl.expand_dims(vv, 0), 1)
+    if MASKED:
+        ok = gl.expand_dims(gl.expand_dims(vec < KV, 0), 2)
+        w = gl.load(W + off, mask=ok, other=0)
+    else:
+        w = gl.load(W + off)
+    if GROUPED:
+        g = (v0 + t) * VEC // WPG
+        soff = gl.expand_dims(rn * stride_sn, 1) + gl.expand_dims(g, 0)
+        sok = gl.expand_dims(v0 + t < KV, 0)
+        s = gl.load(S + soff, mask=sok, other=0.0).to(gl.float32)
+        if HAS_MIN:
+            z = gl.load(Z + soff, mask=sok, other=0.0).to(gl.float32)
+        else:
+            z = s
+    else:
+        s = 0.0
+        z = 0.0
+    return w, s, z
+
+
+# A word's codes -> float32 2^23 + code (exact), as raw bits; the caller takes 2^23 off. int4:
+# nibble j shifted down, masked and or-ed under 2^23's exponent (lop3 (a & b) | c: 0xEA), two
+# instructions a code. int8: the word's bytes xor-ed with 0x80 once (two's complement + 128),
+# then each byte put under 2^23 + 128's exponent by one byte permute (byte j, then 0, 0, 0x4B).
+_INT4_ASM = gl.constexpr("""{
+.reg .b32 t;
+lop3.b32 $0, $8, 0xF, 0x4B000000, 0xEA;
+shr.u32 t, $8, 4;
+lop3.b32 $1, t, 0xF, 0x4B000000, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 $2, t, 0xF, 0x4B000000, 0xEA;
+shr.u32 t, $8, 12;
+lop3.b32 $3, t, 0xF, 0x4B000000, 0xEA;
+shr.u32 t, $8, 16;
+lop3.b32 $4, t, 0xF, 0x4B000000, 0xEA;
+shr.u32 t, $8, 20;
+lop3.b32 $5, t, 0xF, 0x4B000000, 0xEA;
+shr.u32 t, $8, 24;
+lop3.b32 $6, t, 0xF, 0x4B000000, 0xEA;
+shr.u32 $7, $8, 28;
+or.b32 $7, $7, 0x4B000000;
+}""")
+_INT8_ASM = gl.constexpr("""{
+.reg .b32 t, c;
+xor.b32 t, $4, 0x80808080;
+mov.b32 c, 0x4B000000;
+prmt.b32 $0, t, c, 0x7540;
+prmt.b32 $1, t, c, 0x7541;
+prmt.b32 $2, t, c, 0x7542;
+prmt.b32 $3, t, c, 0x7543;
+}""")
+
+
+@gluon.jit
+def _gl_fma(acc, c, xj, OFF: gl.constexpr, LW: gl.constexpr):
+    """acc + (c - OFF) * x, c the raw bits of OFF + code."""
+    q = c - OFF
+    return acc + q * gl.expand_dims(gl.convert_layout(xj, gl.SliceLayout(0, LW)), 0)
+
+
+@gluon.jit
+def _gl_dot_words(w, x, INT4: gl.constexpr, LW: gl.constexpr):
+    """sum over each thread's words and codes of code * x: words [BLOCK_N, NT, VEC], x [NT, VEC, P]
+    (float32, in the registers of the thread holding the words) -> [BLOCK_N, NT]. x splits into
+    its P columns in registers (column p = 4a + 2b + c, split c first), one per code position."""
+    NT: gl.constexpr = x.shape[0]
+    VEC: gl.constexpr = x.shape[1]
+    if INT4:
+        c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+            _INT4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=[gl.float32] * 8, is_pure=True, pack=1)
+        x0, x1 = gl.split(gl.reshape(x, [NT, VEC, 2, 2, 2]))  # c
+        x00, x01 = gl.split(x0)  # b
+        x10, x11 = gl.split(x1)
+        x000, x001 = gl.split(x00)  # a: x{c}{b}{a} is column 4a + 2b + c
+        x010, x011 = gl.split(x01)
+        x100, x101 = gl.split(x10)
+        x110, x111 = gl.split(x11)
+        t = (c0 - 8388608.0) * gl.expand_dims(gl.convert_layout(x000, gl.SliceLayout(0, LW)), 0)
+        t = _gl_fma(t, c1, x100, 8388608.0, LW)
+        t = _gl_fma(t, c2, x010, 8388608.0, LW)
+        t = _gl_fma(t, c3, x110, 8388608.0, LW)
+        t = _gl_fma(t, c4, x001, 8388608.0, LW)
+        t = _gl_fma(t, c5, x101, 8388608.0, LW)
+        t = _gl_fma(t, c6, x011, 8388608.0, LW)
+        t = _gl_fma(t, c7, x111, 8388608.0, LW)
+    else:
+        c0, c1, c2, c3 = gl.inline_asm_elementwise(
+            _INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=[gl.float32] * 4, is_pure=True, pack=1)
+        x0, x1 = gl.split(gl.reshape(x, [NT, VEC, 2, 2]))  # c
+        x00, x01 = gl.split(x0)  # b: x{c}{b} is column 2b + c
+        x10, x11 = gl.split(x1)
+        t = (c0 - 8388736.0) * gl.expand_dims(gl.convert_layout(x00, gl.SliceLayout(0, LW)), 0)
+        t = _gl_fma(t, c1, x10, 8388736.0, LW)
+        t = _gl_fma(t, c2, x01, 8388736.0, LW)
+        t = _gl_fma(t, c3, x11, 8388736.0, LW)
+    return gl.sum(t, axis=2)
+
+
+@gluon.jit
+def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
+                   INT4: gl.constexpr, GROUPED: gl.constexpr, HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   WPG: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
+                   PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
+    P: gl.constexpr = 8 if INT4 else 4  # codes a word
+    NT: gl.constexpr = 32 * NUM_WARPS  # threads: each holds VEC words (16 bytes) of every row
+    # [rows, threads, words, codes]: a thread's codes and rows all in its registers, so the sums
+    # over a thread's columns need no shuffles and each x it loads serves every row
+    L4: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, VEC, P], [1, 32, 1, 1], [1, NUM_WARPS, 1, 1], [3, 2, 1, 0])
+    LW: gl.constexpr = gl.SliceLayout(3, L4)  # words [BLOCK_N, NT, VEC]
+    LX: gl.constexpr = gl.SliceLayout(0, L4)  # x [NT, VEC, P]
+    LA: gl.constexpr = gl.SliceLayout(2, LW)  # [BLOCK_N, NT]
+    pid = gl.program_id(0)
+    rn = gl.minimum(pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA)), N - 1).to(gl.int64)
+    t = gl.arange(0, NT, layout=gl.SliceLayout(0, LA))
+    vv = gl.arange(0, VEC, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    tx = gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+    vx = gl.arange(0, VEC, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    px = gl.arange(0, P, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+    xoff = (gl.expand_dims(gl.expand_dims(tx * VEC, 1), 2) + gl.expand_dims(gl.expand_dims(vx, 0), 2)) * P + \
+        gl.expand_dims(gl.expand_dims(px, 0), 1)
+    w, s, z = _gl_tile(W, S, Z, rn, 0, KV, stride_wn, stride_sn, t, vv, GROUPED, HAS_MIN, WPG, VEC, True)
+    if PREFETCH == 2:
+        w1, s1, z1 = _gl_tile(W, S, Z, rn, NT, KV, stride_wn, stride_sn, t, vv, GROUPED, HAS_MIN, WPG,
+                              VEC, True)
+    _pdl_wait(USE_PDL)
+    acc = gl.zeros([BLOCK_N, NT], gl.float32, layout=LA)
+    for v0 in range(0, KV, NT):
+        wn, sn, zn = _gl_tile(W, S, Z, rn, v0 + PREFETCH * NT, KV, stride_wn, stride_sn, t, vv,
+                              GROUPED, HAS_MIN, WPG, VEC, True)
+        xk = v0 * VEC * P + xoff
+        x = gl.load(X + xk, mask=xk < KV * VEC * P, other=0.0).to(gl.float32)
+        part = _gl_dot_words(w, x, INT4, LW)
+        if GROUPED:
+            acc += part * s
+            if HAS_MIN:
+                xs = gl.convert_layout(gl.sum(gl.sum(x, axis=2), axis=1), gl.SliceLayout(0, LA))
+                acc += z * gl.expand_dims(xs, 0)
+        else:
+            acc += part
+        if PREFETCH == 2:
+            w, s, z, w1, s1, z1 = w1, s1, z1, wn, sn, zn
+        else:
+            w, s, z = wn, sn, zn
+    y = gl.sum(acc, axis=1)
+    rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
+    if not GROUPED:
+        y = y * gl.load(S + rn).to(gl.float32)
+    if HAS_BIAS:
+        y += gl.load(B + rn).to(gl.float32)
+    gl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+
+
+def takes(qweight: torch.Tensor, group_size: int) -> bool:
+    """This kernel takes the packed weight: int4, or int8 whose rows are whole words (FP8's e4m3
+    codes go to ``wq_gemm``)."""
+    if qweight.dtype == torch.uint8:
+        return True
+    return qweight.dtype == torch.int8 and qweight.shape[1] % 4 == 0 and (group_size == 0 or group_size % 4 == 0)
+
+
+def default_config(x: torch.Tensor, K: int, int4: bool, group_size: int) -> dict:
+    """CUDA, rows of whole 16-byte vectors: the Gluon kernel, 8 rows a program (4 for group-wise
+    int8, whose scales cost registers), 4 warps, the next tile asked for ahead (from the sweep of
+    ``benchmarks/weight_quant.py --only step --step-sweep`` on the H200). Otherwise the Triton
+    kernel: 4 rows by 1 KiB of each row a tile, the next tile asked for ahead."""
+    if x.is_cuda and not interpreting() and K % (32 if int4 else 16) == 0:
+        return {"KIND": "gluon", "BLOCK_N": 4 if group_size and not int4 else 8, "PREFETCH": 1, "num_warps": 4}
+    return {"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}
+
+
+def wq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+            group_size: int, bias: torch.Tensor | None, N: int, K: int, int4: bool,
+            config: dict | None = None, pdl: bool = True) -> torch.Tensor:
+    """x [1, K] (unit stride) times the packed weight's transpose -> [1, N]; arguments checked by
+    ``wq_gemm.wq_mm``, which calls this for one row when ``takes`` says so. ``config``: ``KIND``
+    ("gluon": K a multiple of 32 for int4, 16 for int8; or "triton"), ``BLOCK_N``, ``PREFETCH`` (1
+    or 2), ``num_warps`` and for Triton ``TILE_BYTES`` (None: ``default_config``)."""
+    cfg = dict(config or default_config(x, K, int4, group_size))
+    block_n, kind, prefetch, nw = cfg.pop("BLOCK_N"), cfg.pop("KIND"), cfg.pop("PREFETCH"), cfg.pop("num_warps")
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(N, block_n),)
+    bias_arg, mins_arg = bias if bias is not None else scales, scales if mins is None else mins
+    flags = dict(INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, HAS_BIAS=bias is not None,
+                 BLOCK_N=block_n, PREFETCH=prefetch, num_warps=nw)
+    if kind == "gluon":
+        per_word = 8 if int4 else 4
+        assert K % (4 * per_word) == 0, "the Gluon kernel reads rows as whole 16-byte vectors"
+        w32 = qweight.view(torch.int32)
+        pdl_on = launch_pdl(x, pdl)
+        _gl_row_kernel[grid](x, w32, scales, mins_arg, bias_arg, y, N, K // per_word // 4, w32.stride(0),
+                             scales.stride(0), WPG=group_size // per_word if group_size else 1, VEC=4,
+                             NUM_WARPS=nw, USE_PDL=pdl_on, **({"launch_pdl": True} if pdl_on else {}), **flags)
+        return y
+    assert kind == "triton", f"KIND is 'gluon' or 'triton', got {kind!r}"
+    group = group_size or 1
+    block_k = max(group, min(cfg.pop("TILE_BYTES") * (2 if int4 else 1), triton.next_power_of_2(K)))
+    _wq_row_kernel[grid](x, qweight.view(torch.uint8), scales, mins_arg, bias_arg, y, N, K, qweight.stride(0),
+                         scales.stride(0), GROUP=group, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+                         **pdl_kw(x, pdl), **flags)
+    return y
