@@ -6,6 +6,8 @@ speed on the GPU, speed and quality on the CPU, peers in the same run.
 
 GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table printed last):
   tests     the quantized kernels' real-size tests (tests/kernels/test_wq_gemm.py -k real_size)
+  step      one batch-1 step's projections (32 layers, one CUDA graph): bf16 against each packed
+            format's one-row kernels (``--step-sweep``: every tile of STEP_CONFIGS)
   dispatch  each decoder projection (qkv, o, gate/up, down) at 1..2,048 rows: bf16 (the faster of
             cuBLAS and kvserve's skinny kernel) against the three quantized shapes (skinny,
             tiled with in-register dequantization, dequantize-then-cuBLAS); the fastest per row
@@ -129,6 +131,106 @@ def run_dispatch():
         TABLE.append(f"  measured rule: skinny up to {skinny_max} rows, dequant+cuBLAS from {deq_min} "
                      f"(KernelConfig: {kernel.wq_skinny_max_rows}, {kernel.wq_dequant_min_rows})")
         print("\n".join(TABLE[-len(ROWS) - 2:]), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+STEP_CONFIGS = ([{"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}] +
+                [{"KIND": "gluon", "BLOCK_N": bn, "PREFETCH": pf, "num_warps": nw}
+                 for bn, pf, nw in [(4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 2), (8, 1, 2), (16, 1, 4)]])
+GENERIC_ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
+
+
+def graph_time(launch, reps: int = 20) -> float:
+    """Median seconds of one replay of a CUDA graph of ``launch`` (kernels back to back, as the
+    engine's captured decode step runs them)."""
+    import statistics
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch()
+        launch()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+@section("step")
+def run_step(sweep: bool):
+    """The decoder projections of one batch-1 step of the Llama-3-8B shape: 32 layers of qkv, o,
+    gate/up and down, each layer its own weights, launched back to back in one CUDA graph. bf16
+    (the skinny kernel) against each packed format, with the generic one-row tile of
+    ``wq_gemm`` and the word kernel of ``wq_gemv`` (its default tile, or every tile of
+    ``STEP_CONFIGS`` with ``--step-sweep``): microseconds a step, weight bytes read per second."""
+    from kvserve.kernels import wq_gemm
+    from kvserve.kernels.gemv import gemv
+    from kvserve.layers.rtn import quantize_int4, quantize_int8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xs = {K: torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _, K in SHAPES.values()}
+    dense = [[torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+              for N, K in SHAPES.values()] for _ in range(32)]
+
+    def pack(w, fmt):
+        if fmt == "int8":
+            return (*quantize_int8(w, torch.bfloat16), None, 0)
+        if fmt.startswith("int8-g"):  # group-wise int8, as GGUF's Q8_0 repacks
+            g = int(fmt.removeprefix("int8-g"))
+            s = w.view(w.shape[0], -1, g).abs().amax(2).clamp_min(1e-8) / 127
+            q = (w.view(w.shape[0], -1, g) / s[..., None]).round().to(torch.int8).view(w.shape)
+            return q, s.to(torch.bfloat16), None, g
+        g = int(fmt.removeprefix("int4-g"))
+        return (*quantize_int4(w, g, torch.bfloat16), g)
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for layer in ts for p in layer for t in
+                   (p if isinstance(p, tuple) else (p,)) if isinstance(t, torch.Tensor))
+
+    out = {}
+    t = graph_time(lambda: [gemv(xs[w.shape[1]], w) for layer in dense for w in layer])
+    out["bf16"] = {"us": t * 1e6, "tb_s": nbytes(dense) / t / 1e12}
+    TABLE.append("one step's projections, 32 layers in a graph: format | config | us | weight TB/s | x bf16")
+    TABLE.append(f"  bf16       | gemv default | {t * 1e6:7.1f} | {out['bf16']['tb_s']:.2f} |")
+    for fmt in ("int8", "int4-g128", "int4-g32", "int8-g32"):
+        packed = [[pack(w, fmt) for w in layer] for layer in dense]
+        size = nbytes(packed)
+        configs = [("generic", GENERIC_ONE_ROW), ("default", None)]
+        if sweep:
+            configs += [(f"{c['KIND']} {c['BLOCK_N']}x{c.get('TILE_BYTES', '')} p{c['PREFETCH']} w{c['num_warps']}", c)
+                        for c in STEP_CONFIGS]
+        res = {}
+        int4 = fmt.startswith("int4")
+        for name, cfg in configs:
+            def launch(cfg=cfg, packed=packed):
+                for layer in packed:
+                    for p in layer:
+                        wq_gemm.wq_mm(xs[p[0].shape[1] * (2 if int4 else 1)], *p, config=cfg)
+            try:
+                t = graph_time(launch)
+            except Exception as e:  # a tile that does not compile (registers, shared memory) is a row
+                res[name] = {"error": repr(e)[:200]}
+                TABLE.append(f"  {fmt:10s} | {name:18s} | FAILED {e!r}"[:160])
+                continue
+            res[name] = {"us": t * 1e6, "tb_s": size / t / 1e12, "x_bf16": out["bf16"]["us"] / (t * 1e6),
+                         "config": cfg}
+            TABLE.append(f"  {fmt:10s} | {name:18s} | {t * 1e6:7.1f} | {size / t / 1e12:.2f} | "
+                         f"{out['bf16']['us'] / (t * 1e6):.2f}x")
+        ok = {k: v for k, v in res.items() if "us" in v}
+        best = min(ok, key=lambda k: ok[k]["us"])
+        out[fmt] = {"weight_bytes": size, "configs": res, "best": best}
+        TABLE.append(f"  {fmt:10s} | best: {best} ({ok[best]['us']:.1f} us)")
+        print("\n".join(TABLE[-len(configs) - 1:]), flush=True)
+        del packed
         torch.cuda.empty_cache()
     return out
 
@@ -281,6 +383,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="sections, comma-separated (default: the device's)")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--step-sweep", action="store_true", help="step section: time every tile of STEP_CONFIGS")
     ap.add_argument("--cpu-new-tokens", type=int, default=64)
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed generations per format (the best counts)")
@@ -288,10 +391,11 @@ def main():
                     help=f"CPU formats, comma-separated (fp32 always runs): {', '.join(CPU_FORMATS)}")
     args = ap.parse_args()
     gpu_check.OUT_PATH = os.path.join(args.out, f"weight_quant_{args.device}.json")
-    only = set((args.only or ("tests,dispatch,engine,peer" if args.device == "cuda" else "cpu")).split(","))
+    only = set((args.only or ("tests,step,dispatch,engine,peer" if args.device == "cuda" else "cpu")).split(","))
     RESULTS["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     RESULTS["torch"] = torch.__version__
-    sections = {"tests": run_tests, "dispatch": run_dispatch, "engine": lambda: run_engine(args.requests),
+    sections = {"tests": run_tests, "step": lambda: run_step(args.step_sweep), "dispatch": run_dispatch,
+                "engine": lambda: run_engine(args.requests),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
                                        args.cpu_formats.split(","))}
