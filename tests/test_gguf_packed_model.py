@@ -54,3 +54,58 @@ def test_none_takes_no_group_size():
     with pytest.raises(ConfigError) as e:
         QuantConfig("none", 32)
     assert e.value.option == "quantization_group_size"
+
+
+def _copy_with_q8_0_values(src: str, dst: str) -> None:
+    """The GGUF file ``src`` written again with every ``attn_v`` tensor requantized to Q8_0 from its
+    own values (``gguf``'s quantizer), the rest byte for byte: llama.cpp's kind of mix, a fused
+    q/k/v projection of two types."""
+    import gguf
+    import numpy as np
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
+    for field in r.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    data = {}
+    for t in r.tensors:
+        if t.name.endswith("attn_v.weight"):
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            data[t.name] = (gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                            gguf.GGMLQuantizationType.Q8_0)
+        else:
+            data[t.name] = (np.asarray(t.data), t.tensor_type)
+        arr, qtype = data[t.name]
+        w.add_tensor_info(t.name, arr.shape, arr.dtype, arr.nbytes, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(data[t.name][0])
+    w.close()
+
+
+@pytest.mark.slow
+def test_mixed_type_projection_packed_equals_dequantized_at_load(tmp_path):
+    """A file whose q/k/v parts differ in type (Q4_1 q and k, Q8_0 v) keeps them packed, in one
+    group-wise int8 layout, and computes what dequantizing at load computes."""
+    from kvserve.models.loader import default_model_path
+    path = str(tmp_path / "mixed.gguf")
+    _copy_with_q8_0_values(default_model_path(), path)
+    kw = dict(model=path, show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
+    packed, floats = LLM(quantization="gguf", **kw), LLM(quantization="none", **kw)
+    for layer in packed.engine.runner.model.layers:
+        qkv = layer.self_attn.qkv_proj
+        assert isinstance(qkv, QuantLinear) and qkv.fmt == "gguf Q4_1+Q4_1+Q8_0" and qkv.method == "int8"
+        assert isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.fmt == "gguf Q4_1"
+    with open(HELDOUT) as f:
+        ids = packed.get_tokenizer().encode(f.read())[:96]
+    a, b = _logits(packed, ids), _logits(floats, ids)
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", {"prompt_token_ids": ids[:40]}]
+    assert [o.outputs[0].token_ids for o in packed.generate(prompts, sp)] == \
+        [o.outputs[0].token_ids for o in floats.generate(prompts, sp)]

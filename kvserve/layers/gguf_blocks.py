@@ -18,6 +18,10 @@ columns of Q4_K) in the high one; the repacked int4 rows put column 2j low and 2
 small integers, as ``gguf.quants.dequantize`` forms them, so ``q * scale + min`` is its value to
 the bit; they are stored in float16 where that holds every one of them exactly.
 
+A fused projection whose parts differ in type (``repack_parts``) takes the layout that holds
+them all without loss: int4 g32 if every part is 4-bit, else group-wise int8 at the smallest
+group (4-bit codes as int8).
+
 Bytes per weight against the file: Q4_0/Q4_1 and Q8_0 the same or less (4 + 32/32, 8 + 16/32
 bits), Q4_K 6 bits instead of 4.5 and Q6_K 10 instead of 6.6 where the scales need float32.
 """
@@ -102,6 +106,36 @@ def repack(raw: torch.Tensor, qtype: str, K: int, cpu: bool
     kernels take float32 parameters; CUDA ones the narrowest exact dtype."""
     codes, scales, mins, group = unpack(raw, qtype, K)
     method = FORMATS[qtype][2]
+    if not cpu:
+        scales, mins = compact(scales, mins)
+    return method, (pack_int4(codes) if method == "int4" else codes), scales, mins, group
+
+
+def repack_parts(parts: list[tuple[str, torch.Tensor]], K: int, cpu: bool
+                 ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """``repack`` for a fused projection whose parts (rows stacked in order) are of different
+    types, as llama.cpp's mixes store them (e.g. Q4_K q and k with a Q6_K v). Without loss: every
+    4-bit format repacks to int4 groups of 32, so 4-bit parts stay int4; with an 8-bit part the
+    whole projection becomes group-wise int8 at the smallest group of its parts, the 4-bit codes
+    (0..15) kept as int8 and each part's scales and mins repeated over the finer groups (a part
+    without mins gets zeros when another has them)."""
+    unpacked = [unpack(raw, qtype, K) for qtype, raw in parts]
+    if all(FORMATS[qtype][2] == "int4" for qtype, _ in parts):
+        method, group = "int4", 32
+        codes = torch.cat([c for c, _, _, _ in unpacked])
+        scales = torch.cat([sc for _, sc, _, _ in unpacked])
+        mins = torch.cat([m for _, _, m, _ in unpacked])
+    else:
+        method, group = "int8", min(g for _, _, _, g in unpacked)
+        has_min = any(m is not None for _, _, m, _ in unpacked)
+        codes, scales, mins = [], [], []
+        for c, sc, m, g in unpacked:
+            codes.append(c.to(torch.int8))
+            scales.append(sc.repeat_interleave(g // group, dim=1))
+            if has_min:
+                mins.append(torch.zeros_like(scales[-1]) if m is None else m.repeat_interleave(g // group, dim=1))
+        codes, scales = torch.cat(codes), torch.cat(scales)
+        mins = torch.cat(mins) if has_min else None
     if not cpu:
         scales, mins = compact(scales, mins)
     return method, (pack_int4(codes) if method == "int4" else codes), scales, mins, group

@@ -85,6 +85,16 @@ class QuantLinear(nn.Module):
         method, q, s, m, g = repack(raw, qtype, in_features, raw.device.type == "cpu")
         return cls(method, in_features, raw.shape[0], g, q, s, m, bias, fmt=f"gguf {qtype}")
 
+    @classmethod
+    def from_gguf_parts(cls, parts: list[tuple[str, torch.Tensor]], in_features: int,
+                        bias: torch.Tensor | None = None) -> QuantLinear:
+        """A fused projection from GGUF parts of different types ((type, rows) in row order, on the
+        target device), repacked into one layout (``gguf_blocks.repack_parts``)."""
+        from kvserve.layers.gguf_blocks import repack_parts
+        method, q, s, m, g = repack_parts(parts, in_features, parts[0][1].device.type == "cpu")
+        fmt = "gguf " + "+".join(qtype for qtype, _ in parts)
+        return cls(method, in_features, sum(r.shape[0] for _, r in parts), g, q, s, m, bias, fmt=fmt)
+
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}{g}"

@@ -143,10 +143,11 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> frozenset[str]:
-    """Replace each decoder projection whose GGUF parts share one block format with a kernel
+    """Replace each decoder projection whose GGUF parts are all of block formats with a kernel
     (``layers/gguf_blocks.py``) by a ``QuantLinear`` holding those blocks, repacked on the
-    model's device; returns the GGUF tensors taken. A projection whose parts differ in type
-    (llama.cpp's mixes, e.g. Q4_K q/k with a Q6_K v) or of another type keeps its float weight."""
+    model's device (parts of different types, llama.cpp's mixes such as Q4_K q/k with a Q6_K v,
+    into one layout that holds them all); returns the GGUF tensors taken. A projection with a
+    part of another type keeps its float weight."""
     from kvserve.layers.gguf_blocks import FORMATS
     from kvserve.layers.quant_linear import QuantLinear
     parts: dict[str, dict[int, object]] = {}
@@ -160,7 +161,7 @@ def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> f
     for module, ts in parts.items():
         types = {t.tensor_type.name for t in ts.values()}
         n_parts = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
-        if len(types) != 1 or types.pop() not in FORMATS or sorted(ts) != list(range(n_parts)):
+        if not types <= set(FORMATS) or sorted(ts) != list(range(n_parts)):
             continue
         old = model.get_submodule(module)
         rows = []
@@ -170,13 +171,18 @@ def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> f
                 # rows are whole blocks: llama.cpp's RoPE permutation is undone on the packed rows
                 raw = _unpermute(raw, arch.num_heads if t.name.endswith("attn_q.weight") else arch.num_kv_heads)
             rows.append(raw)
-        raw = torch.cat(rows) if len(rows) > 1 else rows[0]
         K = int(ts[0].shape[0])
-        if (raw.shape[0], K) != (old.out_features, old.in_features):
-            raise ModelLoadError(f"{path}: {module} is [{raw.shape[0]}, {K}] in the file, expected "
+        n_rows = sum(r.shape[0] for r in rows)
+        if (n_rows, K) != (old.out_features, old.in_features):
+            raise ModelLoadError(f"{path}: {module} is [{n_rows}, {K}] in the file, expected "
                                  f"[{old.out_features}, {old.in_features}]")
         try:
-            new = QuantLinear.from_gguf(ts[0].tensor_type.name, raw, K, old.bias)
+            if len(types) == 1:
+                new = QuantLinear.from_gguf(ts[0].tensor_type.name, torch.cat(rows) if len(rows) > 1 else rows[0],
+                                            K, old.bias)
+            else:
+                qtypes = [t.tensor_type.name for _, t in sorted(ts.items())]
+                new = QuantLinear.from_gguf_parts(list(zip(qtypes, rows)), K, old.bias)
         except ValueError as e:
             raise ModelLoadError(f"{path}: {module}: {e}") from None
         parent, _, attr = module.rpartition(".")

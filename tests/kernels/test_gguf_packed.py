@@ -7,6 +7,8 @@
   tensors, small shapes);
 * the CPU layer (``QuantLinear.from_gguf``: PyTorch's int4 kernel for the 4-bit formats, a tiled
   dequantize-and-multiply for the 8-bit ones) likewise, at a real layer size;
+* a fused projection whose parts differ in type (llama.cpp's mixes) repacks into one layout
+  that gives every part's values to the bit, and the kernels and the CPU layer compute with it;
 * rows of the wrong length are refused.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ pytest.importorskip("triton")
 from kernelutil import gguf_tensor  # noqa: E402
 
 from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm  # noqa: E402
-from kvserve.layers.gguf_blocks import FORMATS, repack, unpack  # noqa: E402
+from kvserve.layers.gguf_blocks import FORMATS, repack, repack_parts, unpack  # noqa: E402
 from kvserve.layers.quant_linear import QuantLinear  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
@@ -89,3 +91,44 @@ def test_wrong_row_length(qtype):
         unpack(torch.from_numpy(raw[:, :-1]), qtype, 256)
     with pytest.raises(ValueError, match=qtype):
         unpack(torch.from_numpy(raw), qtype, 512)
+
+
+# (parts' types, the layout they share): 4-bit only -> int4 g32; with an 8-bit part -> int8 at
+# the smallest group, with mins if any part has them
+MIXES = [(("Q4_K", "Q4_K", "Q4_0"), "int4", 32), (("Q4_K", "Q4_K", "Q6_K"), "int8", 16),
+         (("Q8_0", "Q6_K"), "int8", 16), (("Q4_1", "Q8_0"), "int8", 32)]
+
+
+def _mix(qtypes, rows, K, seed):
+    parts = [gguf_tensor(q, n, K, seed=seed + i) for i, (q, n) in enumerate(zip(qtypes, rows))]
+    raws = [(q, torch.from_numpy(raw)) for q, (raw, _) in zip(qtypes, parts)]
+    return raws, torch.cat([torch.from_numpy(ref) for _, ref in parts])
+
+
+@pytest.mark.parametrize("qtypes,method,group", MIXES, ids=["+".join(m[0]) for m in MIXES])
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu-params", "cuda-params"])
+def test_mixed_parts_repack_to_gguf_values(qtypes, method, group, cpu):
+    raws, ref = _mix(qtypes, (16, 8, 8)[:len(qtypes)], 512, seed=3)
+    m, q, s, z, g = repack_parts(raws, 512, cpu)
+    assert (m, g) == (method, group)
+    assert (z is None) == all(t in ("Q8_0", "Q6_K") for t in qtypes)
+    w = dequantize_ref(q, s, z, g)
+    assert w.shape == ref.shape and torch.equal(w, ref), (w - ref).abs().max()
+
+
+@pytest.mark.parametrize("qtypes,method,group", MIXES[:2], ids=["+".join(m[0]) for m in MIXES[:2]])
+@pytest.mark.parametrize("M", [1, 3])
+def test_kernel_on_mixed_parts(qtypes, method, group, M, device):
+    raws, ref = _mix(qtypes, (16, 8, 8), 512, seed=M)
+    _, q, s, z, g = repack_parts([(t, r.to(device)) for t, r in raws], 512, cpu=False)
+    x = torch.randn(M, 512, generator=torch.Generator().manual_seed(M)).to(device)
+    assert _rel(wq_mm(x, q, s, z, g), x.double() @ ref.double().to(device).T) < 1e-5
+
+
+@pytest.mark.parametrize("qtypes,method,group", MIXES, ids=["+".join(m[0]) for m in MIXES])
+def test_cpu_layer_on_mixed_parts(qtypes, method, group):
+    raws, ref = _mix(qtypes, (256, 64, 64)[:len(qtypes)], 768, seed=11)
+    layer = QuantLinear.from_gguf_parts(raws, 768)
+    assert layer.fmt == "gguf " + "+".join(qtypes) and layer.method == method and layer.out_features == ref.shape[0]
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(2))
+    assert _rel(layer(x), x.double() @ ref.double().T) < 1e-5
