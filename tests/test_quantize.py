@@ -311,3 +311,31 @@ def test_a_malformed_weight_shape_is_a_load_error(gqa_model, tmp_path):
     save_file(t, path)
     with pytest.raises(ModelLoadError, match="down_proj is not in compressed-tensors's layout"):
         LLM(out, show_progress=False, kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibration_in_bounded_runs_writes_the_same_checkpoint(gqa_model, tmp_path, monkeypatch, method):
+    """With room for one layer's statistics at a time, the layers are calibrated one pass each
+    and the checkpoint is the one a single pass writes, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    import kvserve.quantize as Q
+    passes = []
+    real = Q.calibrate
+
+    def counting(*args, **kwargs):
+        passes.append(kwargs.get("layers"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Q, "calibrate", counting)
+    outs = []
+    for budget in (Q.CALIBRATION_MEMORY, 1):
+        outs.append(str(tmp_path / f"q{budget}"))
+        quantize(gqa_model, outs[-1], method, group_size=32, text=TEXT, num_tokens=256, chunk=64,
+                 calibration_memory=budget)
+    layers = LLM(gqa_model, quantization="none", show_progress=False, kv_cache_memory="16MiB").engine.arch.num_layers
+    assert layers >= 2 and passes == [range(0, layers)] + [range(i, i + 1) for i in range(layers)]
+    one, runs = (load_file(os.path.join(o, "model.safetensors")) for o in outs)
+    assert one.keys() == runs.keys() and any(k.endswith("weight_packed") for k in one)
+    for k in one:
+        assert torch.equal(one[k], runs[k]), k

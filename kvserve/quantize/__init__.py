@@ -3,11 +3,15 @@ nearest, AWQ or GPTQ (``algorithms.py``), written as a Hugging Face directory in
 compressed-tensors ``pack-quantized`` layout (the format vLLM and llm-compressor read; kvserve
 loads it packed, ``models/awq_gptq.py``).
 
-Calibration runs kvserve's own engine once over the calibration text (full precision, no
-prefix cache) with hooks on every projection: each keeps its inputs (AWQ's search) and their
-Gram matrix X^T X (GPTQ's Hessian). Every layer is calibrated on the full-precision model's
-activations, in one pass; GPTQ implementations that re-run each layer on the quantized layers
-before it see slightly different inputs.
+Calibration runs kvserve's own engine over the calibration text (full precision, no prefix
+cache) with hooks on the projections: each keeps its inputs (AWQ's search) and their Gram
+matrix X^T X (GPTQ's Hessian, float64). Every layer is calibrated on the full-precision model's
+activations; GPTQ implementations that re-run each layer on the quantized layers before it see
+slightly different inputs. What the hooks keep is bounded (``calibration_memory``): the layers
+are taken in runs that fit, one pass over the text per run, each run quantized and its
+statistics dropped before the next (an 8B model's Hessians are 65.5 GB in all; the default
+8 GiB takes four of its layers a pass, 8.2 GB). The engine's weights are never changed: AWQ folds its scales into
+copies of the layer's tensors.
 
 AWQ's scales are folded where the model stays equivalent: the input projections' into the RMSNorm
 before them, down_proj's into up_proj's rows. o_proj's would go into v_proj's rows, which holds
@@ -50,6 +54,16 @@ def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: 
 # Calibration inputs kept per projection for AWQ's search (every n-th token, over the whole
 # text); GPTQ's X^T X sums every token.
 AWQ_ROWS = 1024
+CALIBRATION_MEMORY = 8 << 30  # bytes of calibration statistics held at once (quantize's default)
+
+
+def _calibration_bytes(a, method: str) -> int:
+    """What one decoder layer's hooks hold: float64 X^T X per projection (GPTQ), or AWQ_ROWS
+    float32 rows of its inputs."""
+    widths = (a.hidden_size, a.num_heads * a.head_dim, a.hidden_size, a.intermediate_size)  # qkv, o, gate_up, down
+    if method == "gptq":
+        return sum(8 * k * k for k in widths)
+    return sum(4 * AWQ_ROWS * k for k in widths) if method == "awq" else 0
 
 
 def default_text() -> str:
@@ -100,12 +114,14 @@ class _Inputs:
         return torch.cat(self.rows)
 
 
-def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gram: bool = True
-              ) -> dict[str, _Inputs]:
+def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gram: bool = True,
+              layers: range | None = None) -> dict[str, _Inputs]:
+    """One pass of the engine over ``ids`` (prompts of ``chunk`` tokens) with hooks on the
+    projections of ``layers`` (None: every layer)."""
     model = llm.engine.runner.model
     inputs, handles = {}, []
     stride = max(1, len(ids) // keep)
-    for i in range(len(model.layers)):
+    for i in range(len(model.layers)) if layers is None else layers:
         for p in _PROJ:
             name = f"layers.{i}.{p}"
             inputs[name] = _Inputs(stride, rows, gram)
@@ -122,9 +138,11 @@ def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gra
 
 def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_size: int = 128,
              symmetric: bool = True, act_order: bool = False, text: str | None = None, num_tokens: int = 16384,
-             chunk: int = 512, device: str = "cpu") -> dict:
+             chunk: int = 512, device: str = "cpu", calibration_memory: int = CALIBRATION_MEMORY) -> dict:
     """Quantize ``model`` (a GGUF file or an unquantized Hugging Face directory of a Llama-family
-    model) and write the checkpoint to ``out`` (new or empty); returns its quantization_config."""
+    model) and write the checkpoint to ``out`` (new or empty); returns its quantization_config.
+    ``calibration_memory``: bytes the calibration statistics may hold at once (at least one
+    layer's are held, whatever the bound)."""
     from kvserve.layers.linear import dense_parameters
     from kvserve.llm import LLM
     from kvserve.models import loader
@@ -155,21 +173,26 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
         raise ConfigError("text", f"needs at least 16 tokens of calibration text, got {len(ids)}")
     chunk = min(chunk, eng.max_model_len - 1)  # each prompt leaves room for the token it generates
     # RTN needs no calibration; AWQ searches on input rows, GPTQ on X^T X.
-    inputs = {} if method == "rtn" else calibrate(llm, ids, chunk, AWQ_ROWS, rows=method == "awq",
-                                                    gram=method == "gptq")
-    params = {k: v.detach().float().cpu().clone() for k, v in dense_parameters(eng.runner.model)}
+    params = {k: v.detach().float().cpu() for k, v in dense_parameters(eng.runner.model)}
     grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path))
     packed: dict[str, Quantized] = {}
-    for i in range(a.num_layers):
-        pre = f"layers.{i}."
-        if method == "awq":
-            _awq_layer(params, inputs, pre, a, grid)
-        for p in _PROJ:
-            w = params.pop(f"{pre}{p}.weight")
-            if method == "gptq":
-                packed[pre + p] = algorithms.gptq(w, inputs[pre + p].gram, grid, act_order)
-            else:
-                packed[pre + p] = algorithms.rtn(w, grid)
+    per_layer = max(1, _calibration_bytes(a, method))
+    run = a.num_layers if method == "rtn" else max(1, min(a.num_layers, calibration_memory // per_layer))
+    for first in range(0, a.num_layers, run):
+        layers = range(first, min(a.num_layers, first + run))
+        inputs = {} if method == "rtn" else calibrate(llm, ids, chunk, AWQ_ROWS, rows=method == "awq",
+                                                        gram=method == "gptq", layers=layers)
+        for i in layers:
+            pre = f"layers.{i}."
+            if method == "awq":
+                _awq_layer(params, inputs, pre, a, grid)
+            for p in _PROJ:
+                w = params.pop(f"{pre}{p}.weight")
+                if method == "gptq":
+                    packed[pre + p] = algorithms.gptq(w, inputs[pre + p].gram, grid, act_order)
+                else:
+                    packed[pre + p] = algorithms.rtn(w, grid)
+        del inputs
     config = _ct_config(group_size, symmetric, act_order)
     _write(out, src, eng, a, params, packed, config,
            {"method": method, "calibration_tokens": len(ids), "kvserve_version": kvserve_version()})
@@ -178,7 +201,9 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
 
 def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
     """Search and fold AWQ's scales for one decoder layer (down first: its scale moves into
-    up_proj's rows before gate_up is searched)."""
+    up_proj's rows before gate_up is searched), into copies of the layer's tensors."""
+    for k in [k for k in params if k.startswith(pre)]:
+        params[k] = params[k].clone()
     inter = a.intermediate_size
     w = params[pre + "mlp.down_proj.weight"]
     s = algorithms.awq_scales(w, inputs[pre + "mlp.down_proj"].x(), grid)
