@@ -3,11 +3,14 @@
     PYTHONPATH=$PWD python benchmarks/cpu_linear.py --out benchmarks/results/cpu_linear
     PYTHONPATH=$PWD python benchmarks/cpu_linear.py --model /tmp/qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
-Two parts, each side in the same run:
+Three parts (``--only``), each side in the same run:
   products  every projection shape of the model (fused QKV, O, fused gate/up, down) at 1 to 64
             rows: time per product, packed and dense, and the weight bytes per second
   engine    decode of the same greedy requests at batch 1 and 8, ``KernelConfig(cpu_packed_weights=
             True)`` against ``False``: output tokens per second, and whether the tokens are equal
+  dtype     the engine in bfloat16 (its projections packed where the CPU multiplies bfloat16
+            natively) against float32: decode tok/s at batch 1 and 8, perplexity over held-out
+            text (Python's reference documentation, ``pydoc_data.topics``), greedy tokens equal
 
 Sides alternate (dense, packed, dense, packed ...) and the median of ``--repeats`` is reported.
 """
@@ -98,6 +101,47 @@ def engine(model: str | None, batches, max_tokens: int, repeats: int, kv: str) -
     return out
 
 
+def dtypes(model: str | None, batches, max_tokens: int, repeats: int, kv: str, ppl_tokens: int) -> dict:
+    import pydoc_data.topics as topics
+
+    from kvserve.bench.quality import perplexity
+    from kvserve.layers.linear import cpu_bf16_native
+    kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": 2048}
+    if model:
+        kw["model"] = model
+    kw["max_model_len"] = max(2048, ppl_tokens + 1)
+    llms = {d: LLM(dtype=d, **kw) for d in ("float32", "bfloat16")}
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = {"bf16_native": cpu_bf16_native(), "decode": [], "perplexity": {}}
+    for bs in batches:
+        prompts = (PROMPTS * (bs // len(PROMPTS) + 1))[:bs]
+        times = {d: [] for d in llms}
+        tokens = {}
+        for llm in llms.values():
+            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))  # warm
+        for _ in range(repeats):
+            for d, llm in llms.items():
+                t = time.perf_counter()
+                res = llm.generate(prompts, sp)
+                times[d].append(time.perf_counter() - t)
+                tokens[d] = [o.outputs[0].token_ids for o in res]
+        f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+        row = {"batch": bs, "float32_tok_s": bs * max_tokens / f, "bfloat16_tok_s": bs * max_tokens / b,
+               "speedup": f / b, "sequences_equal": sum(x == y for x, y in zip(tokens["float32"], tokens["bfloat16"]))}
+        out["decode"].append(row)
+        print(f"dtype batch {bs}: float32 {row['float32_tok_s']:.1f} tok/s, bfloat16 {row['bfloat16_tok_s']:.1f} "
+              f"tok/s, {row['speedup']:.2f}x, {row['sequences_equal']}/{bs} sequences equal", flush=True)
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = llms["float32"].get_tokenizer().encode(text)[:ppl_tokens]
+    for d, llm in llms.items():
+        out["perplexity"][d] = perplexity(llm, ids)
+    out["perplexity"]["tokens"] = len(ids)
+    print(f"perplexity over {len(ids)} tokens: {out['perplexity']}", flush=True)
+    for llm in llms.values():
+        llm.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model")
@@ -107,19 +151,27 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--out", default=None, help="a directory: writes cpu_linear.json there")
+    ap.add_argument("--only", default="products,engine", help="parts, comma-separated: products, engine, dtype")
+    ap.add_argument("--perplexity-tokens", type=int, default=2048, help="dtype: held-out tokens scored")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     probe = LLM(args.model, show_progress=False, kv_cache_memory="16MiB") if args.model else \
         LLM(show_progress=False, kv_cache_memory="16MiB")
     arch = probe.engine.arch
     probe.shutdown()
+    batches = [int(b) for b in args.batches.split(",")]
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args),
-              "products": products(arch, [int(r) for r in args.rows.split(",")], args.repeats),
-              "engine": engine(args.model, [int(b) for b in args.batches.split(",")], args.max_tokens,
-                               args.repeats, args.kv_cache_memory)}
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args)}
+    if "products" in only:
+        result["products"] = products(arch, [int(r) for r in args.rows.split(",")], args.repeats)
+    if "engine" in only:
+        result["engine"] = engine(args.model, batches, args.max_tokens, args.repeats, args.kv_cache_memory)
+    if "dtype" in only:
+        result["dtype"] = dtypes(args.model, batches, args.max_tokens, args.repeats, args.kv_cache_memory,
+                                 args.perplexity_tokens)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "cpu_linear.json")
+        path = os.path.join(args.out, "cpu_linear.json" if only != {"dtype"} else "cpu_dtype.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")

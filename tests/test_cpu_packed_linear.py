@@ -11,9 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.config import QuantConfig
-from kvserve.layers.linear import Linear, cpu_packing_available, dense_parameters, pack_cpu_weights, unpack_cpu_weights
+from kvserve.layers.linear import (
+    Linear,
+    cpu_bf16_native,
+    cpu_packing_available,
+    dense_parameters,
+    pack_cpu_weights,
+    unpack_cpu_weights,
+)
 from kvserve.layers.quant_linear import QuantLinear, quantize_model
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this PyTorch build has no oneDNN")
@@ -91,3 +98,30 @@ def test_a_cpu_engine_packs_its_projections_and_sleep_mode_does_not():
     asleep = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB", enable_sleep_mode=True)
     assert asleep.engine.runner.model.layers[0].self_attn.qkv_proj.packed is None  # sleep moves weights by name
     asleep.shutdown()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_bfloat16_packed_where_native(rows):
+    """bfloat16 projections are packed where oneDNN multiplies bfloat16 natively (and left dense
+    elsewhere); packed, the product is F.linear's on the dense bfloat16 weight up to bfloat16
+    rounding of the output, and the dense weight comes back exactly."""
+    m = _model(rows + 7, bias=True).to(torch.bfloat16)
+    dense = {n: p.detach().clone() for n, p in m.named_parameters()}
+    native = cpu_bf16_native()
+    assert pack_cpu_weights(m) == (2 if native else 0)
+    assert (m.qkv_proj.packed is not None) == native and m.lm_head.packed is None
+    x = (torch.randn(rows, 96) + 0.5).to(torch.bfloat16)
+    y = m.qkv_proj(x)
+    ref = F.linear(x.double(), dense["qkv_proj.weight"].double(), dense["qkv_proj.bias"].double())
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 160)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 8e-3  # bfloat16's rounding of y (2^-8)
+    assert all(torch.equal(p, dense[n]) for n, p in dense_parameters(m))
+
+
+def test_a_bfloat16_cpu_engine_packs_where_native():
+    llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB", dtype="bfloat16")
+    layer = llm.engine.runner.model.layers[0]
+    assert (layer.mlp.down_proj.packed is not None) == cpu_bf16_native()
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.shutdown()

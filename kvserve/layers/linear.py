@@ -8,8 +8,9 @@ to 16, the fused gate/up + SiLU up to 32, as tuned on an H200 with ``benchmarks/
 come from the step's ``ForwardContext``, as everything per step does: the model code carries no
 configuration.
 
-On CPU the float32 projections run in oneDNN on the weight packed once into its blocked layout
-(``pack_cpu_weights``; the packed copy replaces the dense one). ``F.linear`` on a dense CPU
+On CPU the float32 projections (and bfloat16 ones, where the CPU multiplies bfloat16 natively)
+run in oneDNN on the weight packed once into its blocked layout (``pack_cpu_weights``; the
+packed copy replaces the dense one). ``F.linear`` on a dense CPU
 weight takes two to three times as long for two to sixteen rows (a few sequences, a draft's
 verification) as for one, though the bytes read are the same; on the packed weight they cost
 about as much as one row, and one row runs faster too (benchmarks/cpu_linear.py).
@@ -73,18 +74,26 @@ def cpu_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def cpu_bf16_native() -> bool:
+    """oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX), rather than through
+    float32 conversions."""
+    return cpu_packing_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Pack every float32 ``Linear`` on the CPU for oneDNN, dropping its dense weight (memory stays
-    one copy); returns how many. Not the LM head: ``compute_logits`` reads its weight (often the
-    embedding's) directly. Whoever needs the dense weights again calls ``unpack_cpu_weights``."""
+    """Pack every float32 ``Linear`` on the CPU for oneDNN (and every bfloat16 one where oneDNN
+    multiplies bfloat16 natively), dropping its dense weight (memory stays one copy); returns how
+    many. Not the LM head: ``compute_logits`` reads its weight (often the embedding's) directly.
+    Whoever needs the dense weights again calls ``unpack_cpu_weights``."""
     if not cpu_packing_available():
         return 0
+    dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_native() else (torch.float32,)
     n = 0
     for name, mod in model.named_modules():
         if type(mod) is not Linear or mod.packed is not None or name.split(".")[-1] == "lm_head":
             continue
         w = mod.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() == 0:
+        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() == 0:
             continue
         mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
