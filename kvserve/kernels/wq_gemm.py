@@ -2,7 +2,8 @@
 memory and are dequantized in registers, tile by tile (formats: ``kvserve/layers/rtn.py``).
 
     int8  W [N, K] int8, scale [N]:            y[m, n] = scale[n] * sum_k x[m, k] q[n, k]
-          or scale [N, K/g] (group-wise, no min; GGUF's Q8_0 and Q6_K, ``layers/gguf_blocks.py``)
+          or scale [N, K/g] and optionally min [N, K/g] (group-wise: GGUF's Q8_0 and Q6_K, and
+          fused projections of mixed GGUF types, ``layers/gguf_blocks.py``)
     fp8   W [N, K] float8_e4m3fn, scale [N]: as int8 (an FP8 layer's few-row products,
           ``layers/fp8_linear.py``: its weights times unquantized activations)
     int4  W [N, K/2] uint8 (2 codes a byte),   y[m, n] = sum_groups scale[n, j] * sum_(k in j) x[m, k] q[n, k]
@@ -229,6 +230,8 @@ def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: to
         assert bias.shape == (N,) and bias.is_contiguous()
     if M == 1 and (config is None or "KIND" in config) and wq_gemv.takes(qweight, group_size):
         return wq_gemv.wq_gemv(x, qweight, scales, mins, group_size, bias, N, K, int4, config, pdl)
+    assert config is None or "KIND" not in config, \
+        "a one-row config (KIND) takes one row of int8 or int4; this product has other rows or FP8 codes"
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y

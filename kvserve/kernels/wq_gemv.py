@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kvserve.kernels import interpreting
-from kvserve.kernels.common import launch_pdl, pdl_kw, wait_inputs
+from kvserve.kernels.common import capability, launch_pdl, pdl_kw, wait_inputs
 
 
 @triton.jit
@@ -247,6 +247,7 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
                    INT4: gl.constexpr, GROUPED: gl.constexpr, HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr,
                    WPG: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
                    PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
+    gl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
     P: gl.constexpr = 8 if INT4 else 4  # codes a word
     NT: gl.constexpr = 32 * NUM_WARPS  # threads: each holds VEC words (16 bytes) of every row
     # [rows, threads, words, codes]: a thread's codes and rows all in its registers, so the sums
@@ -304,12 +305,20 @@ def takes(qweight: torch.Tensor, group_size: int) -> bool:
     return qweight.dtype == torch.int8 and qweight.shape[1] % 4 == 0 and (group_size == 0 or group_size % 4 == 0)
 
 
-def default_config(x: torch.Tensor, K: int, int4: bool, group_size: int) -> dict:
+def gluon_takes(x: torch.Tensor, qweight: torch.Tensor, K: int, int4: bool) -> bool:
+    """The Gluon kernel's conditions: a CUDA GPU of compute capability 8.0 or later (it is built
+    and measured on 9.0), not the interpreter, rows of whole 16-byte vectors, each row starting on
+    a 4-byte boundary (read as 32-bit words)."""
+    return (x.is_cuda and not interpreting() and capability(x.device) >= 8 and K % (32 if int4 else 16) == 0
+            and qweight.stride(0) % 4 == 0 and qweight.storage_offset() % 4 == 0)
+
+
+def default_config(x: torch.Tensor, qweight: torch.Tensor, K: int, int4: bool, group_size: int) -> dict:
     """CUDA, rows of whole 16-byte vectors: the Gluon kernel, 8 rows a program (4 for group-wise
     int8, whose scales cost registers), 4 warps, the next tile asked for ahead (from the sweep of
     ``benchmarks/weight_quant.py --only step --step-sweep`` on the H200). Otherwise the Triton
     kernel: 4 rows by 1 KiB of each row a tile, the next tile asked for ahead."""
-    if x.is_cuda and not interpreting() and K % (32 if int4 else 16) == 0:
+    if gluon_takes(x, qweight, K, int4):
         return {"KIND": "gluon", "BLOCK_N": 4 if group_size and not int4 else 8, "PREFETCH": 1, "num_warps": 4}
     return {"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}
 
@@ -321,7 +330,7 @@ def wq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     ``wq_gemm.wq_mm``, which calls this for one row when ``takes`` says so. ``config``: ``KIND``
     ("gluon": K a multiple of 32 for int4, 16 for int8; or "triton"), ``BLOCK_N``, ``PREFETCH`` (1
     or 2), ``num_warps`` and for Triton ``TILE_BYTES`` (None: ``default_config``)."""
-    cfg = dict(config or default_config(x, K, int4, group_size))
+    cfg = dict(config or default_config(x, qweight, K, int4, group_size))
     block_n, kind, prefetch, nw = cfg.pop("BLOCK_N"), cfg.pop("KIND"), cfg.pop("PREFETCH"), cfg.pop("num_warps")
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, block_n),)
@@ -330,7 +339,7 @@ def wq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
                  BLOCK_N=block_n, PREFETCH=prefetch, num_warps=nw)
     if kind == "gluon":
         per_word = 8 if int4 else 4
-        assert K % (4 * per_word) == 0, "the Gluon kernel reads rows as whole 16-byte vectors"
+        assert gluon_takes(x, qweight, K, int4), "the Gluon kernel: CUDA 8.0+, rows of whole 16-byte vectors"
         w32 = qweight.view(torch.int32)
         pdl_on = launch_pdl(x, pdl)
         _gl_row_kernel[grid](x, w32, scales, mins_arg, bias_arg, y, N, K // per_word // 4, w32.stride(0),

@@ -18,6 +18,7 @@ about as much as one row, and one row runs faster too (benchmarks/cpu_linear.py)
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -74,10 +75,19 @@ def cpu_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
 def cpu_bf16_native() -> bool:
-    """oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX), rather than through
-    float32 conversions."""
-    return cpu_packing_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """The CPU has bfloat16 dot-product instructions (x86's AVX512-BF16 or AMX-BF16, Arm's BF16)
+    and oneDNN takes bfloat16. (oneDNN's own check also says yes on AVX512 CPUs without them,
+    where it emulates bfloat16 through float32 at several times the cost.)"""
+    if not cpu_packing_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:  # not Linux: no way to tell here, so no
+        return False
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def pack_cpu_weights(model: nn.Module) -> int:

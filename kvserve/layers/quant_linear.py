@@ -13,9 +13,10 @@ product, never to a whole matrix at rest.
     CPU   PyTorch's packed CPU kernels: ``_weight_int8pack_mm`` (int8 [N, K], scale [N]) and
           ``_weight_int4pack_mm_for_cpu`` (its own int4 layout, converted once at load, with
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
-          (q - 8) * scale + zero). Group-wise int8 (GGUF's Q8_0, Q6_K), which neither packed CPU
-          kernel takes, dequantizes ``_CPU_TILE_ROWS`` rows at a time into a float tile and
-          multiplies that, so no whole float matrix exists.
+          (q - 8) * scale + zero). Group-wise int8 (GGUF's Q8_0, Q6_K, fused projections of
+          mixed GGUF types), which neither packed CPU kernel takes, dequantizes
+          ``_CPU_TILE_ROWS`` rows at a time into a float tile and multiplies that, so no whole
+          float matrix exists.
 
 ``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
 (or with ``fp8_linear.Fp8Linear``) at load; the embedding and the output head keep the model's dtype.

@@ -7,8 +7,9 @@ Calibration runs kvserve's own engine over the calibration text (full precision,
 cache) with hooks on the projections: each keeps its inputs (AWQ's search) and their Gram
 matrix X^T X (GPTQ's Hessian, float64). Every layer is calibrated on the full-precision model's
 activations; GPTQ implementations that re-run each layer on the quantized layers before it see
-slightly different inputs. What the hooks keep is bounded (``calibration_memory``): the layers
-are taken in runs that fit, one pass over the text per run, each run quantized and its
+slightly different inputs. What the hooks keep is bounded (``calibration_memory``; a hook adds
+its call's temporaries, X^T X in float32 and float64, while it runs): the layers are taken in
+runs that fit, one pass over the text per run, each run quantized and its
 statistics dropped before the next (an 8B model's Hessians are 65.5 GB in all; the default
 8 GiB takes four of its layers a pass, 8.2 GB). The engine's weights are never changed: AWQ folds its scales into
 copies of the layer's tensors.
@@ -105,7 +106,10 @@ class _Inputs:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
         if self.keep_gram:
             g = (x.t() @ x).double()
-            self.gram = g if self.gram is None else self.gram + g
+            if self.gram is None:
+                self.gram = g
+            else:
+                self.gram.add_(g)
         if self.keep_rows:
             self.rows.append(x[-self.count % self.stride::self.stride].clone())
         self.count += x.shape[0]

@@ -84,6 +84,29 @@ def test_one_row_tiles(method, group, cfg, N, K, device):
     _check(1, N, K, method, group, torch.float32, device, seed=N + K + group, config=cfg, bias=N == 19)
 
 
+def test_one_row_config_is_refused_elsewhere(device):
+    """A one-row tile (``KIND``) given to a product of several rows, or of FP8 codes, is a clear
+    error, not a missing key deep in the launcher."""
+    x, packed, _ = _case(2, 8, 64, "int8", 0, torch.float32, device, seed=1)
+    cfg = {"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 64, "PREFETCH": 1, "num_warps": 2}
+    with pytest.raises(AssertionError, match="one-row config"):
+        wq_mm(x, *packed, config=cfg)
+    x, packed, _ = _case(1, 8, 64, "fp8", 0, torch.float32, device, seed=1)
+    with pytest.raises(AssertionError, match="one-row config"):
+        wq_mm(x, *packed, config=cfg)
+
+
+def test_one_row_strided_rows(device):
+    """Rows that do not start on 4-byte boundaries (a column slice of a wider int8 weight) still
+    compute right: such weights take the byte-tile kernel."""
+    x, (q, s, _, _), _ = _case(1, 9, 128, "int8", 0, torch.float32, device, seed=4)
+    wide = torch.zeros(9, 131, dtype=torch.int8, device=q.device)
+    wide[:, :128] = q
+    y = wq_mm(x, wide[:, :128], s)
+    ref = wq_mm_ref(x, q, s)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_one_row_code_extremes(device):
     """Every int8 code (-128..127) and int4 code (0..15) decodes exactly: a weight that holds each
     one, against x = one-hot columns, gives the codes times the scale."""
