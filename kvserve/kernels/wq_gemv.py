@@ -39,6 +39,11 @@ from triton.experimental.gluon import language as gl
 from kvserve.kernels import interpreting
 from kvserve.kernels.common import capability, launch_pdl, pdl_kw, wait_inputs
 
+# What comes off a code placed under 2^23's exponent (bits 0x4B000000): 2^23 for int4, 2^23 + 128
+# for int8 (stored plus 128); shared by both kernels.
+INT4_OFF = tl.constexpr(8388608.0)
+INT8_OFF = tl.constexpr(8388736.0)
+
 
 @triton.jit
 def _btile(W, S, Z, rn, k0, K, stride_wn, stride_sn, rb, rg, INT4: tl.constexpr, GROUPED: tl.constexpr,
@@ -66,14 +71,14 @@ def _btile(W, S, Z, rn, k0, K, stride_wn, stride_sn, rb, rg, INT4: tl.constexpr,
 
 @triton.jit
 def _bdecode(b, INT4: tl.constexpr):
-    """Bytes (uint8) -> codes as exact float32, in column order (int4: 0..15, two a byte, low
-    nibble first; int8: the byte read as two's complement)."""
+    """Bytes (uint8) -> their codes as exact float32: int4, [..., 2] (a byte's low and high nibble,
+    its two columns, side by side); int8, the byte read as two's complement."""
     if INT4:
-        c = tl.interleave(b & 15, b >> 4).to(tl.int32) | 0x4B000000
-        q = c.to(tl.float32, bitcast=True) - 8388608.0
+        lo = ((b & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - INT4_OFF
+        hi = ((b >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - INT4_OFF
+        q = tl.join(lo, hi)
     else:
-        c = b.to(tl.int32) ^ 0x4B000080
-        q = c.to(tl.float32, bitcast=True) - 8388736.0
+        q = (b.to(tl.int32) ^ 0x4B000080).to(tl.float32, bitcast=True) - INT8_OFF
     return q
 
 
@@ -103,10 +108,8 @@ def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
             x = tl.load(X + k0 + rk).to(tl.float32)
         else:
             x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        if INT4:  # [BN, BK/2, 2]: a byte's low and high codes side by side, as x's pairs
-            lo = ((b & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            hi = ((b >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            qx = tl.join(lo, hi) * tl.reshape(x, [BLOCK_K // 2, 2])[None, :, :]
+        if INT4:  # [BN, BK/2, 2]: a byte's two codes meet x's pairs
+            qx = _bdecode(b, INT4) * tl.reshape(x, [BLOCK_K // 2, 2])[None, :, :]
         else:
             qx = _bdecode(b, INT4) * x[None, :]
         if GROUPED:
@@ -221,24 +224,24 @@ def _gl_dot_words(w, x, INT4: gl.constexpr, LW: gl.constexpr):
         x010, x011 = gl.split(x01)
         x100, x101 = gl.split(x10)
         x110, x111 = gl.split(x11)
-        t = (c0 - 8388608.0) * gl.expand_dims(gl.convert_layout(x000, gl.SliceLayout(0, LW)), 0)
-        t = _gl_fma(t, c1, x100, 8388608.0, LW)
-        t = _gl_fma(t, c2, x010, 8388608.0, LW)
-        t = _gl_fma(t, c3, x110, 8388608.0, LW)
-        t = _gl_fma(t, c4, x001, 8388608.0, LW)
-        t = _gl_fma(t, c5, x101, 8388608.0, LW)
-        t = _gl_fma(t, c6, x011, 8388608.0, LW)
-        t = _gl_fma(t, c7, x111, 8388608.0, LW)
+        t = (c0 - INT4_OFF) * gl.expand_dims(gl.convert_layout(x000, gl.SliceLayout(0, LW)), 0)
+        t = _gl_fma(t, c1, x100, INT4_OFF, LW)
+        t = _gl_fma(t, c2, x010, INT4_OFF, LW)
+        t = _gl_fma(t, c3, x110, INT4_OFF, LW)
+        t = _gl_fma(t, c4, x001, INT4_OFF, LW)
+        t = _gl_fma(t, c5, x101, INT4_OFF, LW)
+        t = _gl_fma(t, c6, x011, INT4_OFF, LW)
+        t = _gl_fma(t, c7, x111, INT4_OFF, LW)
     else:
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
             _INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=[gl.float32] * 4, is_pure=True, pack=1)
         x0, x1 = gl.split(gl.reshape(x, [NT, VEC, 2, 2]))  # c
         x00, x01 = gl.split(x0)  # b: x{c}{b} is column 2b + c
         x10, x11 = gl.split(x1)
-        t = (c0 - 8388736.0) * gl.expand_dims(gl.convert_layout(x00, gl.SliceLayout(0, LW)), 0)
-        t = _gl_fma(t, c1, x10, 8388736.0, LW)
-        t = _gl_fma(t, c2, x01, 8388736.0, LW)
-        t = _gl_fma(t, c3, x11, 8388736.0, LW)
+        t = (c0 - INT8_OFF) * gl.expand_dims(gl.convert_layout(x00, gl.SliceLayout(0, LW)), 0)
+        t = _gl_fma(t, c1, x10, INT8_OFF, LW)
+        t = _gl_fma(t, c2, x01, INT8_OFF, LW)
+        t = _gl_fma(t, c3, x11, INT8_OFF, LW)
     return gl.sum(t, axis=2)
 
 
