@@ -70,26 +70,33 @@ def products(arch, rows_list, repeats: int) -> list[dict]:
     return out
 
 
+def alternate(llms: dict, prompts: list, max_tokens: int, repeats: int) -> tuple[dict, dict]:
+    """Each engine of ``llms`` warmed, then timed on ``prompts`` in turn, ``repeats`` rounds:
+    (median seconds per engine, the last round's token ids per engine)."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    times = {side: [] for side in llms}
+    tokens = {}
+    for llm in llms.values():
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))  # warm
+    for _ in range(repeats):
+        for side, llm in llms.items():
+            t = time.perf_counter()
+            res = llm.generate(prompts, sp)
+            times[side].append(time.perf_counter() - t)
+            tokens[side] = [o.outputs[0].token_ids for o in res]
+    return {side: statistics.median(ts) for side, ts in times.items()}, tokens
+
+
 def engine(model: str | None, batches, max_tokens: int, repeats: int, kv: str) -> list[dict]:
     kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": 2048}
     if model:
         kw["model"] = model
     llms = {side: LLM(kernel=KernelConfig(cpu_packed_weights=side == "packed"), **kw) for side in ("dense", "packed")}
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out = []
     for bs in batches:
         prompts = (PROMPTS * (bs // len(PROMPTS) + 1))[:bs]
-        times = {"dense": [], "packed": []}
-        tokens = {}
-        for llm in llms.values():
-            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))  # warm
-        for _ in range(repeats):
-            for side, llm in llms.items():
-                t = time.perf_counter()
-                res = llm.generate(prompts, sp)
-                times[side].append(time.perf_counter() - t)
-                tokens[side] = [o.outputs[0].token_ids for o in res]
-        d, p = statistics.median(times["dense"]), statistics.median(times["packed"])
+        med, tokens = alternate(llms, prompts, max_tokens, repeats)
+        d, p = med["dense"], med["packed"]
         row = {"batch": bs, "dense_tok_s": bs * max_tokens / d, "packed_tok_s": bs * max_tokens / p,
                "speedup": d / p, "tokens_equal": tokens["dense"] == tokens["packed"],
                "sequences_equal": sum(a == b for a, b in zip(tokens["dense"], tokens["packed"]))}
@@ -106,26 +113,15 @@ def dtypes(model: str | None, batches, max_tokens: int, repeats: int, kv: str, p
 
     from kvserve.bench.quality import perplexity
     from kvserve.layers.linear import cpu_bf16_native
-    kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": 2048}
+    kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": max(2048, ppl_tokens + 1)}
     if model:
         kw["model"] = model
-    kw["max_model_len"] = max(2048, ppl_tokens + 1)
     llms = {d: LLM(dtype=d, **kw) for d in ("float32", "bfloat16")}
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out = {"bf16_native": cpu_bf16_native(), "decode": [], "perplexity": {}}
     for bs in batches:
         prompts = (PROMPTS * (bs // len(PROMPTS) + 1))[:bs]
-        times = {d: [] for d in llms}
-        tokens = {}
-        for llm in llms.values():
-            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))  # warm
-        for _ in range(repeats):
-            for d, llm in llms.items():
-                t = time.perf_counter()
-                res = llm.generate(prompts, sp)
-                times[d].append(time.perf_counter() - t)
-                tokens[d] = [o.outputs[0].token_ids for o in res]
-        f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+        med, tokens = alternate(llms, prompts, max_tokens, repeats)
+        f, b = med["float32"], med["bfloat16"]
         row = {"batch": bs, "float32_tok_s": bs * max_tokens / f, "bfloat16_tok_s": bs * max_tokens / b,
                "speedup": f / b, "sequences_equal": sum(x == y for x, y in zip(tokens["float32"], tokens["bfloat16"]))}
         out["decode"].append(row)
