@@ -82,18 +82,25 @@ class QuantLinear(nn.Module):
     def from_gguf(cls, qtype: str, raw: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
                   ) -> QuantLinear:
         """A GGUF tensor's rows (uint8 [N, bytes per row], on the target device), repacked."""
-        from kvserve.layers.gguf_blocks import repack
-        method, q, s, m, g = repack(raw, qtype, in_features, raw.device.type == "cpu")
-        return cls(method, in_features, raw.shape[0], g, q, s, m, bias, fmt=f"gguf {qtype}")
+        return cls.from_gguf_parts([(qtype, raw)], in_features, bias)
 
     @classmethod
     def from_gguf_parts(cls, parts: list[tuple[str, torch.Tensor]], in_features: int,
                         bias: torch.Tensor | None = None) -> QuantLinear:
-        """A fused projection from GGUF parts of different types ((type, rows) in row order, on the
-        target device), repacked into one layout (``gguf_blocks.repack_parts``)."""
-        from kvserve.layers.gguf_blocks import repack_parts
-        method, q, s, m, g = repack_parts(parts, in_features, parts[0][1].device.type == "cpu")
-        fmt = "gguf " + "+".join(qtype for qtype, _ in parts)
+        """A projection from its GGUF parts ((type, rows) in row order, on the target device; a
+        fused projection has several), repacked: parts of one type as one tensor
+        (``gguf_blocks.repack``), of different types into the layout that holds them all
+        (``gguf_blocks.repack_parts``)."""
+        from kvserve.layers.gguf_blocks import repack, repack_parts
+        cpu = parts[0][1].device.type == "cpu"
+        qtypes = [qtype for qtype, _ in parts]
+        if len(set(qtypes)) == 1:
+            raw = torch.cat([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
+            method, q, s, m, g = repack(raw, qtypes[0], in_features, cpu)
+            fmt = f"gguf {qtypes[0]}"
+        else:
+            method, q, s, m, g = repack_parts(parts, in_features, cpu)
+            fmt = "gguf " + "+".join(qtypes)
         return cls(method, in_features, sum(r.shape[0] for _, r in parts), g, q, s, m, bias, fmt=fmt)
 
     def extra_repr(self) -> str:

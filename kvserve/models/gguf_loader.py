@@ -177,12 +177,8 @@ def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> f
             raise ModelLoadError(f"{path}: {module} is [{n_rows}, {K}] in the file, expected "
                                  f"[{old.out_features}, {old.in_features}]")
         try:
-            if len(types) == 1:
-                new = QuantLinear.from_gguf(ts[0].tensor_type.name, torch.cat(rows) if len(rows) > 1 else rows[0],
-                                            K, old.bias)
-            else:
-                qtypes = [t.tensor_type.name for _, t in sorted(ts.items())]
-                new = QuantLinear.from_gguf_parts(list(zip(qtypes, rows)), K, old.bias)
+            qtypes = [t.tensor_type.name for _, t in sorted(ts.items())]
+            new = QuantLinear.from_gguf_parts(list(zip(qtypes, rows)), K, old.bias)
         except ValueError as e:
             raise ModelLoadError(f"{path}: {module}: {e}") from None
         parent, _, attr = module.rpartition(".")
