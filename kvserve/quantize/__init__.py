@@ -9,9 +9,9 @@ matrix X^T X (GPTQ's Hessian, float64). Every layer is calibrated on the full-pr
 activations; GPTQ implementations that re-run each layer on the quantized layers before it see
 slightly different inputs. What the hooks keep is bounded (``calibration_memory``; a hook adds
 its call's temporaries, X^T X in float32 and float64, while it runs): the layers are taken in
-runs that fit, one pass over the text per run, each run quantized and its
-statistics dropped before the next (an 8B model's Hessians are 65.5 GB in all; the default
-8 GiB takes four of its layers a pass, 8.2 GB). The engine's weights are never changed: AWQ folds its scales into
+runs that fit, one pass over the text per run, each run quantized and its statistics dropped
+before the next (an 8B model's Hessians are 65.5 GB in all; the default 8 GiB takes four of
+its layers a pass, 8.2 GB). The engine's weights are never changed: AWQ folds its scales into
 copies of the layer's tensors.
 
 AWQ's scales are folded where the model stays equivalent: the input projections' into the RMSNorm
@@ -39,6 +39,7 @@ from kvserve.quantize.algorithms import Grid, Quantized
 METHODS = ("rtn", "awq", "gptq")
 _PROJ = tuple(PARTS)  # our projections, in a layer's order
 
+
 def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512) -> None:
     if method not in METHODS:
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
@@ -58,10 +59,15 @@ AWQ_ROWS = 1024
 CALIBRATION_MEMORY = 8 << 30  # bytes of calibration statistics held at once (quantize's default)
 
 
+def _input_widths(a) -> tuple[int, ...]:
+    """Each projection's input width, in ``_PROJ``'s order: qkv, o, gate_up, down."""
+    return a.hidden_size, a.num_heads * a.head_dim, a.hidden_size, a.intermediate_size
+
+
 def _calibration_bytes(a, method: str) -> int:
     """What one decoder layer's hooks hold: float64 X^T X per projection (GPTQ), or AWQ_ROWS
     float32 rows of its inputs."""
-    widths = (a.hidden_size, a.num_heads * a.head_dim, a.hidden_size, a.intermediate_size)  # qkv, o, gate_up, down
+    widths = _input_widths(a)
     if method == "gptq":
         return sum(8 * k * k for k in widths)
     return sum(4 * AWQ_ROWS * k for k in widths) if method == "awq" else 0
@@ -164,7 +170,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     llm = LLM(model, device=device, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
               quantization="none", show_progress=False, max_num_batched_tokens=max(chunk, 512))
     eng, a = llm.engine, llm.engine.arch
-    widths = {a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size}
+    widths = set(_input_widths(a))
     if any(k % group_size for k in widths):
         shown = ", ".join(map(str, sorted(widths)))
         raise ConfigError("group_size", f"must divide every projection's input width ({shown} for {src.name}); "
