@@ -179,7 +179,9 @@ def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path,
     ({"method": "hqq"}, "method"), ({"bits": 3}, "bits"), ({"bits": 2**63}, "bits"),
     ({"group_size": 48}, "group_size"), ({"group_size": True}, "group_size"), ({"num_tokens": 8}, "num_tokens"),
     ({"num_tokens": float("nan")}, "num_tokens"), ({"group_size": 32.0}, "group_size"), ({"bits": 4.0}, "bits"),
-    ({"chunk": 0}, "chunk"), ({"text": ""}, "text"),
+    ({"chunk": 0}, "chunk"), ({"text": ""}, "text"), ({"calibration_memory": 0}, "calibration_memory"),
+    ({"calibration_memory": float("nan")}, "calibration_memory"), ({"calibration_memory": 2**63}, "calibration_memory"),
+    ({"calibration_memory": "8GiB"}, "calibration_memory"), ({"calibration_memory": None}, "calibration_memory"),
     ({"method": "awq", "act_order": True}, "act_order"), ({"text": "a b"}, "text"),
 ])
 def test_bad_arguments_name_the_field(gqa_model, tmp_path, kwargs, field):

@@ -40,7 +40,8 @@ METHODS = ("rtn", "awq", "gptq")
 _PROJ = tuple(PARTS)  # our projections, in a layer's order
 
 
-def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512) -> None:
+def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512,
+               calibration_memory: int = 1 << 30) -> None:
     if method not in METHODS:
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
     if type(bits) is not int or bits != 4:
@@ -51,6 +52,8 @@ def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: 
         raise ConfigError("num_tokens", f"must be an integer in [16, 1048576]; got {num_tokens!r}")
     if type(chunk) is not int or not 16 <= chunk <= 1 << 20:
         raise ConfigError("chunk", f"must be an integer in [16, 1048576]; got {chunk!r}")
+    if type(calibration_memory) is not int or not 1 <= calibration_memory < 1 << 63:
+        raise ConfigError("calibration_memory", f"must be a number of bytes in [1, 2^63); got {calibration_memory!r}")
 
 
 # Calibration inputs kept per projection for AWQ's search (every n-th token, over the whole
@@ -156,7 +159,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     from kvserve.layers.linear import dense_parameters
     from kvserve.llm import LLM
     from kvserve.models import loader
-    check_args(method, bits, group_size, num_tokens, chunk)
+    check_args(method, bits, group_size, num_tokens, chunk, calibration_memory)
     if act_order and method != "gptq":
         raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
