@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import kvserve
 from kvserve.cli import build_parser, main
+from kvserve.engine import startup
 from kvserve.errors import ModelLoadError
 from kvserve.layers.linear import dense_parameters
 from kvserve.llm import LLM
@@ -217,6 +218,18 @@ def test_sharded_round_trip_and_startup_phases(sharded_snapshot, caplog):
     assert {"tokenizer", "build", "weights", "kv_cache", "total"} <= times.keys()
     assert all(v >= 0 for v in times.values()) and times["weights"] < times["total"]
     assert sum("started in" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_triton_compiler_key_is_left_in_tritons_cache():
+    """Start-up hashes Triton's compiler on a thread of its own: the first kernel launch must
+    find the key in Triton's own cache rather than hash the library again."""
+    import triton
+    from triton.runtime import cache
+    cache.triton_key.cache_clear()
+    startup.triton_compiler_key()
+    info = cache.triton_key.cache_info()
+    assert info.currsize == 1 and info.misses == 1
+    assert cache.triton_key().startswith(triton.__version__) and cache.triton_key.cache_info().hits == 1
 
 
 def test_a_changed_byte_in_one_shard_names_it(sharded_snapshot, tmp_path):

@@ -7,6 +7,7 @@ ready):
     tokenizer     transformers' tokenizer, on its own thread while the weights load
     device_warmup CUDA: Triton's runtime, cuBLAS and cuDNN brought up and the kernel modules
                   imported, on their own thread while the weights load (``warm_device``)
+    triton_key    CUDA: Triton's hash of its compiler, on a third thread (``triton_compiler_key``)
     build         the model's modules allocated (no random initialisation when every weight is
                   loaded next: ``layers/weight_init.py``)
     weights       the weights read (and converted, quantized) into them
@@ -18,8 +19,8 @@ ready):
     gc            the full collection before start-up's objects are frozen out of the collector's reach
     total         ``LLMEngine.__init__`` from first line to last
 
-Phases sum to less than ``total`` (the tokenizer and the device warm-up overlap; the rest is
-bookkeeping).
+Phases sum to less than ``total`` (the tokenizer, the device warm-up and Triton's key overlap;
+the rest is bookkeeping).
 """
 from __future__ import annotations
 
@@ -54,12 +55,26 @@ def in_background(into: dict[str, float], phase: str, fn: Callable, *args) -> co
         pool.shutdown(wait=False)
 
 
-def warm_device(device, dtype, arch, backend: str) -> None:
+def triton_compiler_key() -> None:
+    """Triton keys its kernel cache by a hash of its own compiler, computed once per process
+    at the first kernel launch: about 400 MB of shared library read and hashed. The
+    hash releases the GIL, so on a thread of its own from the start of loading it costs the
+    device warm-up nothing; the function is Triton's, cached by it after the first call."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # no Triton, or one that keys its cache another way: its first launch pays
+        return
+    triton_key()
+
+
+def warm_device(device, dtype, arch, backend: str, compiler_key: concurrent.futures.Future | None = None) -> None:
     """What a process pays once before its first forward, paid while the weights load instead
     of in the first request's time to first token: Triton's runtime (the first kernel launch
     of a process loads its driver helpers and launcher), cuBLAS's libraries, cuDNN's
     initialisation, and the import of the attention kernels. Nothing here touches the model.
-    The loading threads spend their time in reads, hashing and copies, which release the GIL."""
+    The loading threads spend their time in reads, hashing and copies, which release the GIL.
+    ``compiler_key``: ``triton_compiler_key`` running on its own thread, awaited before the
+    first Triton launch (which would otherwise hash the compiler a second time)."""
     import torch
     torch.cuda.set_device(device)  # this thread's
     # No random numbers: the device generator may be another engine's, mid-capture of a graph.
@@ -72,6 +87,8 @@ def warm_device(device, dtype, arch, backend: str) -> None:
         except ImportError:  # Triton is installed but does not import: the runner falls back to torch
             torch.cuda.synchronize(device)
             return
+        if compiler_key is not None:
+            compiler_key.result()
         rmsnorm(x, torch.ones(arch.hidden_size, device=device, dtype=dtype), 1e-6)
         q = torch.full((64, arch.num_heads, arch.head_dim), 0.01, device=device, dtype=dtype)
         kv = torch.full((64, arch.num_kv_heads, arch.head_dim), 0.01, device=device, dtype=dtype)
@@ -79,8 +96,8 @@ def warm_device(device, dtype, arch, backend: str) -> None:
     torch.cuda.synchronize(device)
 
 
-PHASES = ("tokenizer", "device_warmup", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup", "graphs", "gc",
-          "total")
+PHASES = ("tokenizer", "device_warmup", "triton_key", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup",
+          "graphs", "gc", "total")
 
 
 def ordered(seconds: dict[str, float]) -> dict[str, float]:

@@ -46,11 +46,13 @@ class ModelWeights:
         """The model with its weights from the source, quantized where configured; on CUDA the
         process's one-time device start-up runs beside it (``startup.warm_device``)."""
         warm = None
-        if self.device.type == "cuda":  # the thread names the device by index (a new thread's is 0)
-            index = self.device.index
+        if self.device.type == "cuda":
+            key = (startup.in_background(self.startup_seconds, "triton_key", startup.triton_compiler_key)
+                   if self.backend_name == "triton" else None)
+            index = self.device.index  # the thread names the device by index (a new thread's is 0)
             device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
             warm = startup.in_background(self.startup_seconds, "device_warmup", startup.warm_device, device,
-                                         self.dtype, self.arch, self.backend_name)
+                                         self.dtype, self.arch, self.backend_name, key)
         try:
             model = self._build_and_load_model()
         except BaseException:
