@@ -173,12 +173,14 @@ def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path, monkeypat
     torch.cuda.empty_cache()
     llm = LLM(str(tmp_path / "snap"), enable_sleep_mode=True, **kw)
     assert llm.engine.runner.graphs is not None
-    assert "device_warmup" in llm.engine.startup_seconds
+    assert "device_warmup" in llm.engine.startup_seconds and "triton_key" in llm.engine.startup_seconds
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     torch.cuda.synchronize()
     used_awake = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
     for level in (1, 2, 1, 2):
         llm.sleep(level)
+        if level == 1:  # the host copy is page-locked, so the copies back run asynchronously
+            assert llm.engine.runner.sleep_mode._host.tensor.is_pinned()
         used_asleep = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
         assert used_awake - used_asleep >= 2**30  # at least the KV pool, whatever else shares the GPU
         assert torch.cuda.memory_reserved() < 64 * 2**20

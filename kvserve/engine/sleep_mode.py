@@ -1,7 +1,8 @@
 """Sleep mode: an idle engine gives its device memory back and takes it again on wake (vLLM's names).
 
-    level 1   weights -> one host copy (pinned on CUDA, kept across cycles so a second sleep
-              allocates nothing); KV pool, CUDA graphs and their memory pool freed
+    level 1   weights -> one host copy (page-locked on CUDA, kept across cycles so a second
+              sleep allocates nothing: ``HostCopy``); KV pool, CUDA graphs and their memory
+              pool freed
     level 2   weights dropped; waking rebuilds them from the model's source (snapshot, HF
               directory, GGUF file or the dummy seed) as start-up did, quantization and dtype
               included (``ModelRunner.reload_weights``): no snapshot is needed
@@ -31,12 +32,43 @@ _ALIGN = 256  # bytes: each parameter's view in the flat buffers starts aligned 
 PARTS = ("weights", "kv_cache")
 
 
+class HostCopy:
+    """The weights' host copy (level 1). On CUDA its pages are locked, so that the copies both
+    ways run asynchronously at the link's rate: the memory is allocated as ordinary memory, its
+    pages touched by torch's threads, then registered with the driver (``cudaHostRegister``).
+    A pinned allocation of the same size (``pin_memory=True``) has the driver fault in and
+    lock every page on one thread, several times slower for the gigabytes of a model. The
+    registration ends before the memory is freed; where it fails (a locked-memory limit, a
+    driver without it) the pinned allocation is the fallback."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.registered = False
+        if device.type != "cuda":
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            return
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8).zero_()
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0:
+            self.registered = True
+        else:
+            cudart.cudaGetLastError()  # clear the failed call's error for the calls after it
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def __del__(self):
+        if self.registered:  # every copy from or to it has been synchronised (sleep and wake)
+            self.registered = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:  # interpreter shutdown: the driver is going, and the pages with it
+                pass
+
+
 class SleepMode:
     def __init__(self, runner):
         self.runner = runner
         self.level = 0
         self.asleep: set[str] = set()
-        self._host: torch.Tensor | None = None  # flat copy of every weight (level 1)
+        self._host: HostCopy | None = None  # flat copy of every weight (level 1)
         # (tensor, byte offset, bytes, shape, name) of each parameter and buffer
         self._layout: list[tuple[torch.Tensor, int, int, torch.Size, str]] | None = None
 
@@ -61,9 +93,10 @@ class SleepMode:
         dev = rt.device
         if level == 1:
             if self._host is None:
-                self._host = torch.empty(total, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+                self._host = HostCopy(total, dev)
+            host = self._host.tensor
             for p, off, n, _, _ in layout:
-                self._host[off:off + n].copy_(p.data.reshape(-1).view(torch.uint8), non_blocking=True)
+                host[off:off + n].copy_(p.data.reshape(-1).view(torch.uint8), non_blocking=True)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         else:
@@ -109,7 +142,7 @@ class SleepMode:
         for p, off, n, shape, _ in layout:
             p.data = flat[off:off + n].view(p.dtype).view(shape)
         if self._host is not None:
-            flat.copy_(self._host, non_blocking=True)
+            flat.copy_(self._host.tensor, non_blocking=True)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
         else:
