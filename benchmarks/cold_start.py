@@ -25,8 +25,14 @@ Steps, each measured in a fresh subprocess (the parent never touches the GPU):
   sleep     one engine from the snapshot with sleep mode: warm TTFT; sleep/wake at level 1 and 2
             (times, device memory used while asleep by torch.cuda.mem_get_info and nvidia-smi);
             TTFT of the first request after each wake; the same greedy tokens after each wake;
-            device memory after 10 more cycles (eager; 2 with graphs, recaptured at each wake:
+            device memory after 20 more cycles, levels 1 and 2 in turn (eager; 2 with graphs, recaptured at each wake:
             all at once with startup, at first use with lazy).
+Python's bytecode: every child runs with a bytecode cache under --work (PYTHONPYCACHEPREFIX,
+PYTHONDONTWRITEBYTECODE cleared), filled by an untimed import of torch, transformers and kvserve
+before the first timed start, so a start pays what it would on an installed machine, whose
+packages hold their compiled modules. An image that ships torch without bytecode and forbids
+writing it compiles torch's Python source in every process; the JSON's ``bytecode`` entry times
+``import torch`` both ways.
 Prints a table last and writes cold_start.json under --out.
 """
 from __future__ import annotations
@@ -253,8 +259,8 @@ def child_sleep(a) -> None:
         first = ttft()
         res["levels"][level] = {"sleep_s": t_sleep, "wake_s": t_wake, "asleep": asleep,
                                 "first_ttft_after_wake_s": first, "same_tokens": tokens() == ref}
-    for _ in range(a.cycles):
-        llm.sleep(1)
+    for i in range(a.cycles):  # levels 1 and 2 in turn
+        llm.sleep(1 + i % 2)
         llm.wake_up()
     res["cycles"] = 2 + a.cycles
     res["after_cycles"] = _device_used()
@@ -294,6 +300,39 @@ def read_speed(path: str, nbytes: int = 1 << 30) -> float:
     return n / (time.perf_counter() - t) / 1e9
 
 
+def _child_env(bytecode_dir: str, write: bool = True) -> dict:
+    """The children's environment: kvserve importable, Python's compiled modules cached in
+    ``bytecode_dir`` (``write`` False: an empty directory, never written, so every module is
+    compiled from source in every process)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONPYCACHEPREFIX": bytecode_dir}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not write:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def time_import(env: dict, modules: str = "torch") -> float:
+    out = subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); import {modules}; "
+                          "print(time.perf_counter() - t)"], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def bytecode(a) -> dict:
+    """Fill the children's bytecode cache (untimed), then time ``import torch`` with the cache
+    and with every module compiled from source."""
+    cached = _child_env(a.bytecode_dir)
+    time_import(cached, "torch, kvserve.llm" + (", transformers" if _has("transformers") else ""))
+    return {"prefix": a.bytecode_dir, "parent_dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
+            "import_torch_cached_s": min(time_import(cached) for _ in range(2)),
+            "import_torch_from_source_s": time_import(_child_env(a.bytecode_dir + "-unwritten", write=False))}
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
 def run_child(mode: str, a, **extra) -> dict:
     args = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", a.model, "--work", a.work,
             "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs)]
@@ -302,8 +341,7 @@ def run_child(mode: str, a, **extra) -> dict:
     for k, v in extra.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     t0 = time.time()
-    p = subprocess.run(args, capture_output=True, text=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    p = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=_child_env(a.bytecode_dir))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
@@ -323,7 +361,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="also the largest CUDA graph batch (8 captured sizes)")
     ap.add_argument("--kv-cache-memory", default=None, help="default: profiled on CUDA, 2 GiB on the CPU")
-    ap.add_argument("--repeats", type=int, default=1, help="cold starts per configuration")
+    ap.add_argument("--repeats", type=int, default=1, help="starts per configuration, cold and warm (the table "
+                    "shows the fastest, the JSON every one)")
     ap.add_argument("--keep", action="store_true", help="keep the HF directory and snapshot for a rerun")
     ap.add_argument("--drop-all-caches", action="store_true", help="also write /proc/sys/vm/drop_caches before "
                     "each cold run (the whole machine's page cache: Python and torch start cold too)")
@@ -335,10 +374,11 @@ def main() -> None:
     ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--cycles", type=int, default=10, help=argparse.SUPPRESS)
+    ap.add_argument("--cycles", type=int, default=20, help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.hf_dir = os.path.join(a.work, "hf")
     a.snap_dir = os.path.join(a.work, "snapshot")
+    a.bytecode_dir = os.path.join(a.work, "bytecode")
     if a.child:
         {"prepare": child_prepare, "snapshot": child_snapshot, "start": child_start,
          "sleep": child_sleep}[a.child](a)
@@ -358,6 +398,7 @@ def main() -> None:
         res["prepare_s"] = time.time() - t
         res["snapshot"] = run_child("snapshot", a)
         save()
+    res["bytecode"] = bytecode(a)
     with open(os.path.join(a.hf_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     shard = max((os.path.join(a.snap_dir, f) for f in os.listdir(a.snap_dir) if f.endswith(".safetensors")),
@@ -381,7 +422,7 @@ def main() -> None:
     for cache in ("cold", "warm"):
         for _, name, engine, path in configs:
             runs = []
-            for _ in range(a.repeats if cache == "cold" else 1):
+            for _ in range(a.repeats):
                 if cache == "cold":
                     drop_page_cache(path, a.drop_all_caches)
                 d = run_child("start", a, engine=engine, path=path, vocab=vocab)
@@ -395,7 +436,7 @@ def main() -> None:
     res["sleep"] = {}
     for engine in [e for e in a.sleep_engines.split(",") if e] if gpu else ["eager"]:
         res["sleep"][engine] = run_child("sleep", a, engine=engine, path=a.snap_dir, vocab=vocab,
-                                         cycles=10 if engine == "eager" else 2)
+                                         cycles=20 if engine == "eager" else 2)
         save()
     if not a.keep:
         shutil.rmtree(a.work, ignore_errors=True)
@@ -407,6 +448,9 @@ def _table(res: dict) -> None:
     print(f"\npage cache drop: {'worked' if pc['worked'] else 'did NOT work'} (re-read "
           f"{pc['read_after_drop_gbps']:.1f} GB/s after the drop, {pc['warm_read_gbps']:.1f} GB/s warm; "
           f"/proc/sys/vm/drop_caches {'written' if pc['proc_drop_caches'] else 'not written'})")
+    bc = res["bytecode"]
+    print(f"import torch: {bc['import_torch_cached_s']:.2f} s from the children's bytecode cache, "
+          f"{bc['import_torch_from_source_s']:.2f} s compiled from source")
     if "snapshot" in res:
         s = res["snapshot"]
         print(f"snapshot: {s['bytes'] / 2**30:.1f} GiB in {s['files']} files, written in {s['write_s']:.1f} s")
