@@ -342,7 +342,7 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     tokenizer: str | None = None  # None: from the model (GGUF metadata or HF directory)
-    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bfloat16, else float32
     device: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

