@@ -168,9 +168,11 @@ def child_start(a) -> None:
     prompt = _prompt(0, a.vocab)
     if a.engine == "transformers":
         from transformers import AutoModelForCausalLM
+
+        from kvserve.engine.device import auto_dtype
         t_import = time.time()
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        dtype = auto_dtype(torch.device(dev))  # what kvserve's "auto" runs on this device
         try:
             m = AutoModelForCausalLM.from_pretrained(a.path, dtype=dtype, device_map=dev)
         except (ImportError, ValueError):  # no accelerate: load on the host, then move

@@ -48,7 +48,8 @@ def kv_per_token(model: str, contexts: list[int], mode: str, budget: int) -> lis
     engine, and the pool's bytes per token held at its last step."""
     from kvserve.models import loader
     arch = loader.resolve(model).arch
-    itemsize = 2 if DEV == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on the CPU
+    from kvserve.engine.device import auto_dtype
+    itemsize = auto_dtype(torch.device(DEV)).itemsize  # the engine's "auto" dtype here
     longest = max(contexts)
     mem = int(arch.kv_bytes_per_token(itemsize) * (longest + 256) * 1.05)  # room with every block kept
     llm = LLM(model, show_progress=False, kv_cache_memory=mem, max_model_len=longest, window_kv=mode,
