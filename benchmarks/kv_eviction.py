@@ -1,5 +1,6 @@
 """KV eviction (``--kv-eviction streaming|snapkv|h2o``, ``SamplingParams.kv_budget``) on the CPU,
-on the default model (SmolLM2-135M, fp32, 16-token blocks), against full KV in the same run:
+on the default model (SmolLM2-135M, the engine's dtype or ``--dtype``, 16-token blocks), against
+full KV in the same run:
 
     PYTHONPATH=$PWD python benchmarks/kv_eviction.py --out DIR [--name FILE.json]
 
@@ -14,6 +15,13 @@ on the default model (SmolLM2-135M, fp32, 16-token blocks), against full KV in t
               not, per policy at one budget: tokens, or a share of each prompt ("20%"). Full
               KV runs once per prompt. Streaming loses a needle that left its window (its known
               weakness); the scored policies keep what attention pointed at
+
+  capacity    (``--capacity``) sequences of ``--tokens`` tokens one GiB of KV holds under each
+              lever, by the engine's own pool accounting (blocks in use at a request's last
+              step x bytes per block; one request alone, a random prompt and 16 decoded
+              tokens): full KV in the model dtype, each compressed ``kv_cache_dtype``, and each
+              policy at ``--capacity-budget`` tokens. int4/int2 also hold each sequence's last
+              unsealed keys outside the pool (KIVI's residual), not counted here
 
 Each run's seconds, and the load average and the CPU time stolen by the hypervisor before and
 after, go into the JSON: the CPU box may
@@ -76,6 +84,42 @@ def steal_jiffies() -> int | None:
         return None
 
 
+CAPACITY_FORMATS = ("fp8", "int8", "int4", "int2")
+
+
+def capacity(args, res: dict) -> None:
+    """``res["capacity"]``: per lever, bytes per token and sequences per GiB at ``args.tokens``."""
+    rng = random.Random(0)
+    rows = res["capacity"] = []
+    levers = ([("full KV", {}, None)] + [(f"kv_cache_dtype {f}", {"kv_cache_dtype": f}, None) for f in CAPACITY_FORMATS]
+              + [(f"{p}, budget {args.capacity_budget}", {"kv_eviction": p}, args.capacity_budget)
+                 for p in args.policies.split(",")])
+    for name, kw, budget in levers:
+        gc.collect()
+        llm = LLM(show_progress=False, max_model_len=args.tokens, enable_prefix_caching=False, **kw,
+                  **({"dtype": args.dtype} if args.dtype else {}))
+        eng = llm.engine
+        prompt = [rng.randrange(3, eng.arch.vocab_size) for _ in range(args.tokens - 16)]
+        eng.add_request("r", {"prompt_token_ids": prompt},
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, kv_budget=budget))
+        held = tokens = 0
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+            if eng.scheduler.running:
+                held, tokens = eng.kv.pool.num_used_blocks, eng.scheduler.running[0].num_tokens
+        page = eng.runner.kv_cache.nbytes / eng.runner.kv_cache.num_blocks
+        r = {"lever": name, "tokens": tokens, "blocks_held": held, "block_bytes": page,
+             "block_size": eng.config.cache.block_size, "bytes_per_token": held * page / tokens,
+             "seqs_per_gib": 2**30 / (held * page), "dtype": str(eng.runner.dtype).removeprefix("torch."),
+             "seconds": round(time.perf_counter() - t0, 1)}
+        rows.append(r)
+        print(f"  {name:28} {r['blocks_held']:4d} blocks of {page / 1024:6.1f} KiB: "
+              f"{r['bytes_per_token'] / 1024:6.2f} KiB/token, {r['seqs_per_gib']:7.2f} seq/GiB", flush=True)
+        llm.shutdown()
+        del llm, eng
+
+
 def budget_for(spec: str, prompt_tokens: int) -> int:
     """``spec``: tokens ("256") or a share of the prompt ("20%")."""
     if spec.endswith("%"):
@@ -98,6 +142,9 @@ def main():
     ap.add_argument("--policies", default="streaming,snapkv,h2o")
     ap.add_argument("--no-perplexity", action="store_true", help="passkey retrieval only")
     ap.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    ap.add_argument("--capacity", action="store_true", help="also sequences per GiB under each lever")
+    ap.add_argument("--capacity-budget", type=int, default=1024, help="capacity: the policies' kv_budget")
+    ap.add_argument("--dtype", default=None, help="the engines' dtype (default: the engine's auto)")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     lengths = [int(n) for n in args.passkey_tokens.split(",")]
@@ -106,14 +153,19 @@ def main():
            "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "steal_jiffies_start": steal_jiffies(),
            "argv": sys.argv[1:]}
     t_all = time.perf_counter()
-    for policy in args.policies.split(","):
+    if args.capacity:
+        print(f"capacity: sequences of {args.tokens} tokens per GiB of KV")
+        capacity(args, res)
+        save(args, res, t_all, complete=False)
+    for policy in [] if args.no_perplexity and args.no_passkey else args.policies.split(","):
         llm = None
         gc.collect()  # the previous policy's engine, before the next one's pool
         llm = LLM(show_progress=False, max_model_len=max([args.tokens] * (not args.no_perplexity)
                                                          + lengths * (not args.no_passkey)) + 64,
-                  kv_eviction=policy, enable_prefix_caching=False)
+                  kv_eviction=policy, enable_prefix_caching=False, **({"dtype": args.dtype} if args.dtype else {}))
         tok = llm.engine.tokenizer
-        res.update(model=llm.engine.model_name, block_size=llm.config.cache.block_size)
+        res.update(model=llm.engine.model_name, block_size=llm.config.cache.block_size,
+                   dtype=str(llm.engine.runner.dtype).removeprefix("torch."))
         if not args.no_perplexity:
             ids = heldout_ids(tok, args.tokens)
             res["tokens"] = len(ids)
