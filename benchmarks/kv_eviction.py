@@ -53,12 +53,19 @@ def heldout_ids(tok, n: int) -> list[int]:
     return tok.encode(text)[:n]
 
 
-def perplexity(llm: LLM, ids: list[int], budget: int | None) -> float:
+SEGMENT = 1024  # tokens of each segment's mean negative log-likelihood in the JSON
+
+
+def perplexity(llm: LLM, ids: list[int], budget: int | None) -> tuple[float, list[float]]:
+    """Perplexity over ``ids``, and the mean negative log-likelihood of each ``SEGMENT`` tokens
+    (where in the text a budget costs)."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, kv_budget=budget)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     lps = [p for p in out.prompt_logprobs if p is not None]
     assert len(lps) == len(ids) - 1
-    return math.exp(-sum(p[t].logprob for p, t in zip(lps, ids[1:])) / len(lps))
+    nll = [-p[t].logprob for p, t in zip(lps, ids[1:])]
+    return math.exp(sum(nll) / len(nll)), [sum(nll[i:i + SEGMENT]) / len(nll[i:i + SEGMENT])
+                                           for i in range(0, len(nll), SEGMENT)]
 
 
 def passkey_prompts(tok, n_tokens: int, depths: list[float], seed: int = 0) -> list[tuple[float, str, str]]:
@@ -173,8 +180,9 @@ def main():
             print(f"{policy}: perplexity over {len(ids)} tokens of pydoc_data.topics")
             for b in ([None] if "full" not in res else []) + budgets:
                 t0 = time.perf_counter()
-                ppl = perplexity(llm, ids, b)
+                ppl, segments = perplexity(llm, ids, b)
                 dt = time.perf_counter() - t0
+                res.setdefault("segment_nll", {})[f"{policy}/{b}" if b else "full"] = segments
                 if b is None:
                     res["full"] = ppl
                 else:
