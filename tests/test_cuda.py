@@ -180,9 +180,36 @@ def test_cuda_snapshot_and_sleep_same_tokens_and_memory_back(tmp_path, monkeypat
     for level in (1, 2, 1, 2):
         llm.sleep(level)
         if level == 1:  # the host copy is page-locked, so the copies back run asynchronously
-            assert llm.engine.runner.sleep_mode._host.tensor.is_pinned()
+            host = llm.engine.runner.sleep_mode._host
+            assert host.registered and host.tensor.is_pinned()
         used_asleep = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
         assert used_awake - used_asleep >= 2**30  # at least the KV pool, whatever else shares the GPU
         assert torch.cuda.memory_reserved() < 64 * 2**20
         llm.wake_up()
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
+
+
+def test_sleep_host_copy_falls_back_to_a_pinned_allocation(monkeypatch):
+    """A registration the driver refuses leaves a pinned copy of the same size and no error
+    behind for the next kernel launch; a registration it accepts is page-locked."""
+    from kvserve.engine import sleep_mode
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        def cudaHostRegister(self, *args):
+            return 2  # cudaErrorMemoryAllocation
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    fallback = sleep_mode.HostCopy(64 << 20, torch.device("cuda"))
+    assert not fallback.registered and fallback.tensor.is_pinned() and fallback.tensor.numel() == 64 << 20
+    assert float(torch.ones(8, device="cuda").sum()) == 8.0
+    monkeypatch.undo()
+    copy = sleep_mode.HostCopy(64 << 20, torch.device("cuda"))
+    assert copy.registered and copy.tensor.is_pinned()
+    src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    copy.tensor[:4 << 20].view(torch.float32).copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(copy.tensor[:4 << 20].view(torch.float32), src.cpu())
+    del copy, fallback

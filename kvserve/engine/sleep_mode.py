@@ -24,8 +24,12 @@ the state machine, the copies and the reload path all run in the CPU tests.
 from __future__ import annotations
 
 import gc
+import logging
+import threading
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 256  # bytes: each parameter's view in the flat buffers starts aligned for vector loads
 
@@ -35,32 +39,52 @@ PARTS = ("weights", "kv_cache")
 class HostCopy:
     """The weights' host copy (level 1). On CUDA its pages are locked, so that the copies both
     ways run asynchronously at the link's rate: the memory is allocated as ordinary memory, its
-    pages touched by torch's threads, then registered with the driver (``cudaHostRegister``).
-    A pinned allocation of the same size (``pin_memory=True``) has the driver fault in and
-    lock every page on one thread, several times slower for the gigabytes of a model. The
-    registration ends before the memory is freed; where it fails (a locked-memory limit, a
-    driver without it) the pinned allocation is the fallback."""
+    pages touched by torch's threads, then registered with the driver (``cudaHostRegister``,
+    portable: every context sees it as page-locked). A pinned allocation of the same size
+    (``pin_memory=True``) has the driver fault in and lock every page on one thread, several
+    times slower for the gigabytes of a model. The registration ends before the memory is
+    freed; where it fails (a locked-memory limit, a driver without it) the pinned allocation is
+    the fallback. The driver calls run on a thread of their own: a failed call leaves its error
+    in that thread's last-error slot, not in the slot of a thread that launches kernels next."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.registered = False
+        self.tensor: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8)
         if device.type != "cuda":
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
             return
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8).zero_()
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0:
-            self.registered = True
-        else:
-            cudart.cudaGetLastError()  # clear the failed call's error for the calls after it
+        self._index = index = torch.cuda.current_device() if device.index is None else device.index
+        self.tensor.zero_()
+        ptr = self.tensor.data_ptr()
+        self.registered = _driver_call(index, lambda cudart: cudart.cudaHostRegister(ptr, nbytes, 1)) == 0
+        if not self.registered:
+            self.tensor = None  # before the pinned copy: never both at once
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def __del__(self):
         if self.registered:  # every copy from or to it has been synchronised (sleep and wake)
             self.registered = False
+            ptr = self.tensor.data_ptr()
             try:
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+                err = _driver_call(self._index, lambda cudart: cudart.cudaHostUnregister(ptr))
             except Exception:  # interpreter shutdown: the driver is going, and the pages with it
-                pass
+                return
+            if err != 0:
+                log.warning("cudaHostUnregister of the sleeping weights' host copy failed (error %d)", err)
+
+
+def _driver_call(device_index: int, call) -> int:
+    """``call(cudart)``'s error code, the call made on a new thread with ``device_index`` current."""
+    out = []
+
+    def run():
+        torch.cuda.set_device(device_index)
+        out.append(int(call(torch.cuda.cudart())))
+    t = threading.Thread(target=run, name="kvserve-host-register")
+    t.start()
+    t.join()
+    if not out:
+        raise RuntimeError("the driver call's thread failed")
+    return out[0]
 
 
 class SleepMode:
