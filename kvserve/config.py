@@ -202,8 +202,8 @@ class KernelConfig:
     # with in-register dequantization between.
     wq_skinny_max_rows: int = 16
     wq_dequant_min_rows: int = 64
-    # CPU: float32 projections run in oneDNN on weights packed once at load (layers/linear.py);
-    # False: F.linear on the dense weights.
+    # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
+    # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
     cpu_packed_weights: bool = True
 
     def __post_init__(self):

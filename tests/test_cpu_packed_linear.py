@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import QuantConfig
+from kvserve.config import KernelConfig, QuantConfig
 from kvserve.layers.linear import (
     Linear,
     cpu_bf16_native,
@@ -134,7 +134,9 @@ def test_dtype_auto_on_the_cpu_is_bfloat16_where_native(monkeypatch, native):
     import kvserve.layers.linear as linear_mod
     monkeypatch.setattr(linear_mod, "cpu_bf16_native", lambda: native)
     monkeypatch.setenv("KVSERVE_CPU_DTYPE", "auto")
-    llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
+    # Unpacked: the patched answer must not make a CPU without bfloat16 pack bfloat16 weights.
+    llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB",
+              kernel=KernelConfig(cpu_packed_weights=False))
     assert llm.engine.runner.dtype == (torch.bfloat16 if native else torch.float32)
     assert llm.engine.runner.model.embed_tokens.weight.dtype == llm.engine.runner.dtype
     llm.shutdown()

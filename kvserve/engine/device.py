@@ -24,6 +24,8 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     emulated at several times float32's cost. ``KVSERVE_CPU_DTYPE`` overrides the CPU's choice."""
     if device.type == "cuda":
         return torch.bfloat16
+    if device.type != "cpu":
+        return torch.float32
     from kvserve import envs
     from kvserve.errors import ConfigError
     from kvserve.layers.linear import cpu_bf16_native

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -62,9 +65,9 @@ def triton_compiler_key() -> None:
     device warm-up nothing; the function is Triton's, cached by it after the first call."""
     try:
         from triton.runtime.cache import triton_key
-    except ImportError:  # no Triton, or one that keys its cache another way: its first launch pays
-        return
-    triton_key()
+        triton_key()
+    except Exception as e:  # best effort: no Triton, or one that keys its cache another way, pays at its first launch
+        log.debug("Triton's compiler key was not computed ahead: %r", e)
 
 
 def warm_device(device, dtype, arch, backend: str, compiler_key: concurrent.futures.Future | None = None) -> None:
