@@ -28,11 +28,11 @@ Steps, each measured in a fresh subprocess (the parent never touches the GPU):
             device memory after 20 more cycles, levels 1 and 2 in turn (eager; 2 with graphs, recaptured at each wake:
             all at once with startup, at first use with lazy).
 Python's bytecode: every child runs with a bytecode cache under --work (PYTHONPYCACHEPREFIX,
-PYTHONDONTWRITEBYTECODE cleared), filled by an untimed import of torch, transformers and kvserve
+PYTHONDONTWRITEBYTECODE cleared), filled by an untimed import of what they import (``FILL``)
 before the first timed start, so a start pays what it would on an installed machine, whose
 packages hold their compiled modules. An image that ships torch without bytecode and forbids
 writing it compiles torch's Python source in every process; the JSON's ``bytecode`` entry times
-``import torch`` both ways.
+``import torch`` with the cache and in the environment as given (bytecode writing off).
 Prints a table last and writes cold_start.json under --out.
 """
 from __future__ import annotations
@@ -302,37 +302,43 @@ def read_speed(path: str, nbytes: int = 1 << 30) -> float:
     return n / (time.perf_counter() - t) / 1e9
 
 
-def _child_env(bytecode_dir: str, write: bool = True) -> dict:
+def _child_env(bytecode_dir: str | None) -> dict:
     """The children's environment: kvserve importable, Python's compiled modules cached in
-    ``bytecode_dir`` (``write`` False: an empty directory, never written, so every module is
-    compiled from source in every process)."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONPYCACHEPREFIX": bytecode_dir}
+    ``bytecode_dir`` (None: the environment as given, with bytecode writing forbidden, so a
+    package installed without its compiled modules is compiled from source in every process)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if not write:
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if bytecode_dir is None:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env["PYTHONPYCACHEPREFIX"] = bytecode_dir
     return env
 
 
-def time_import(env: dict, modules: str = "torch") -> float:
-    out = subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); import {modules}; "
-                          "print(time.perf_counter() - t)"], env=env, capture_output=True, text=True, check=True)
+# What the children import, compiled into their cache before the first timed start (each
+# where it is installed): torch, Triton and the kernels, the engine, transformers' Llama.
+FILL = ("torch", "triton", "triton.language", "kvserve.llm", "kvserve.engine.llm_engine", "kvserve.kernels.rmsnorm",
+        "kvserve.layers.triton_attention", "kvserve.engine.cuda_graphs", "transformers",
+        "transformers.models.llama.modeling_llama")
+
+
+def time_import(env: dict, modules: tuple[str, ...] = ("torch",)) -> float:
+    code = ("import importlib, time\nt = time.perf_counter()\n"
+            f"for m in {modules!r}:\n    try:\n        importlib.import_module(m)\n"
+            "    except ImportError:\n        pass\nprint(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
 
 
 def bytecode(a) -> dict:
     """Fill the children's bytecode cache (untimed), then time ``import torch`` with the cache
-    and with every module compiled from source."""
+    and in the environment as given without it."""
     cached = _child_env(a.bytecode_dir)
-    time_import(cached, "torch, kvserve.llm" + (", transformers" if _has("transformers") else ""))
+    time_import(cached, FILL)
     return {"prefix": a.bytecode_dir, "parent_dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
             "import_torch_cached_s": min(time_import(cached) for _ in range(2)),
-            "import_torch_from_source_s": time_import(_child_env(a.bytecode_dir + "-unwritten", write=False))}
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
+            "import_torch_uncached_s": min(time_import(_child_env(None)) for _ in range(2))}
 
 
 def run_child(mode: str, a, **extra) -> dict:
@@ -452,7 +458,7 @@ def _table(res: dict) -> None:
           f"/proc/sys/vm/drop_caches {'written' if pc['proc_drop_caches'] else 'not written'})")
     bc = res["bytecode"]
     print(f"import torch: {bc['import_torch_cached_s']:.2f} s from the children's bytecode cache, "
-          f"{bc['import_torch_from_source_s']:.2f} s compiled from source")
+          f"{bc['import_torch_uncached_s']:.2f} s without it (bytecode writing off)")
     if "snapshot" in res:
         s = res["snapshot"]
         print(f"snapshot: {s['bytes'] / 2**30:.1f} GiB in {s['files']} files, written in {s['write_s']:.1f} s")

@@ -88,7 +88,8 @@ def alternate(llms: dict, prompts: list, max_tokens: int, repeats: int) -> tuple
 
 
 def engine(model: str | None, batches, max_tokens: int, repeats: int, kv: str) -> list[dict]:
-    kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": 2048}
+    # float32 on both sides: the dense path's dtype on every CPU (``--only dtype`` compares dtypes)
+    kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": 2048, "dtype": "float32"}
     if model:
         kw["model"] = model
     llms = {side: LLM(kernel=KernelConfig(cpu_packed_weights=side == "packed"), **kw) for side in ("dense", "packed")}

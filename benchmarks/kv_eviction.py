@@ -21,7 +21,7 @@ full KV in the same run:
               step x bytes per block; one request alone, a random prompt and 16 decoded
               tokens): full KV in the model dtype, each compressed ``kv_cache_dtype``, and each
               policy at ``--capacity-budget`` tokens. int4/int2 also hold each sequence's last
-              unsealed keys outside the pool (KIVI's residual), not counted here
+              unsealed keys outside the pool (KIVI's residual), counted with its blocks
 
 Each run's seconds, and the load average and the CPU time stolen by the hypervisor before and
 after, go into the JSON: the CPU box may
@@ -96,7 +96,6 @@ CAPACITY_FORMATS = ("fp8", "int8", "int4", "int2")
 
 def capacity(args, res: dict) -> None:
     """``res["capacity"]``: per lever, bytes per token and sequences per GiB at ``args.tokens``."""
-    rng = random.Random(0)
     rows = res["capacity"] = []
     levers = ([("full KV", {}, None)] + [(f"kv_cache_dtype {f}", {"kv_cache_dtype": f}, None) for f in CAPACITY_FORMATS]
               + [(f"{p}, budget {args.capacity_budget}", {"kv_eviction": p}, args.capacity_budget)
@@ -106,6 +105,7 @@ def capacity(args, res: dict) -> None:
         llm = LLM(show_progress=False, max_model_len=args.tokens, enable_prefix_caching=False, **kw,
                   **({"dtype": args.dtype} if args.dtype else {}))
         eng = llm.engine
+        rng = random.Random(0)  # the same prompt under every lever
         prompt = [rng.randrange(3, eng.arch.vocab_size) for _ in range(args.tokens - 16)]
         eng.add_request("r", {"prompt_token_ids": prompt},
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, kv_budget=budget))
@@ -115,13 +115,18 @@ def capacity(args, res: dict) -> None:
             eng.step()
             if eng.scheduler.running:
                 held, tokens = eng.kv.pool.num_used_blocks, eng.scheduler.running[0].num_tokens
-        page = eng.runner.kv_cache.nbytes / eng.runner.kv_cache.num_blocks
+        kv = eng.runner.kv_cache
+        page = kv.data.numel() * kv.data.element_size() // kv.num_blocks  # the pool's blocks alone
+        # int4/int2 (KIVI) keep each running sequence's unsealed keys in full precision beside
+        # the pool: one block of keys per layer.
+        residual = kv.fmt.residual_bytes(1) * eng.arch.num_layers
+        held_bytes = held * page + residual
         r = {"lever": name, "tokens": tokens, "blocks_held": held, "block_bytes": page,
-             "block_size": eng.config.cache.block_size, "bytes_per_token": held * page / tokens,
-             "seqs_per_gib": 2**30 / (held * page), "dtype": str(eng.runner.dtype).removeprefix("torch."),
-             "seconds": round(time.perf_counter() - t0, 1)}
+             "residual_bytes": residual, "block_size": eng.config.cache.block_size,
+             "bytes_per_token": held_bytes / tokens, "seqs_per_gib": 2**30 / held_bytes,
+             "dtype": str(eng.runner.dtype).removeprefix("torch."), "seconds": round(time.perf_counter() - t0, 1)}
         rows.append(r)
-        print(f"  {name:28} {r['blocks_held']:4d} blocks of {page / 1024:6.1f} KiB: "
+        print(f"  {name:28} {r['blocks_held']:4d} blocks of {page / 1024:6.1f} KiB + {residual / 1024:5.1f} KiB: "
               f"{r['bytes_per_token'] / 1024:6.2f} KiB/token, {r['seqs_per_gib']:7.2f} seq/GiB", flush=True)
         llm.shutdown()
         del llm, eng

@@ -352,7 +352,7 @@ def run_cpu(new_tokens: int, quality_tokens: int, reps: int, formats: list[str])
     ids = None
     for name in ["fp32"] + [f for f in formats if f != "fp32"]:  # the reference first
         kw = CPU_FORMATS[name]
-        llm = LLM(show_progress=False, max_model_len=2048, **kw)
+        llm = LLM(show_progress=False, max_model_len=2048, dtype="float32", **kw)  # the activations' dtype
         if ids is None:
             ids = heldout_ids(llm.get_tokenizer(), quality_tokens)
         prompt = {"prompt_token_ids": ids[:32]}
