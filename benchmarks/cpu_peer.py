@@ -1,0 +1,102 @@
+"""Batch-1 decode on the CPU: kvserve against llama.cpp (llama-cpp-python) on the same GGUF file,
+in one run.
+
+    PYTHONPATH=$PWD python benchmarks/cpu_peer.py --out $OUT     # needs `pip install llama-cpp-python`
+
+Both decode the same prompts greedily (64 new tokens each, EOS ignored), one request at a time:
+kvserve in each dtype ``--dtypes`` names (default: its ``auto``, bfloat16 on a CPU that
+multiplies it natively, else float32, and float32; the GGUF's blocks dequantized at load), llama.cpp on the file's own
+blocks with ``--threads`` threads (default: torch's thread count, which kvserve uses). The sides
+alternate, prompt by prompt, ``--repeats`` rounds; the median of each side's tokens per second
+(new tokens over the whole request, prompt included) is reported, with the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.models.loader import default_model_path  # noqa: E402
+
+PROMPTS = ["Write a story about a dragon who learns to cook.", "Explain how a hash table works, step by step.",
+           "List ten fruits and the colour of each.", "Why is the sky blue? Answer for a child."]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
+    ap.add_argument("--dtypes", default="auto,float32", help="kvserve's sides, comma-separated")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/cpu_linear")
+    a = ap.parse_args()
+    try:
+        import llama_cpp
+        from llama_cpp import Llama
+    except ImportError:
+        raise SystemExit("llama-cpp-python is not installed: pip install llama-cpp-python") from None
+    path = a.model or default_model_path()
+    engines = {}
+    for d in a.dtypes.split(","):
+        llm = LLM(path, dtype=d, show_progress=False, kv_cache_memory="256MiB", max_model_len=2048)
+        engines.setdefault(f"kvserve {str(llm.engine.runner.dtype).removeprefix('torch.')}", llm)
+    ours = next(iter(engines.values()))
+    peer = Llama(model_path=path, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=2048, verbose=False)
+    prompts = [ours.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
+
+    def runner(llm: LLM):
+        return lambda ids: llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    def run_peer(ids: list[int]) -> list[int]:
+        peer.reset()
+        out = []
+        for t in peer.generate(ids, temp=0.0, top_k=1, reset=True):  # greedy; EOS does not stop it
+            out.append(int(t))
+            if len(out) == a.max_tokens:
+                break
+        return out
+
+    sides = {name: runner(llm) for name, llm in engines.items()} | {"llama.cpp": run_peer}
+    for run in sides.values():
+        run(prompts[0][:8])  # warm
+    rates = {s: [] for s in sides}
+    tokens = {s: [] for s in sides}  # the first round's, per prompt
+    load = [os.getloadavg()[0]]
+    for r in range(a.repeats):
+        for ids in prompts:
+            for side, run in sides.items():
+                t = time.perf_counter()
+                got = run(ids)
+                rates[side].append(len(got) / (time.perf_counter() - t))
+                if r == 0:
+                    tokens[side].append(got)
+        load.append(os.getloadavg()[0])
+    med = {s: statistics.median(r) for s, r in rates.items()}
+    ratio = {s: med[s] / med["llama.cpp"] for s in engines}
+    same = {s: sum(tokens[s][i] == tokens["llama.cpp"][i] for i in range(len(prompts))) for s in engines}
+    res = {"model": os.path.basename(path), "llama_cpp_python": llama_cpp.__version__, "threads": a.threads,
+           "torch_threads": torch.get_num_threads(),
+           "max_tokens": a.max_tokens, "prompts": len(prompts), "repeats": a.repeats, "tok_s": rates,
+           "median_tok_s": med, "ratio_over_llama_cpp": ratio, "first_round_greedy_equal_to_llama_cpp": same,
+           "loadavg_1min": load, "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")}
+    print(f"batch-1 decode, {res['model']}, llama.cpp ({a.threads} threads) {med['llama.cpp']:.1f} tok/s; "
+          + "; ".join(f"{s} {med[s]:.1f} tok/s ({ratio[s]:.2f}x, greedy equal on {same[s]} of {len(prompts)})"
+                      for s in engines) + f"; load average {min(load):.1f}-{max(load):.1f}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "cpu_peer_llama_cpp.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
