@@ -110,9 +110,7 @@ def engine(model: str | None, batches, max_tokens: int, repeats: int, kv: str) -
 
 
 def dtypes(model: str | None, batches, max_tokens: int, repeats: int, kv: str, ppl_tokens: int) -> dict:
-    import pydoc_data.topics as topics
-
-    from kvserve.bench.quality import perplexity
+    from kvserve.bench.quality import heldout_ids, perplexity
     from kvserve.layers.linear import cpu_bf16_native
     kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": max(2048, ppl_tokens + 1)}
     if model:
@@ -128,8 +126,7 @@ def dtypes(model: str | None, batches, max_tokens: int, repeats: int, kv: str, p
         out["decode"].append(row)
         print(f"dtype batch {bs}: float32 {row['float32_tok_s']:.1f} tok/s, bfloat16 {row['bfloat16_tok_s']:.1f} "
               f"tok/s, {row['speedup']:.2f}x, {row['sequences_equal']}/{bs} sequences equal", flush=True)
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    ids = llms["float32"].get_tokenizer().encode(text)[:ppl_tokens]
+    ids = heldout_ids(llms["float32"].get_tokenizer(), ppl_tokens)
     for d, llm in llms.items():
         out["perplexity"][d] = perplexity(llm, ids)
     out["perplexity"]["tokens"] = len(ids)

@@ -43,14 +43,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.bench.quality import heldout_ids, token_nll  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def heldout_ids(tok, n: int) -> list[int]:
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return tok.encode(text)[:n]
 
 
 SEGMENT = 1024  # tokens of each segment's mean negative log-likelihood in the JSON
@@ -59,11 +54,7 @@ SEGMENT = 1024  # tokens of each segment's mean negative log-likelihood in the J
 def perplexity(llm: LLM, ids: list[int], budget: int | None) -> tuple[float, list[float]]:
     """Perplexity over ``ids``, and the mean negative log-likelihood of each ``SEGMENT`` tokens
     (where in the text a budget costs)."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, kv_budget=budget)
-    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    lps = [p for p in out.prompt_logprobs if p is not None]
-    assert len(lps) == len(ids) - 1
-    nll = [-p[t].logprob for p, t in zip(lps, ids[1:])]
+    nll = token_nll(llm, ids, budget)
     return math.exp(sum(nll) / len(nll)), [sum(nll[i:i + SEGMENT]) / len(nll[i:i + SEGMENT])
                                            for i in range(0, len(nll), SEGMENT)]
 

@@ -22,18 +22,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM  # noqa: E402
-from kvserve.bench.quality import perplexity  # noqa: E402
+from kvserve.bench.quality import heldout_ids, perplexity  # noqa: E402
 from kvserve.models.loader import default_model_path  # noqa: E402
 from kvserve.quantize import quantize  # noqa: E402
 
 METHODS = {"rtn": {"method": "rtn"}, "awq": {"method": "awq"}, "gptq": {"method": "gptq"},
            "gptq act-order": {"method": "gptq", "act_order": True}}
-
-
-def heldout_ids(tok, n: int) -> list[int]:
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return tok.encode(text)[:n]
 
 
 def main() -> None:

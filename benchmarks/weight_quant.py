@@ -339,15 +339,9 @@ def run_peer():
     return out
 
 
-def heldout_ids(tok, n: int) -> list[int]:
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return tok.encode(text)[:n]
-
-
 @section("cpu")
 def run_cpu(new_tokens: int, quality_tokens: int, reps: int, formats: list[str]):
-    from kvserve.bench.quality import perplexity
+    from kvserve.bench.quality import heldout_ids, perplexity
     out = {}
     ids = None
     for name in ["fp32"] + [f for f in formats if f != "fp32"]:  # the reference first

@@ -7,18 +7,31 @@ import math
 from kvserve.sampling_params import SamplingParams
 
 
-def perplexity(llm, token_ids: list[int]) -> float:
-    """exp(mean negative log-likelihood) of ``token_ids[1:]``, each token given all before it,
-    through the engine: the text is one sequence, prefilled in chunks of the engine's
-    ``max_num_batched_tokens``, so every chunk after the first attends to the KV cache as
-    stored (compressed, if the cache is)."""
-    out = llm.generate([{"prompt_token_ids": list(token_ids)}],
-                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)[0]
+def heldout_ids(tok, n: int) -> list[int]:
+    """The first ``n`` tokens of Python's reference documentation (``pydoc_data.topics``, shipped
+    with Python), the benchmarks' held-out text."""
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return tok.encode(text)[:n]
+
+
+def token_nll(llm, token_ids: list[int], kv_budget: int | None = None) -> list[float]:
+    """The negative log-likelihood of each of ``token_ids[1:]``, each token given all before it
+    (as much of it as ``kv_budget`` leaves held), through the engine: the text is one sequence,
+    prefilled in chunks of the engine's ``max_num_batched_tokens``, so every chunk after the
+    first attends to the KV cache as stored (compressed, if the cache is)."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, kv_budget=kv_budget)
+    out = llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
     lps = [p for p in out.prompt_logprobs if p is not None]
     if len(lps) != len(token_ids) - 1:
         raise RuntimeError(f"got {len(lps)} prompt log-probs for {len(token_ids)} tokens")
-    nll = -sum(p[t].logprob for p, t in zip(lps, token_ids[1:])) / len(lps)  # {id: Logprob} per position
-    return math.exp(nll)
+    return [-p[t].logprob for p, t in zip(lps, token_ids[1:])]  # {id: Logprob} per position
+
+
+def perplexity(llm, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids[1:]`` (``token_nll``)."""
+    nll = token_nll(llm, token_ids)
+    return math.exp(sum(nll) / len(nll))
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
