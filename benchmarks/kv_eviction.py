@@ -85,6 +85,18 @@ def steal_jiffies() -> int | None:
 CAPACITY_FORMATS = ("fp8", "int8", "int4", "int2")
 
 
+def held_at_last_step(eng, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[int, int]:
+    """Run one request alone in ``eng`` to its end: the pool's blocks in use and the request's
+    tokens at its last step."""
+    eng.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    held = tokens = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        if eng.scheduler.running:
+            held, tokens = eng.kv.pool.num_used_blocks, eng.scheduler.running[0].num_tokens
+    return held, tokens
+
+
 def capacity(args, res: dict) -> None:
     """``res["capacity"]``: per lever, bytes per token and sequences per GiB at ``args.tokens``."""
     rows = res["capacity"] = []
@@ -98,14 +110,9 @@ def capacity(args, res: dict) -> None:
         eng = llm.engine
         rng = random.Random(0)  # the same prompt under every lever
         prompt = [rng.randrange(3, eng.arch.vocab_size) for _ in range(args.tokens - 16)]
-        eng.add_request("r", {"prompt_token_ids": prompt},
-                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, kv_budget=budget))
-        held = tokens = 0
         t0 = time.perf_counter()
-        while eng.has_unfinished_requests():
-            eng.step()
-            if eng.scheduler.running:
-                held, tokens = eng.kv.pool.num_used_blocks, eng.scheduler.running[0].num_tokens
+        held, tokens = held_at_last_step(eng, "r", prompt, SamplingParams(max_tokens=16, temperature=0,
+                                                                          ignore_eos=True, kv_budget=budget))
         kv = eng.runner.kv_cache
         page = kv.data.numel() * kv.data.element_size() // kv.num_blocks  # the pool's blocks alone
         # int4/int2 (KIVI) keep each running sequence's unsealed keys in full precision beside

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from benchmarks import gpu_check  # noqa: E402
 from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402  (sections, JSON after each)
+from benchmarks.kv_eviction import held_at_last_step  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,15 +62,10 @@ def kv_per_token(model: str, contexts: list[int], mode: str, budget: int) -> lis
     rng = random.Random(0)
     rows = []
     for ctx in contexts:
-        eng.add_request(f"r{ctx}", {"prompt_token_ids": [rng.randrange(3, arch.vocab_size)
-                                                         for _ in range(ctx - N_DECODE)]},
-                        SamplingParams(max_tokens=N_DECODE, temperature=0, ignore_eos=True))
-        held = tokens = 0
+        prompt = [rng.randrange(3, arch.vocab_size) for _ in range(ctx - N_DECODE)]
         t0 = time.perf_counter()
-        while eng.has_unfinished_requests():
-            eng.step()
-            if eng.scheduler.running:
-                held, tokens = eng.kv.pool.num_used_blocks, eng.scheduler.running[0].num_tokens
+        held, tokens = held_at_last_step(eng, f"r{ctx}", prompt,
+                                         SamplingParams(max_tokens=N_DECODE, temperature=0, ignore_eos=True))
         r = {"model": model, "context": ctx, "mode": mode, "tokens": tokens, "blocks_held": held,
              "block_bytes": page_bytes, "groups": groups.num_groups, "page_layers": groups.page_layers,
              "bytes_per_token": held * page_bytes / tokens, "seconds": round(time.perf_counter() - t0, 1)}
