@@ -73,8 +73,9 @@ def streaming_mask(qpos: torch.Tensor, kpos: torch.Tensor, kv_budget: int, block
 # evicts what decoding evicted.
 #
 # Scores (the torch attention backend accumulates them while it attends, from each query's
-# softmax row; no N x N matrix is kept): summed over every layer, KV head and the query heads
-# sharing it, so one kept set serves every layer and head (a block holds them all).
+# softmax row; no N x N matrix is kept): summed over every global layer (every layer of a model
+# without sliding windows; a sliding-window layer keeps its window, ``engine/kv_evict.py``), KV
+# head and the query heads sharing it, so one kept set serves every such layer and head.
 #   h2o     every query of the request adds its attention (prompt and decode); a block scores the
 #           sum over its tokens; recent = B // 2 (the heavy-hitter half and the recent half).
 #   snapkv  the last ``OBS_WINDOW`` prompt queries add theirs; the prompt is held whole until its

@@ -180,13 +180,6 @@ def test_unsupported_combinations_are_config_errors(kwargs, field):
     assert ei.value.option == field, ei.value
 
 
-def test_sliding_window_model_is_a_config_error(tmp_path):
-    from tests.test_window_kv import GLOBAL, LOCAL, make_gemma3
-    _, path = make_gemma3(tmp_path, [LOCAL, GLOBAL])
-    with pytest.raises(ConfigError, match="sliding-window"):
-        LLM(path, kv_cache_memory="1MiB", show_progress=False, kv_eviction="streaming")
-
-
 @pytest.mark.parametrize("budget", [0, -1, 2**31, 2**63, 1.5, float("nan"), "40", True])
 def test_bad_budget_in_sampling_params(budget):
     with pytest.raises(InvalidRequestError) as ei:

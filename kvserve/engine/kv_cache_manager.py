@@ -78,6 +78,9 @@ class KVCacheManager(BlockEviction):
         self.windows = tuple(windows)  # per group (None: global)
         self.group_tables: list[dict[str, list[int]]] = [{} for _ in self.windows]
         self.tables = self.group_tables[0]
+        # Eviction decides on group 0's table (global: groups sort global first) and every other
+        # global group follows it entry for entry; local groups keep their window whatever the budget.
+        self.global_groups = [g for g, w in enumerate(self.windows) if w is None]
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table registered in the cache
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write this step
         self.prefix_queries = 0  # prompt tokens looked up
@@ -181,7 +184,8 @@ class KVCacheManager(BlockEviction):
         if req.params.kv_budget is not None and self.eviction == "streaming":  # no reference to the hits
             # its first query does not see
             stop = recent_start(req.params.kv_budget, self.block_size, len(computed) * self.block_size)
-            hits[0][SINK_BLOCKS:stop] = [NULL] * len(hits[0][SINK_BLOCKS:stop])
+            for g in self.global_groups:
+                hits[g][SINK_BLOCKS:stop] = [NULL] * len(hits[g][SINK_BLOCKS:stop])
         return hits
 
     def _tokens_after(self, req: Request, num_new_tokens: int, hits: list[list[int]]) -> int:
@@ -401,7 +405,9 @@ class KVCacheManager(BlockEviction):
                 req = by_id[rid]
                 assert len(table) == len(self.tables[rid]), (rid, g)
                 nulls = sum(1 for b in table if b == NULL)
-                budget = req.params.kv_budget
+                budget = req.params.kv_budget if self.windows[g] is None else None  # local: its window
+                if budget is not None and g:  # another global group: group 0's entries exactly
+                    assert [b == NULL for b in table] == [b == NULL for b in self.tables[rid]], (rid, g)
                 if budget is not None and self.eviction in SCORED:
                     # within the budget once evicting (SnapKV: after its prompt); recent ones kept
                     if self.eviction == "h2o" or req.num_computed_tokens > req.num_prompt_tokens:

@@ -6,6 +6,10 @@ references are dropped, so a block shared with another request stays until its c
 Only the first ``full_attention_blocks`` (computed before any key was hidden, so equal to full
 attention's KV) enter the prefix cache, and a request is offered no more cached blocks than that.
 
+On a model with sliding-window layers (Gemma 3) the budget bounds the global layers' KV:
+group 0's table (global) decides, every other global group drops the same entries, and the local
+groups keep their window (``kv_groups.py``), whatever the budget.
+
 Scored eviction (SnapKV, H2O; ``kv_eviction.py``): before a step, a request with a ``kv_budget``
 over it drops its references to its lowest-scored blocks before its recent ones (NULL entries
 anywhere before them). Scores come from the runner after each step (``record_scores``). Only the
@@ -26,8 +30,8 @@ from kvserve.kv_eviction import SINK_BLOCKS, block_scores, budget_blocks, pick_v
 
 
 class BlockEviction:
-    """``tables``, ``pool``, ``block_size``, ``eviction``, ``_scores`` and ``_exact`` are the
-    manager's."""
+    """``tables``, ``group_tables``, ``global_groups``, ``pool``, ``block_size``, ``eviction``,
+    ``_scores`` and ``_exact`` are the manager's."""
 
     def record_scores(self, req: Request, scores: torch.Tensor) -> None:
         """Add a step's attention scores (per key position) to ``req``'s."""
@@ -64,9 +68,22 @@ class BlockEviction:
         return len(freed)
 
     def _evict(self, req: Request) -> int:
-        if self.eviction == "streaming":
-            return self.evict_streaming(req)
-        return self.evict_scored(req)
+        n = self.evict_streaming(req) if self.eviction == "streaming" else self.evict_scored(req)
+        if n and len(self.global_groups) > 1:
+            self._follow_group0(req)
+        return n
+
+    def _follow_group0(self, req: Request) -> None:
+        """Drop ``req``'s references, in every other global group, to the entries group 0 dropped
+        (a model whose global layers span several groups, e.g. Gemma-3-27B's ten in five)."""
+        ref = self.tables[req.request_id]
+        for g in self.global_groups[1:]:
+            table = self.group_tables[g][req.request_id]
+            gone = [i for i in range(len(table) - 1, -1, -1) if ref[i] == NULL and table[i] != NULL]
+            freed = [table[i] for i in gone]
+            for i in gone:
+                table[i] = NULL
+            self.pool.free(freed)
 
     def evict_streaming(self, req: Request) -> int:
         """Drop ``req``'s references to the blocks between its sinks and the first recent block

@@ -82,10 +82,15 @@ class LLMEngine(MemoryControls):
             config = dataclasses.replace(config, scheduler=dataclasses.replace(
                 config.scheduler, max_num_seqs=plan.max_num_seqs))
             self.config = rt.config = config
-        if config.cache.kv_eviction != "none" and groups.windowed:
-            raise ConfigError("kv_eviction", f"{config.cache.kv_eviction!r} is for full-attention models; "
-                              f"{src.name} has sliding-window layers, whose blocks out of the window are "
-                              "freed already")
+        if config.cache.kv_eviction != "none" and any(w is not None for w in src.arch.layer_windows):
+            # A budget bounds the global layers; local ones keep their window (``kv_evict.py``).
+            if all(w is not None for w in src.arch.layer_windows):
+                raise ConfigError("kv_eviction", f"{config.cache.kv_eviction!r} evicts from global-attention "
+                                  f"layers; every layer of {src.name} has a sliding window, which bounds its "
+                                  "KV already")
+            if not groups.windowed:
+                raise ConfigError("window_kv", f"kv_eviction {config.cache.kv_eviction!r} on {src.name}'s "
+                                  "sliding-window layers needs window_kv 'free' (their own tables); got 'keep'")
         self._allocate_kv(plan)
         self.kv = KVCacheManager(plan.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  kv_plan.cache_key(src, rt.dtype, config.seed, plan.fmt, plan.scales, groups),

@@ -404,7 +404,13 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
             input_ids[patch[0]] = patch[1]
         layer_attn = None
         if group_seqs:
-            metas = [meta] + [self._build_metadata(gs)[0] for gs in group_seqs]
+            # Under a kv_budget every global group evicts what group 0 does (``kv_evict.py``):
+            # the same budgets, kept blocks and score accumulators; local groups keep their window.
+            metas = [meta]
+            for g, gs in enumerate(group_seqs, 1):
+                glob = self.kv_groups.windows[g] is None
+                metas.append(self._build_metadata(gs, kv_budgets=kv_budgets if glob else None)[0])
+                metas[-1].kv_scored = kv_scored if glob else None
             layer_attn = [metas[i] for i in self.kv_groups.layer_group]
         with forward_context(ForwardContext(meta, kv_layers, self.backend, layer_attn)):
             hidden = net(input_ids, positions)

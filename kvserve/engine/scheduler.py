@@ -68,20 +68,21 @@ class Scheduler:
                          kv_budget: int | None = None) -> int:
         """Blocks a request needs at its largest: its prompt plus n completions, in every KV
         group; a sliding-window group holds at most its window and the largest step's tokens;
-        under a ``kv_budget`` each sequence holds at most the budget's blocks (SnapKV: or its
-        whole prompt, held until compressed)."""
+        under a ``kv_budget`` each sequence's global groups hold at most the budget's blocks
+        (SnapKV: or its whole prompt, held until compressed)."""
+        full_prompt_blocks = num_prompt_tokens // self.kv.block_size
+        per_child = self.kv.blocks_for(num_prompt_tokens + max_tokens) - full_prompt_blocks
+        full = self.kv.blocks_for(num_prompt_tokens) + n * per_child
+        held = full
         if kv_budget is not None:
             per_seq = kv_budget // self.kv.block_size
             if self.cache_config.kv_eviction == "snapkv":
                 per_seq = max(per_seq, self.kv.blocks_for(num_prompt_tokens))
-            return min(n * per_seq, self.blocks_to_finish(num_prompt_tokens, max_tokens, n))
-        full_prompt_blocks = num_prompt_tokens // self.kv.block_size
-        per_child = self.kv.blocks_for(num_prompt_tokens + max_tokens) - full_prompt_blocks
-        full = self.kv.blocks_for(num_prompt_tokens) + n * per_child
+            held = min(n * per_seq, full)
         step = self.config.max_num_batched_tokens  # a prompt over it runs whole only unchunked
         if not self.config.enable_chunked_prefill:
             step = max(step, num_prompt_tokens)
-        return sum(full if w is None else min(full, n * (self.kv.blocks_for(w - 1 + step) + 1))
+        return sum(held if w is None else min(full, n * (self.kv.blocks_for(w - 1 + step) + 1))
                    for w in self.kv.windows)
 
     @property
