@@ -192,3 +192,20 @@ def test_triton_backend_matches_torch_backend(gemma):
                                           for i, (p, b) in enumerate(zip(prompts, (9, None)))], add_at_step=1)
 
     assert run("triton") == run("torch")
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_admitted_on_the_budget_and_the_window(gemma, policy):
+    """A 200-token prompt under a 13-token budget in a pool of 64 blocks (eight layer groups): its
+    steps are cut to the budget, so each local group holds its window and about one budget's
+    tokens, not a 256-token step's; it is admitted and runs alone without preemption."""
+    model, path = gemma
+    llm = LLM(path, show_progress=False, kv_cache_memory="64KiB", block_size=BS, max_num_batched_tokens=256,
+              kv_eviction=policy, dtype="float32")
+    eng = llm.engine
+    assert eng.kv.pool.num_blocks == 64
+    (p,) = prompts_of((200,), seed=11)
+    out = run_streaming(eng, [("r", {"prompt_token_ids": p}, params(13))])
+    assert eng.scheduler.num_preemptions == 0
+    if policy == "streaming":
+        assert out["r"] == [greedy(model, p, 12, 13)]

@@ -82,6 +82,10 @@ class Scheduler:
         step = self.config.max_num_batched_tokens  # a prompt over it runs whole only unchunked
         if not self.config.enable_chunked_prefill:
             step = max(step, num_prompt_tokens)
+        if kv_budget is not None and self.cache_config.kv_eviction in ("streaming", "h2o"):
+            # ``KVCacheManager.step_tokens`` cuts such a request's steps to its budget's free blocks
+            # and the rest of its last one (a SnapKV prompt runs to its end uncut)
+            step = min(step, kv_budget + self.kv.block_size - 1)
         return sum(held if w is None else min(full, n * (self.kv.blocks_for(w - 1 + step) + 1))
                    for w in self.kv.windows)
 
