@@ -21,8 +21,10 @@ assembled from its PyPI packages, whose budget bounds its global layers), in the
               lever, by the engine's own pool accounting (blocks in use at a request's last
               step x bytes per block; one request alone, a random prompt and 16 decoded
               tokens): full KV in the model dtype, each compressed ``kv_cache_dtype``, and each
-              policy at ``--capacity-budget`` tokens. int4/int2 also hold each sequence's last
-              unsealed keys outside the pool (KIVI's residual), counted with its blocks
+              policy at ``--capacity-budget`` tokens (on a model with sliding-window layers,
+              also every layer's KV kept: ``window_kv="keep"``). int4/int2 also hold each
+              sequence's last unsealed keys outside the pool (KIVI's residual), counted with
+              its blocks
 
 Each run's seconds, and the load average and the CPU time stolen by the hypervisor before and
 after, go into the JSON: the CPU box may
@@ -110,6 +112,9 @@ def capacity(args, res: dict) -> None:
         llm = LLM(show_progress=False, max_model_len=args.tokens, enable_prefix_caching=False, **kw,
                   **model_path(args.model), **({"dtype": args.dtype} if args.dtype else {}))
         eng = llm.engine
+        if not kw and any(w is not None for w in eng.arch.layer_windows):
+            # sliding-window layers: also the same model holding every layer's KV (as if global)
+            levers.append(("every layer kept", {"window_kv": "keep"}, None))
         rng = random.Random(0)  # the same prompt under every lever
         prompt = [rng.randrange(3, eng.arch.vocab_size) for _ in range(args.tokens - 16)]
         t0 = time.perf_counter()
