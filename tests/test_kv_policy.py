@@ -1,7 +1,8 @@
 """``kv_policy="auto"`` (``kvserve/engine/kv_policy.py``): the KV format follows the pool. On
 dummy:tiny (512 bytes of fp32 KV per token) with max_model_len 256 the target is 8 sequences of
 256 tokens: a pool that holds them keeps the model dtype, a smaller one goes to int8, a much
-smaller one to int4 and says it is short; what the user fixed stays; the engine runs on what
+smaller one to int4 and says it is short; short everywhere, the format holding the most wins
+(on a sliding-window model that can be int8); what the user fixed stays; the engine runs on what
 was chosen."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def auto(memory: str, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("memory,dtype,short", [("4MiB", "auto", False), ("512KiB", "int8", False),
-                                                ("64KiB", "int4", True)])
+                                                ("128KiB", "int4", True)])
 def test_format_follows_the_pool(memory, dtype, short):
     llm = auto(memory)
     choice = llm.engine.kv_policy
@@ -50,3 +51,22 @@ def test_bad_value_names_the_field():
     with pytest.raises(ConfigError) as ei:
         LLM("dummy:tiny", kv_cache_memory="1MiB", show_progress=False, kv_policy="fast")
     assert ei.value.option == "kv_policy"
+
+
+def test_short_everywhere_takes_the_format_that_holds_most(tmp_path):
+    """Gemma 3's pattern (five local layers to one global), a 16-token window, 1,024 tokens: int8
+    frees the local layers' blocks out of the window, int4 (KIVI) keeps every layer's, so in a
+    pool short of the target for both, int8 holds more sequences and is the one chosen."""
+    from tests.test_window_kv import GLOBAL, LOCAL, make_gemma3
+    _, path = make_gemma3(tmp_path, [LOCAL] * 5 + [GLOBAL], window=16)
+    llm = LLM(path, kv_cache_memory="192KiB", max_model_len=1024, show_progress=False, kv_policy="auto")
+    choice = llm.engine.kv_policy
+    assert choice.fits_sequences < choice.target_sequences
+    assert choice.kv_cache_dtype == "int8", choice.reason
+    for dtype in ("int8", "int4"):  # what each holds, by the engine's own accounting
+        manual = LLM(path, kv_cache_memory="192KiB", max_model_len=1024, show_progress=False,
+                     kv_cache_dtype=dtype).engine.kv_policy.fits_sequences
+        if dtype == "int8":
+            assert manual == choice.fits_sequences
+        else:
+            assert manual < choice.fits_sequences

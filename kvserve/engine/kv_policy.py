@@ -6,7 +6,8 @@ The levers, cheapest in quality first:
                               window (``window_kv="free"``, ``kv_groups.py``): exact, on unless
                               swap or the tiers are (they cannot follow the freed blocks)
   2. compressed KV            the model dtype, else int8 (per-token scales), else int4 (KIVI),
-                              the first whose pool holds the target (below); lossy, but slightly
+                              the first whose pool holds the target (below), else the one that
+                              holds the most; lossy, but slightly
   3. tiers                    used as configured (``cpu_kv_memory``, ``disk_kv_dir``,
                               ``redis_url``): a block leaving the pool is offloaded, not lost
   4. eviction                 never chosen here: it drops context, so it needs the user's
@@ -102,7 +103,10 @@ def choose(config: EngineConfig, arch, runner, kv_bytes: int,
                                 else default_block_size(dtype))
         cand = dataclasses.replace(config, cache=c)
         n = _fits(cand, arch, runner, kv_bytes, max_model_len)
-        best = (cand, dtype, n)
+        # Short of the target everywhere: the format holding the most (fewer bits need not: the
+        # KIVI formats keep a sliding-window model's every block, ``kv_plan.groups_for``).
+        if best is None or n > best[2]:
+            best = (cand, dtype, n)
         if n >= target:
             break
     cand, dtype, n = best
