@@ -5,7 +5,8 @@ in one run.
 
 Both decode the same prompts greedily (64 new tokens each, EOS ignored), one request at a time:
 kvserve in each dtype ``--dtypes`` names (default: its ``auto``, bfloat16 on a CPU that
-multiplies it natively, else float32, and float32; the GGUF's blocks dequantized at load), llama.cpp on the file's own
+multiplies it natively, else float32, and float32; the GGUF's blocks dequantized at load; a
+side ``DTYPE+QUANT``, e.g. ``auto+int8``, also sets ``quantization``), llama.cpp on the file's own
 blocks with ``--threads`` threads (default: torch's thread count, which kvserve uses). The sides
 alternate, prompt by prompt, ``--repeats`` rounds; the median of each side's tokens per second
 (new tokens over the whole request, prompt included) is reported, with the load average.
@@ -34,7 +35,8 @@ PROMPTS = ["Write a story about a dragon who learns to cook.", "Explain how a ha
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
-    ap.add_argument("--dtypes", default="auto,float32", help="kvserve's sides, comma-separated")
+    ap.add_argument("--dtypes", default="auto,float32",
+                    help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+int8)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -47,9 +49,12 @@ def main() -> None:
         raise SystemExit("llama-cpp-python is not installed: pip install llama-cpp-python") from None
     path = a.model or default_model_path()
     engines = {}
-    for d in a.dtypes.split(","):
-        llm = LLM(path, dtype=d, show_progress=False, kv_cache_memory="256MiB", max_model_len=2048)
-        engines.setdefault(f"kvserve {str(llm.engine.runner.dtype).removeprefix('torch.')}", llm)
+    for side in a.dtypes.split(","):
+        d, _, q = side.partition("+")
+        llm = LLM(path, dtype=d, quantization=q or None, show_progress=False, kv_cache_memory="256MiB",
+                  max_model_len=2048)
+        name = f"kvserve {str(llm.engine.runner.dtype).removeprefix('torch.')}" + (f", {q} weights" if q else "")
+        engines.setdefault(name, llm)
     ours = next(iter(engines.values()))
     peer = Llama(model_path=path, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=2048, verbose=False)
     prompts = [ours.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
