@@ -53,6 +53,15 @@ class Reference:
             self.kept[i] = False
         self.trace.append((c, [i for i, k in enumerate(self.kept) if k]))
 
+    @staticmethod
+    def attention_mask(see: torch.Tensor):
+        """The model's additive mask from ``see`` [q, k] (each row's kept keys, causally)."""
+        return torch.zeros(1, 1, *see.shape).masked_fill(~see, torch.finfo(torch.float32).min)
+
+    def scored_attention(self, attentions) -> torch.Tensor:
+        """[q, k] softmax rows summed over the layers that score and their heads."""
+        return torch.stack(attentions)[:, 0].sum((0, 1)).double()
+
     def _forward(self, upto: int):
         """Logits and the attention of rows [0, upto), each row seeing its kept set."""
         pos = torch.arange(upto)
@@ -60,12 +69,10 @@ class Reference:
         for p in range(upto):
             blocks = torch.tensor(self.row_blocks[p]).repeat_interleave(BS)[:upto]
             see[p, :len(blocks)] = blocks & (pos[:len(blocks)] <= p)
-        mask = torch.zeros(1, 1, upto, upto).masked_fill(~see, torch.finfo(torch.float32).min)
         with torch.no_grad():
-            o = self.model(torch.tensor([self.ids[:upto]]), attention_mask=mask, position_ids=pos[None],
-                           output_attentions=True)
-        att = torch.stack(o.attentions)[:, 0].sum((0, 1)).double()  # [q, k] over layers and heads
-        return o.logits[0], att
+            o = self.model(torch.tensor([self.ids[:upto]]), attention_mask=self.attention_mask(see),
+                           position_ids=pos[None], output_attentions=True)
+        return o.logits[0], self.scored_attention(o.attentions)
 
     def _score(self, att, lo: int, hi: int) -> None:
         if lo >= hi:

@@ -36,10 +36,7 @@ def masks(see_global: torch.Tensor) -> dict[str, torch.Tensor]:
     n = see_global.shape[0]
     pos = torch.arange(n)
     local = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - WINDOW)
-
-    def additive(see):
-        return torch.zeros(1, 1, n, n).masked_fill(~see, torch.finfo(torch.float32).min)
-    return {GLOBAL: additive(see_global), LOCAL: additive(local)}
+    return {GLOBAL: Reference.attention_mask(see_global), LOCAL: Reference.attention_mask(local)}
 
 
 def streaming_see(n: int, budget: int | None) -> torch.Tensor:
@@ -67,18 +64,13 @@ class WindowReference(Reference):
     """``Reference`` on Gemma 3: the kept blocks mask the global layers only, and only their
     attention scores."""
 
-    def _forward(self, upto: int):
-        pos = torch.arange(upto)
-        see = torch.zeros(upto, upto, dtype=torch.bool)
-        for p in range(upto):
-            blocks = torch.tensor(self.row_blocks[p]).repeat_interleave(BS)[:upto]
-            see[p, :len(blocks)] = blocks & (pos[:len(blocks)] <= p)
-        with torch.no_grad():
-            o = self.model(torch.tensor([self.ids[:upto]]), attention_mask=masks(see), position_ids=pos[None],
-                           output_attentions=True)
+    @staticmethod
+    def attention_mask(see: torch.Tensor):
+        return masks(see)
+
+    def scored_attention(self, attentions) -> torch.Tensor:
         glob = [i for i, t in enumerate(LAYERS) if t == GLOBAL]
-        att = torch.stack([o.attentions[i] for i in glob])[:, 0].sum((0, 1)).double()
-        return o.logits[0], att
+        return super().scored_attention([attentions[i] for i in glob])
 
 
 def params(budget, n_new=12, n=1):
