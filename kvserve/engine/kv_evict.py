@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.kv_groups import NULL, null_before
+from kvserve.engine.kv_groups import NULL, held_before
 from kvserve.engine.request import Request
 from kvserve.kv_eviction import SINK_BLOCKS, block_scores, budget_blocks, pick_victims, recent_blocks, recent_start
 
@@ -61,29 +61,23 @@ class BlockEviction:
         scores = block_scores(self.eviction, self._scores.get(rid, torch.zeros(0)), len(table), bs)
         victims = pick_victims(scores, [i for i in held if i < protect], len(held) - target)
         self._exact.setdefault(rid, c // bs)
-        freed = [table[i] for i in reversed(victims)]
-        for i in victims:
-            table[i] = NULL
-        self.pool.free(freed)
-        return len(freed)
+        return self._drop(req, victims[::-1])
 
     def _evict(self, req: Request) -> int:
-        n = self.evict_streaming(req) if self.eviction == "streaming" else self.evict_scored(req)
-        if n and len(self.global_groups) > 1:
-            self._follow_group0(req)
-        return n
+        return self.evict_streaming(req) if self.eviction == "streaming" else self.evict_scored(req)
 
-    def _follow_group0(self, req: Request) -> None:
-        """Drop ``req``'s references, in every other global group, to the entries group 0 dropped
-        (a model whose global layers span several groups, e.g. Gemma-3-27B's ten in five)."""
-        ref = self.tables[req.request_id]
-        for g in self.global_groups[1:]:
+    def _drop(self, req: Request, entries: list[int]) -> int:
+        """Drop ``req``'s references to its table ``entries`` (held, in the order they are freed)
+        in every global group: they hold the same entries (a model whose global layers span
+        several groups, e.g. Gemma-3-27B's ten in five). Returns how many entries."""
+        freed = []
+        for g in self.global_groups:
             table = self.group_tables[g][req.request_id]
-            gone = [i for i in range(len(table) - 1, -1, -1) if ref[i] == NULL and table[i] != NULL]
-            freed = [table[i] for i in gone]
-            for i in gone:
+            freed += [table[i] for i in entries]
+            for i in entries:
                 table[i] = NULL
-            self.pool.free(freed)
+        self.pool.free(freed)
+        return len(entries)
 
     def evict_streaming(self, req: Request) -> int:
         """Drop ``req``'s references to the blocks between its sinks and the first recent block
@@ -92,6 +86,4 @@ class BlockEviction:
         if req.params.kv_budget is None or not table:
             return 0
         stop = min(recent_start(req.params.kv_budget, self.block_size, req.num_computed_tokens), len(table))
-        freed = null_before(table, stop, SINK_BLOCKS)
-        self.pool.free(freed)
-        return len(freed)
+        return self._drop(req, held_before(table, stop, SINK_BLOCKS))

@@ -28,15 +28,21 @@ from math import gcd
 NULL = -1  # a local table's entry whose block was freed (out of every future query's window)
 
 
-def null_before(table: list[int], stop: int, floor: int = 0) -> list[int]:
-    """Set ``table[floor:stop]`` to NULL, tail first, up to the first entry already NULL (the
-    NULLs before ``stop`` run back from it), and return the blocks taken out, tail first."""
-    freed = []
+def held_before(table: list[int], stop: int, floor: int = 0) -> list[int]:
+    """The indices of ``table[floor:stop]`` up to the first NULL entry before ``stop`` (the NULLs
+    run back from it), tail first."""
+    held = []
     for i in range(stop - 1, floor - 1, -1):
         if table[i] == NULL:
             break
-        freed.append(table[i])
-        table[i] = NULL
+        held.append(i)
+    return held
+
+
+def null_before(table: list[int], stop: int, floor: int = 0) -> list[int]:
+    """Set ``held_before``'s entries to NULL and return the blocks taken out, tail first."""
+    freed = [table[i] for i in held_before(table, stop, floor)]
+    table[stop - len(freed):stop] = [NULL] * len(freed)
     return freed
 
 
