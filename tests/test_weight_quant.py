@@ -58,6 +58,30 @@ def test_cpu_layer_equals_dequantize_then_matmul(method, group, M, bias):
     assert ((y.double() - exact).norm() / exact.norm()).item() < (0.02 if method == "int8" else 0.15)
 
 
+@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32)])
+def test_cpu_scales_in_the_input_dtype_follow_the_buffer(method, group):
+    """The CPU kernels take the scales in x's dtype: the layer converts them once and reuses the
+    conversion, and a rewritten or replaced scales buffer is converted anew (the product follows
+    it, as a layer built with those scales computes)."""
+    g = torch.Generator().manual_seed(11)
+    lin = Linear(128, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 128, generator=g) * 0.05)
+    layer = QuantLinear.from_linear(lin, QuantConfig(method, group))
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    y = layer(x)
+    assert layer._scales_as(torch.bfloat16) is layer._scales_as(torch.bfloat16)
+    ref = QuantLinear.from_linear(lin, QuantConfig(method, group))
+    with torch.no_grad():
+        layer.scales.mul_(2)
+        ref.scales.mul_(2)
+    y2 = layer(x)
+    assert torch.equal(y2, ref(x)) and not torch.equal(y2, y)
+    layer.scales = ref.scales.clone() / 2
+    assert torch.equal(layer(x), y)
+    assert layer(x.float()).dtype == torch.float32
+
+
 @pytest.fixture(scope="module")
 def default_llm():
     return LLM(show_progress=False, max_model_len=1024, quantization="none")

@@ -63,6 +63,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = None  # a row-parallel layer's group: the products are summed over its ranks
+        self._cast: tuple[tuple, torch.Tensor] | None = None  # (key, scales in x's dtype): see _scales_as
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, quant: QuantConfig) -> QuantLinear:
@@ -124,11 +125,21 @@ class QuantLinear(nn.Module):
         if self.method == "int8" and self.group_size:
             y = self._cpu_grouped_int8(x)
         elif self.method == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales.to(x.dtype))
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self._scales_as(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
-                                                           self.scales.to(x.dtype))
+                                                           self._scales_as(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def _scales_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The scales in ``dtype``, which the packed CPU kernels require of them: converted once
+        and kept, not per product, where the conversion took longer than the int4 product itself.
+        The key follows the buffer, so a reloaded or rewritten one is converted anew."""
+        s = self.scales
+        key = (dtype, s.data_ptr(), 0 if s.is_inference() else s._version)
+        if self._cast is None or self._cast[0] != key:
+            self._cast = (key, s.to(dtype))
+        return self._cast[1]
 
     def _cpu_grouped_int8(self, x: torch.Tensor) -> torch.Tensor:
         N, K, g = self.out_features, self.in_features, self.group_size

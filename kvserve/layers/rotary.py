@@ -39,14 +39,32 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._step: tuple | None = None  # (positions, dtype, cos, signed sin): see _tables
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D]; rotated copies are returned."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self._tables(positions, q.dtype)
+        return q * cos + _swap_halves(q) * sin, k * cos + _swap_halves(k) * sin
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` [T, 1, D] in ``dtype``, sin's first half negated (the
+        rotation's ``-x2 * sin`` as ``x2 * -sin``: the same product, one op fewer). Every layer of
+        a step passes the same positions tensor: on the CPU, where each op costs microseconds of
+        overhead, the tables are gathered once per step and kept for that tensor (held, so that
+        its identity stays unique; the runner makes a step's positions anew and never writes
+        them after)."""
+        c = self._step
+        if c is not None and c[0] is positions and c[1] == dtype:
+            return c[2], c[3]
+        half = self.sin.shape[-1] // 2
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        if positions.device.type == "cpu":
+            self._step = (positions, dtype, cos, sin)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
