@@ -1,7 +1,8 @@
 """CPU projections packed for oneDNN (layers/linear.py): the product equals ``F.linear`` on the
 dense weight, for every row count a step can have; packing only reorders (the dense weight comes
 back exactly); a copy of a packed model is packed and independent; a CPU engine packs its decoder
-projections and not the LM head; quantizing a packed model quantizes its dense weights."""
+projections and its output head (a tied head as a packed copy beside the embedding the lookups
+read); quantizing a packed model quantizes its dense weights."""
 from __future__ import annotations
 
 import copy
@@ -18,10 +19,12 @@ from kvserve.layers.linear import (
     cpu_bf16_native,
     cpu_packing_available,
     dense_parameters,
+    head_logits,
     pack_cpu_weights,
     unpack_cpu_weights,
 )
 from kvserve.layers.quant_linear import QuantLinear, quantize_model
+from kvserve.layers.weight_init import Embedding
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this PyTorch build has no oneDNN")
 
@@ -43,15 +46,48 @@ def _model(seed: int = 0, bias: bool = False) -> nn.Module:
 def test_packed_product_equals_dense(rows, bias):
     m = _model(rows, bias)
     dense = {n: p.detach().clone() for n, p in m.named_parameters()}
-    assert pack_cpu_weights(m) == 2  # not the LM head
+    assert pack_cpu_weights(m) == 3
     assert m.qkv_proj.packed is not None and m.qkv_proj.weight.numel() == 0
-    assert m.lm_head.packed is None and m.lm_head.weight.numel() == 96 * 300
+    assert m.lm_head.packed is not None and m.lm_head.weight.numel() == 0
     x = torch.randn(rows, 96) + 0.5
     ref = F.linear(x, dense["qkv_proj.weight"], dense.get("qkv_proj.bias"))
     torch.testing.assert_close(m.qkv_proj(x), ref, rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, rows, 160)
     torch.testing.assert_close(m.down_proj(x3), F.linear(x3, dense["down_proj.weight"], dense.get("down_proj.bias")),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_head_packed_equals_dense(tied, dtype):
+    """The output head through its packed weight computes ``F.linear`` on the dense one, tied to
+    the embedding (a packed copy; the embedding's rows stay dense for the lookups) or not; a deep
+    copy packs its own; unpacking drops the copy."""
+    if dtype == torch.bfloat16 and not cpu_bf16_native():
+        pytest.skip("this CPU has no native bfloat16 products: bfloat16 is left unpacked")
+    torch.manual_seed(5)
+    m = nn.Module()
+    m.embed_tokens = Embedding(300, 96)
+    m.lm_head = None if tied else Linear(96, 300, bias=False)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    m.to(dtype)
+    w = (m.embed_tokens if tied else m.lm_head).weight.detach().clone()
+    x = (torch.randn(7, 96) + 0.25).to(dtype)
+    dense = head_logits(x, m.embed_tokens, m.lm_head)
+    assert pack_cpu_weights(m) == 1
+    assert m.embed_tokens.weight.numel() == 300 * 96  # the lookups' rows, packed or not
+    got = head_logits(x, m.embed_tokens, m.lm_head)
+    ref = F.linear(x.double(), w.double())
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # float32 accumulation order; bfloat16's rounding of y
+    for y in (got, dense):
+        assert y.dtype == dtype and ((y.double() - ref).norm() / ref.norm()).item() < tol
+    c = copy.deepcopy(m)
+    assert torch.equal(head_logits(x, c.embed_tokens, c.lm_head), got)
+    unpack_cpu_weights(m)
+    assert getattr(m.embed_tokens, "packed_head", None) is None and (tied or m.lm_head.packed is None)
+    assert torch.equal((m.embed_tokens if tied else m.lm_head).weight, w)
 
 
 def test_dense_weights_come_back_exactly():
@@ -108,8 +144,8 @@ def test_bfloat16_packed_where_native(rows):
     m = _model(rows + 7, bias=True).to(torch.bfloat16)
     dense = {n: p.detach().clone() for n, p in m.named_parameters()}
     native = cpu_bf16_native()
-    assert pack_cpu_weights(m) == (2 if native else 0)
-    assert (m.qkv_proj.packed is not None) == native and m.lm_head.packed is None
+    assert pack_cpu_weights(m) == (3 if native else 0)
+    assert (m.qkv_proj.packed is not None) == native and (m.lm_head.packed is not None) == native
     x = (torch.randn(rows, 96) + 0.5).to(torch.bfloat16)
     y = m.qkv_proj(x)
     ref = F.linear(x.double(), dense["qkv_proj.weight"].double(), dense["qkv_proj.bias"].double())

@@ -93,22 +93,54 @@ def cpu_bf16_native() -> bool:
 def pack_cpu_weights(model: nn.Module) -> int:
     """Pack every float32 ``Linear`` on the CPU for oneDNN (and every bfloat16 one where oneDNN
     multiplies bfloat16 natively), dropping its dense weight (memory stays one copy); returns how
-    many. Not the LM head: ``compute_logits`` reads its weight (often the embedding's) directly.
-    Whoever needs the dense weights again calls ``unpack_cpu_weights``."""
+    many. The output head too (``head_logits``): its product is a batch-1 step's largest. A head
+    tied to the embedding keeps the dense weight for the lookups, so its packed copy is a second
+    vocab x hidden matrix. Whoever needs the dense weights again calls ``unpack_cpu_weights``."""
     if not cpu_packing_available():
         return 0
     dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_native() else (torch.float32,)
+
+    def packable(w: torch.Tensor) -> bool:
+        return w.device.type == "cpu" and w.dtype in dtypes and w.numel() > 0
+
     n = 0
-    for name, mod in model.named_modules():
-        if type(mod) is not Linear or mod.packed is not None or name.split(".")[-1] == "lm_head":
+    for mod in model.modules():
+        if type(mod) is not Linear or mod.packed is not None or not packable(mod.weight):
             continue
         w = mod.weight
-        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() == 0:
-            continue
         mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         n += 1
+    emb = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", False) is None and emb is not None and packable(emb.weight):
+        emb.packed_head = PackedCopy(emb.weight)
+        n += 1
     return n
+
+
+class PackedCopy:
+    """oneDNN's packed copy of a weight whose dense tensor stays in use (an output head tied to
+    the embedding, whose lookups read rows). A deep copy packs anew: the packed tensor has no
+    storage to copy."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def __deepcopy__(self, memo) -> PackedCopy:
+        return PackedCopy(self.packed.to_dense())
+
+
+def head_logits(hidden: torch.Tensor, embed_tokens: nn.Module, lm_head: nn.Module | None) -> torch.Tensor:
+    """``hidden @ W.T`` for the output head W: ``lm_head``'s weight, or the embedding's when the
+    two are tied; through the packed copy where ``pack_cpu_weights`` made one."""
+    if lm_head is None:
+        packed = getattr(embed_tokens, "packed_head", None)
+        packed = None if packed is None else packed.packed
+    else:
+        packed = lm_head.packed
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+    return linear(hidden, (embed_tokens if lm_head is None else lm_head).weight, kind="logits")
 
 
 def dense_parameters(model: nn.Module):
@@ -125,6 +157,8 @@ def unpack_cpu_weights(model: nn.Module) -> None:
         if type(mod) is Linear and mod.packed is not None:
             mod.weight = nn.Parameter(mod.packed.to_dense(), requires_grad=False)
             mod.packed = None
+        if getattr(mod, "packed_head", None) is not None:
+            mod.packed_head = None
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:

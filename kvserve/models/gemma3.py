@@ -32,7 +32,7 @@ from torch import nn
 
 from kvserve.errors import ModelLoadError
 from kvserve.layers.attention import get_forward_context
-from kvserve.layers.linear import Linear, linear
+from kvserve.layers.linear import Linear, head_logits
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.layers.weight_init import Embedding
@@ -126,8 +126,7 @@ class Gemma3ForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, w, kind="logits").float()
+        logits = head_logits(hidden, self.embed_tokens, self.lm_head).float()
         cap = self.arch.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from kvserve.errors import ModelLoadError
 from kvserve.layers.attention import get_forward_context
-from kvserve.layers.linear import Linear, gate_up_silu, linear
+from kvserve.layers.linear import Linear, gate_up_silu, head_logits
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.parallel import Shard, TPGroup, column_linear, embedding, row_linear, take
 from kvserve.layers.rotary import RotaryEmbedding
@@ -110,8 +110,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab] in float32; split across ranks: rank 0's (gathered), None elsewhere."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, w, kind="logits")
+        logits = head_logits(hidden, self.embed_tokens, self.lm_head)
         if self.tp is not None:
             logits = self.tp.gather_last_dim(logits)
             return None if logits is None else logits[:, :self.arch.vocab_size].float()
