@@ -1,15 +1,18 @@
-"""Batch-1 decode on the CPU: kvserve against llama.cpp (llama-cpp-python) on the same GGUF file,
-in one run.
+"""Decode on the CPU: kvserve against llama.cpp (llama-cpp-python) on the same GGUF file, in one
+run.
 
     PYTHONPATH=$PWD python benchmarks/cpu_peer.py --out $OUT     # needs `pip install llama-cpp-python`
 
 Both decode the same prompts greedily (64 new tokens each, EOS ignored), one request at a time:
-kvserve in each dtype ``--dtypes`` names (default: its ``auto``, bfloat16 on a CPU that
-multiplies it natively, else float32, and float32; the GGUF's blocks dequantized at load; a
-side ``DTYPE+QUANT``, e.g. ``auto+int8``, also sets ``quantization``), llama.cpp on the file's own
-blocks with ``--threads`` threads (default: torch's thread count, which kvserve uses). The sides
-alternate, prompt by prompt, ``--repeats`` rounds; the median of each side's tokens per second
-(new tokens over the whole request, prompt included) is reported, with the load average.
+kvserve in each configuration ``--sides`` names (default: ``auto``, what a plain ``LLM(path)``
+runs; ``float32``; a side ``DTYPE+QUANT``, e.g. ``auto+none``, also sets ``quantization``),
+llama.cpp on the file's own blocks with ``--threads`` threads (default: torch's thread count,
+which kvserve uses). The sides alternate, prompt by prompt, ``--repeats`` rounds; the median of
+each side's tokens per second (new tokens over the whole request, prompt included) is
+reported, with the load average. Then the first side serves ``--batch`` requests at once,
+against llama.cpp's batch-1 rate (llama-cpp-python decodes one sequence at a time), and each
+kvserve side's perplexity over ``--perplexity-tokens`` held-out tokens (Python's reference
+documentation) shows what its weights cost in quality.
 """
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ PROMPTS = ["Write a story about a dragon who learns to cook.", "Explain how a ha
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
-    ap.add_argument("--dtypes", default="auto,float32",
-                    help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+int8)")
+    ap.add_argument("--sides", default="auto,float32",
+                    help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+none)")
+    ap.add_argument("--batch", type=int, default=16, help="requests at once on the first side (0: skip)")
+    ap.add_argument("--perplexity-tokens", type=int, default=2048, help="held-out tokens scored per side (0: skip)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -48,13 +53,14 @@ def main() -> None:
     except ImportError:
         raise SystemExit("llama-cpp-python is not installed: pip install llama-cpp-python") from None
     path = a.model or default_model_path()
-    engines = {}
-    for side in a.dtypes.split(","):
+    engines, about = {}, {}
+    for side in a.sides.split(","):
         d, _, q = side.partition("+")
         llm = LLM(path, dtype=d, quantization=q or None, show_progress=False, kv_cache_memory="256MiB",
-                  max_model_len=2048)
-        name = f"kvserve {str(llm.engine.runner.dtype).removeprefix('torch.')}" + (f", {q} weights" if q else "")
-        engines.setdefault(name, llm)
+                  max_model_len=max(2048, a.perplexity_tokens + 1))
+        rt = llm.engine.runner
+        engines[side] = llm
+        about[side] = {"dtype": str(rt.dtype).removeprefix("torch."), "gguf_tensors_packed": len(rt.packed_weights)}
     ours = next(iter(engines.values()))
     peer = Llama(model_path=path, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=2048, verbose=False)
     prompts = [ours.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -91,13 +97,36 @@ def main() -> None:
     ratio = {s: med[s] / med["llama.cpp"] for s in engines}
     same = {s: sum(tokens[s][i] == tokens["llama.cpp"][i] for i in range(len(prompts))) for s in engines}
     res = {"model": os.path.basename(path), "llama_cpp_python": llama_cpp.__version__, "threads": a.threads,
-           "torch_threads": torch.get_num_threads(),
+           "torch_threads": torch.get_num_threads(), "sides": about,
            "max_tokens": a.max_tokens, "prompts": len(prompts), "repeats": a.repeats, "tok_s": rates,
            "median_tok_s": med, "ratio_over_llama_cpp": ratio, "first_round_greedy_equal_to_llama_cpp": same,
-           "loadavg_1min": load, "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")}
+           "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")}
     print(f"batch-1 decode, {res['model']}, llama.cpp ({a.threads} threads) {med['llama.cpp']:.1f} tok/s; "
-          + "; ".join(f"{s} {med[s]:.1f} tok/s ({ratio[s]:.2f}x, greedy equal on {same[s]} of {len(prompts)})"
-                      for s in engines) + f"; load average {min(load):.1f}-{max(load):.1f}")
+          + "; ".join(f"kvserve {s} ({about[s]['dtype']}, {about[s]['gguf_tensors_packed']} GGUF tensors packed) "
+                      f"{med[s]:.1f} tok/s ({ratio[s]:.2f}x, greedy equal on {same[s]} of {len(prompts)})"
+                      for s in engines), flush=True)
+    if a.batch:
+        first = next(iter(engines))
+        batch = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(a.batch)]
+        rates_b = []
+        for _ in range(a.repeats):
+            t = time.perf_counter()
+            outs = engines[first].generate(batch, sp, use_tqdm=False)
+            rates_b.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+        load.append(os.getloadavg()[0])
+        tput = statistics.median(rates_b)
+        res["batch"] = {"side": first, "requests": a.batch, "tok_s": rates_b, "median_tok_s": tput,
+                        "over_llama_cpp_batch1": tput / med["llama.cpp"]}
+        print(f"{a.batch} requests at once, kvserve {first}: {tput:.1f} tok/s, "
+              f"{tput / med['llama.cpp']:.2f}x llama.cpp's batch-1 rate", flush=True)
+    if a.perplexity_tokens:
+        from kvserve.bench.quality import heldout_ids, perplexity
+        ids = heldout_ids(ours.get_tokenizer(), a.perplexity_tokens)
+        res["perplexity"] = {s: perplexity(llm, ids) for s, llm in engines.items()} | {"tokens": len(ids)}
+        print(f"perplexity over {len(ids)} held-out tokens: "
+              + ", ".join(f"{s} {res['perplexity'][s]:.3f}" for s in engines), flush=True)
+    res["loadavg_1min"] = load
+    print(f"load average {min(load):.1f}-{max(load):.1f}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "cpu_peer_llama_cpp.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -109,3 +109,29 @@ def test_mixed_type_projection_packed_equals_dequantized_at_load(tmp_path):
     prompts = ["The capital of France is", {"prompt_token_ids": ids[:40]}]
     assert [o.outputs[0].token_ids for o in packed.generate(prompts, sp)] == \
         [o.outputs[0].token_ids for o in floats.generate(prompts, sp)]
+
+
+@pytest.mark.slow
+def test_bfloat16_keeps_4_bit_blocks_packed_by_default(tmp_path):
+    """Without ``quantization``, a CPU engine in bfloat16 keeps the 4-bit blocks packed (the
+    int4 kernel reads a third of bfloat16's bytes) and dequantizes a projection with an 8-bit
+    part (the CPU's group-wise int8 path rebuilds float tiles at every product); in float32, the
+    reference mode, nothing stays packed. The packed engine's logits stay within bfloat16's
+    rounding of the dequantized one's."""
+    from kvserve.models.loader import default_model_path
+    path = str(tmp_path / "mixed.gguf")
+    _copy_with_q8_0_values(default_model_path(), path)
+    kw = dict(model=path, show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
+    packed, floats = LLM(dtype="bfloat16", **kw), LLM(dtype="bfloat16", quantization="none", **kw)
+    assert LLM(dtype="float32", **kw).engine.runner.packed_weights == frozenset()
+    layers = packed.engine.runner.model.layers
+    assert len(packed.engine.runner.packed_weights) == 4 * len(layers)  # o, gate, up, down
+    for layer in layers:
+        assert type(layer.self_attn.qkv_proj) is Linear  # Q4_1 q, k with a Q8_0 v
+        for mod in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(mod, QuantLinear) and mod.method == "int4" and mod.fmt == "gguf Q4_1"
+    with open(HELDOUT) as f:
+        ids = packed.get_tokenizer().encode(f.read())[:96]
+    a, b = _logits(packed, ids).double(), _logits(floats, ids).double()
+    assert ((a - b).norm() / b.norm()).item() < 0.03
+    assert (a.argmax(-1) == b.argmax(-1)).double().mean().item() >= 0.9

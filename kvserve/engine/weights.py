@@ -71,10 +71,11 @@ class ModelWeights:
         # model's weight loading skips them. Under tensor parallelism a GGUF is dequantized at load.
         src, quant = self.src, self.config.quantization
         checkpoint = src.quant_method.lower() if src.quant_method else None
-        if src.kind == "gguf" and self.tp is None and (
-                quant is None and self.device.type == "cuda" or quant is not None and quant.method == "gguf"):
+        if src.kind == "gguf" and self.tp is None and (quant is None and self._gguf_packed_by_default()
+                                                       or quant is not None and quant.method == "gguf"):
             from kvserve.models import gguf_loader
-            self.packed_weights = gguf_loader.pack_projections(model, src.handle, src.path, src.arch)
+            self.packed_weights = gguf_loader.pack_projections(model, src.handle, src.path, src.arch,
+                                                               int4_only=quant is None and self.device.type == "cpu")
         elif src.kind == "hf" and checkpoint is not None and (quant is None or quant.method == checkpoint):
             from kvserve.models import awq_gptq
             packed = {k: t for k, t in loader.iter_weights(src) if k.endswith(awq_gptq.TENSORS)}
@@ -85,6 +86,14 @@ class ModelWeights:
             if quant is not None and quant.method not in ("none", "gguf", *CHECKPOINT_METHODS):
                 quantize_model(model, quant)
         return model
+
+    def _gguf_packed_by_default(self) -> bool:
+        """Whether a GGUF's blocks stay packed without ``quantization="gguf"``: where a kernel
+        reads them faster than the dequantized weights, on CUDA and on a CPU running bfloat16
+        (its 4-bit ones: PyTorch's int4 CPU kernel, a third of bfloat16's bytes). Not in float32
+        on the CPU, the reference mode, where that kernel takes several times oneDNN's float32
+        product."""
+        return self.device.type == "cuda" or self.device.type == "cpu" and self.dtype == torch.bfloat16
 
     def reload_weights(self, into: dict[str, torch.Tensor]) -> None:
         """Waking from sleep level 2: the model built and loaded again as at start-up (so a GGUF

@@ -142,12 +142,14 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> frozenset[str]:
+def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch,
+                     int4_only: bool = False) -> frozenset[str]:
     """Replace each decoder projection whose GGUF parts are all of block formats with a kernel
     (``layers/gguf_blocks.py``) by a ``QuantLinear`` holding those blocks, repacked on the
     model's device (parts of different types, llama.cpp's mixes such as Q4_K q/k with a Q6_K v,
     into one layout that holds them all); returns the GGUF tensors taken. A projection with a
-    part of another type keeps its float weight."""
+    part of another type keeps its float weight; so does one with an 8-bit part if
+    ``int4_only`` (the CPU's group-wise int8 path dequantizes tiles at every product)."""
     from kvserve.layers.gguf_blocks import FORMATS
     from kvserve.layers.quant_linear import QuantLinear
     parts: dict[str, dict[int, object]] = {}
@@ -162,6 +164,8 @@ def pack_projections(model: torch.nn.Module, r, path: str, arch: ModelArch) -> f
         types = {t.tensor_type.name for t in ts.values()}
         n_parts = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
         if not types <= set(FORMATS) or sorted(ts) != list(range(n_parts)):
+            continue
+        if int4_only and any(FORMATS[t][2] != "int4" for t in types):
             continue
         old = model.get_submodule(module)
         rows = []
