@@ -1,9 +1,10 @@
 """``kv_policy="auto"`` (``kvserve/engine/kv_policy.py``): the KV format follows the pool. On
-dummy:tiny (512 bytes of fp32 KV per token) with max_model_len 256 the target is 8 sequences of
-256 tokens: a pool that holds them keeps the model dtype, a smaller one goes to int8, a much
-smaller one to int4 and says it is short; short everywhere, the format holding the most wins
-(on a sliding-window model that can be int8); what the user fixed stays; the engine runs on what
-was chosen."""
+dummy:tiny (512 bytes of fp32 KV per token) the target is 8 sequences of max_model_len tokens: a
+pool that holds them keeps the model dtype, a smaller one goes to int8, a much smaller one to int4
+(for long sequences; for short ones int4's key residual, a block per running sequence, leaves it
+no more sequences than int8) and says it is short; short everywhere, the format holding the most
+wins (on a sliding-window model that can be int8); what the user fixed stays; the engine runs on
+what was chosen."""
 from __future__ import annotations
 
 import pytest
@@ -12,15 +13,16 @@ from kvserve import LLM, SamplingParams
 from kvserve.errors import ConfigError
 
 
-def auto(memory: str, **kw) -> LLM:
-    return LLM("dummy:tiny", kv_cache_memory=memory, max_model_len=256, show_progress=False,
+def auto(memory: str, max_len: int = 256, **kw) -> LLM:
+    return LLM("dummy:tiny", kv_cache_memory=memory, max_model_len=max_len, show_progress=False,
                kv_policy="auto", **kw)
 
 
-@pytest.mark.parametrize("memory,dtype,short", [("4MiB", "auto", False), ("512KiB", "int8", False),
-                                                ("128KiB", "int4", True)])
-def test_format_follows_the_pool(memory, dtype, short):
-    llm = auto(memory)
+@pytest.mark.parametrize("memory,max_len,dtype,short", [
+    ("4MiB", 256, "auto", False), ("512KiB", 256, "int8", False), ("128KiB", 256, "int8", True),
+    ("512KiB", 1024, "int4", True)])
+def test_format_follows_the_pool(memory, max_len, dtype, short):
+    llm = auto(memory, max_len)
     choice = llm.engine.kv_policy
     assert choice.kv_cache_dtype == dtype == llm.config.cache.kv_cache_dtype
     if dtype != "auto":
@@ -29,7 +31,8 @@ def test_format_follows_the_pool(memory, dtype, short):
     assert ("short of the target" in choice.reason) == short
     # the pool really holds what the choice counted
     blocks = llm.engine.kv.pool.num_blocks * llm.config.cache.block_size
-    assert blocks >= choice.fits_sequences * 256
+    assert blocks >= choice.fits_sequences * max_len
+    assert choice.fits_sequences <= llm.engine.config.scheduler.max_num_seqs
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3,
                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
@@ -45,6 +48,16 @@ def test_windows_are_freed_and_counted():
     llm = LLM("dummy:tiny-gemma3", kv_cache_memory="4MiB", max_model_len=256, show_progress=False,
               kv_policy="auto", window_kv="keep")
     assert llm.config.cache.window_kv == "free" and "sliding-window blocks freed" in llm.engine.kv_policy.reason
+
+
+def test_sequences_counted_are_ones_the_scheduler_runs():
+    """int4's full-precision key residual takes a row per running sequence; in a small pool it
+    lowers max_num_seqs below what the blocks hold, and the count is the lower of the two."""
+    llm = LLM("dummy:tiny", kv_cache_memory="64KiB", kv_cache_dtype="int4", max_model_len=64, show_progress=False)
+    assert llm.engine.config.scheduler.max_num_seqs == 1
+    blocks = llm.engine.kv.pool.num_blocks * llm.config.cache.block_size
+    assert blocks >= 2 * 64  # the blocks alone would hold two
+    assert llm.engine.kv_policy.fits_sequences == 1
 
 
 def test_bad_value_names_the_field():

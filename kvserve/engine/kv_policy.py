@@ -64,7 +64,9 @@ def for_request(choice: KVPolicyChoice, kv_budget: int | None) -> RequestKVPolic
 
 
 def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int, fmt=None, scales=None) -> int:
-    """Full-length sequences the pool holds under ``config.cache`` (in ``fmt`` if given)."""
+    """Full-length sequences the pool holds under ``config.cache`` (in ``fmt`` if given), and the
+    scheduler can run at once: a KIVI format's key residual may lower ``max_num_seqs`` below
+    what its blocks hold."""
     cache = config.cache
     fmt = fmt or kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
     groups = kv_plan.groups_for(config, arch, fmt)
@@ -72,7 +74,7 @@ def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int,
     bs = cache.block_size
     per_seq = sum(ceil(max_model_len / bs) if w is None else ceil(min(w, max_model_len) / bs) + 1
                   for w in groups.windows)
-    return p.num_blocks // per_seq
+    return min(p.num_blocks // per_seq, p.max_num_seqs)
 
 
 def choose(config: EngineConfig, arch, runner, kv_bytes: int,
