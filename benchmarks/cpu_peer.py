@@ -9,9 +9,10 @@ runs; ``float32``; a side ``DTYPE+QUANT``, e.g. ``auto+none``, also sets ``quant
 llama.cpp on the file's own blocks with ``--threads`` threads (default: torch's thread count,
 which kvserve uses). The sides alternate, prompt by prompt, ``--repeats`` rounds; the median of
 each side's tokens per second (new tokens over the whole request, prompt included) is
-reported, with the load average. Then the first side serves ``--batch`` requests at once,
-against llama.cpp's batch-1 rate (llama-cpp-python decodes one sequence at a time), and each
-kvserve side's perplexity over ``--perplexity-tokens`` held-out tokens (Python's reference
+reported, with the load average. Then each kvserve side serves ``--batch`` requests at once,
+against llama.cpp's batch-1 rate (llama-cpp-python decodes one sequence at a time); every side
+prefills a ``--prefill-tokens`` held-out prompt (time to the first token); and each kvserve
+side's perplexity over ``--perplexity-tokens`` held-out tokens (Python's reference
 documentation) shows what its weights cost in quality.
 """
 from __future__ import annotations
@@ -40,7 +41,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     ap.add_argument("--sides", default="auto,float32",
                     help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+none)")
-    ap.add_argument("--batch", type=int, default=16, help="requests at once on the first side (0: skip)")
+    ap.add_argument("--batch", type=int, default=16, help="requests at once on each kvserve side (0: skip)")
+    ap.add_argument("--prefill-tokens", type=int, default=1000,
+                    help="time to the first token of a held-out prompt this long, every side (0: skip)")
     ap.add_argument("--perplexity-tokens", type=int, default=2048, help="held-out tokens scored per side (0: skip)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -57,12 +60,13 @@ def main() -> None:
     for side in a.sides.split(","):
         d, _, q = side.partition("+")
         llm = LLM(path, dtype=d, quantization=q or None, show_progress=False, kv_cache_memory="256MiB",
-                  max_model_len=max(2048, a.perplexity_tokens + 1))
+                  max_model_len=max(2048, a.perplexity_tokens + 1, a.prefill_tokens + 1))
         rt = llm.engine.runner
         engines[side] = llm
         about[side] = {"dtype": str(rt.dtype).removeprefix("torch."), "gguf_tensors_packed": len(rt.packed_weights)}
     ours = next(iter(engines.values()))
-    peer = Llama(model_path=path, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=2048, verbose=False)
+    peer = Llama(model_path=path, n_threads=a.threads, n_threads_batch=a.threads,
+                 n_ctx=max(2048, a.prefill_tokens + 16), verbose=False)
     prompts = [ours.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
 
@@ -105,20 +109,41 @@ def main() -> None:
           + "; ".join(f"kvserve {s} ({about[s]['dtype']}, {about[s]['gguf_tensors_packed']} GGUF tensors packed) "
                       f"{med[s]:.1f} tok/s ({ratio[s]:.2f}x, greedy equal on {same[s]} of {len(prompts)})"
                       for s in engines), flush=True)
-    if a.batch:
-        first = next(iter(engines))
+    if a.batch:  # every kvserve side, rounds alternated
         batch = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(a.batch)]
-        rates_b = []
+        rates_b = {s: [] for s in engines}
         for _ in range(a.repeats):
-            t = time.perf_counter()
-            outs = engines[first].generate(batch, sp, use_tqdm=False)
-            rates_b.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+            for s, llm in engines.items():
+                t = time.perf_counter()
+                outs = llm.generate(batch, sp, use_tqdm=False)
+                rates_b[s].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
         load.append(os.getloadavg()[0])
-        tput = statistics.median(rates_b)
-        res["batch"] = {"side": first, "requests": a.batch, "tok_s": rates_b, "median_tok_s": tput,
-                        "over_llama_cpp_batch1": tput / med["llama.cpp"]}
-        print(f"{a.batch} requests at once, kvserve {first}: {tput:.1f} tok/s, "
-              f"{tput / med['llama.cpp']:.2f}x llama.cpp's batch-1 rate", flush=True)
+        tput = {s: statistics.median(r) for s, r in rates_b.items()}
+        res["batch"] = {"requests": a.batch, "tok_s": rates_b, "median_tok_s": tput,
+                        "over_llama_cpp_batch1": {s: v / med["llama.cpp"] for s, v in tput.items()}}
+        print(f"{a.batch} requests at once: " + "; ".join(
+            f"kvserve {s} {v:.1f} tok/s ({v / med['llama.cpp']:.2f}x llama.cpp's batch-1 rate)"
+            for s, v in tput.items()), flush=True)
+    if a.prefill_tokens:  # time to the first token of one held-out prompt, every side
+        from kvserve.bench.quality import heldout_ids
+        ids = heldout_ids(ours.get_tokenizer(), a.prefill_tokens + 50 * a.repeats)
+        one = SamplingParams(max_tokens=1, temperature=0)
+        ttft = {s: [] for s in sides}
+        for r in range(a.repeats):  # a different prompt each round: no prefix-cache hits
+            p = ids[50 * r: 50 * r + a.prefill_tokens]
+            for s, llm in engines.items():
+                t = time.perf_counter()
+                llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+                ttft[s].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            peer.reset()
+            next(iter(peer.generate(p, temp=0.0, top_k=1, reset=True)))
+            ttft["llama.cpp"].append(time.perf_counter() - t)
+        load.append(os.getloadavg()[0])
+        res["prefill"] = {"tokens": a.prefill_tokens, "seconds": ttft,
+                          "median_s": {s: statistics.median(v) for s, v in ttft.items()}}
+        print(f"first token of a {a.prefill_tokens}-token prompt: " + "; ".join(
+            f"{s} {statistics.median(v):.3f} s" for s, v in ttft.items()), flush=True)
     if a.perplexity_tokens:
         from kvserve.bench.quality import heldout_ids, perplexity
         ids = heldout_ids(ours.get_tokenizer(), a.perplexity_tokens)

@@ -104,6 +104,24 @@ def test_twenty_cycles_leak_nothing():
     assert _census() == before
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_drops_what_the_cpu_paths_derived(level):
+    """A CPU engine's int4 layers keep their scales converted to the activations' dtype, and
+    RoPE the step's cos/sin: asleep, the model holds neither; awake, the same tokens."""
+    from kvserve.layers.quant_linear import QuantLinear
+    from kvserve.layers.rotary import RotaryEmbedding
+    llm = _tiny(quantization="int4", quantization_group_size=32)
+    before = _outputs(llm)
+    mods = list(llm.engine.runner.model.modules())
+    assert any(isinstance(m, QuantLinear) and m._cast is not None for m in mods)
+    assert any(isinstance(m, RotaryEmbedding) and m._step is not None for m in mods)
+    llm.sleep(level)
+    assert not any(isinstance(m, QuantLinear) and m._cast is not None for m in mods)
+    assert not any(isinstance(m, RotaryEmbedding) and m._step is not None for m in mods)
+    llm.wake_up()
+    assert _outputs(llm) == before
+
+
 def test_double_sleep_keeps_the_first_level():
     llm = _tiny()
     ref = _outputs(llm)

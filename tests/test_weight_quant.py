@@ -58,6 +58,34 @@ def test_cpu_layer_equals_dequantize_then_matmul(method, group, M, bias):
     assert ((y.double() - exact).norm() / exact.norm()).item() < (0.02 if method == "int8" else 0.15)
 
 
+@pytest.mark.parametrize("N,K,group", [(128, 256, 32), (192, 384, 64), (64, 512, 128)])
+def test_cpu_int4_layout_unpacks_to_the_codes(N, K, group):
+    """An int4 product of many rows on the CPU (a prefill chunk) dequantizes the weight from
+    PyTorch's int4 layout and multiplies once: the unpacked weight is exactly the codes PyTorch's
+    conversion packed, times the scales plus the minimums; the product equals
+    dequantize-then-matmul, and the int4 kernel's within rounding."""
+    from kvserve.layers import quant_linear
+    g = torch.Generator().manual_seed(N + K + group)
+    lin = Linear(K, N, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(N, generator=g))
+    layer = QuantLinear.from_linear(lin, QuantConfig("int4", group))
+    q, s, z = quantize_int4(lin.weight.detach(), group, torch.float32)
+    want = dequantize_ref(q, s, z, group)
+    torch.testing.assert_close(layer._cpu_int4_dequantized(torch.float32), want, rtol=0, atol=1e-6)
+    rows = quant_linear._CPU_DEQUANT_MIN_ROWS
+    x = torch.randn(rows, K, generator=g)
+    ref = wq_mm_ref(x, q, s, z, group, bias=lin.bias)
+    y = layer(x)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, group, layer.scales) + lin.bias
+    assert ((y - kernel).norm() / kernel.norm()).item() < 1e-5
+    xb = x.bfloat16()
+    yb = layer(xb)  # in bfloat16: the weight rounded once more than in the kernel
+    assert ((yb.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32)])
 def test_cpu_scales_in_the_input_dtype_follow_the_buffer(method, group):
     """The CPU kernels take the scales in x's dtype: the layer converts them once and reuses the

@@ -176,6 +176,10 @@ class SleepMode:
         layout, _ = self._params_layout()
         for p, _, _, _, _ in layout:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for mod in self.runner.model.modules():  # what the CPU paths keep derived from them
+            drop = getattr(mod, "drop_derived", None)
+            if drop is not None:
+                drop()
 
     def _release(self) -> None:
         gc.collect()  # CUDA graphs and views found only through reference cycles

@@ -95,7 +95,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
     multiplies bfloat16 natively), dropping its dense weight (memory stays one copy); returns how
     many. The output head too (``head_logits``): its product is a batch-1 step's largest. A head
     tied to the embedding keeps the dense weight for the lookups, so its packed copy is a second
-    vocab x hidden matrix. Whoever needs the dense weights again calls ``unpack_cpu_weights``."""
+    vocab x hidden matrix. Whoever needs the dense weights again, or writes weights, calls
+    ``unpack_cpu_weights`` first (a packed copy does not follow writes to the embedding)."""
     if not cpu_packing_available():
         return 0
     dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_native() else (torch.float32,)

@@ -13,8 +13,9 @@ product, never to a whole matrix at rest.
     CPU   PyTorch's packed CPU kernels: ``_weight_int8pack_mm`` (int8 [N, K], scale [N]) and
           ``_weight_int4pack_mm_for_cpu`` (its own int4 layout, converted once at load, with
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
-          (q - 8) * scale + zero). Group-wise int8 (GGUF's Q8_0, Q6_K, fused projections of
-          mixed GGUF types), which neither packed CPU kernel takes, dequantizes
+          (q - 8) * scale + zero); from ``_CPU_DEQUANT_MIN_ROWS`` rows on (prefill), the int4
+          weight dequantized to x's dtype and one matmul. Group-wise int8 (GGUF's Q8_0, Q6_K,
+          fused projections of mixed GGUF types), which neither packed CPU kernel takes, dequantizes
           ``_CPU_TILE_ROWS`` rows at a time into a float tile and multiplies that, so no whole
           float matrix exists.
 
@@ -36,6 +37,11 @@ from kvserve.layers.rtn import quantize_int4, quantize_int8
 
 _CPU_INT4_INNER_K_TILES = 2  # the CPU int4 layout's inner tiling (2, 4 or 8: the same numbers)
 _CPU_TILE_ROWS = 512  # rows of a group-wise int8 weight dequantized at a time on the CPU
+# From this many rows of x on (a prefill chunk), an int4 product on the CPU dequantizes the weight
+# to x's dtype and multiplies once: PyTorch's int4 kernel is bound by its unpacking, its time
+# grows with the rows at about 2.5x a bfloat16 GEMM's, and the dequantization (a few passes over
+# the weight) is repaid from a few hundred rows on.
+_CPU_DEQUANT_MIN_ROWS = 512
 
 
 class QuantLinear(nn.Module):
@@ -126,10 +132,33 @@ class QuantLinear(nn.Module):
             y = self._cpu_grouped_int8(x)
         elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self._scales_as(x.dtype))
+        elif x.shape[0] >= _CPU_DEQUANT_MIN_ROWS and self.out_features % 64 == 0:
+            y = F.linear(x, self._cpu_int4_dequantized(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
                                                            self._scales_as(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def _cpu_int4_dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int4 weight [N, K] in ``dtype``, from the CPU kernel's layout and the scales it
+        applies: q * scale + (zero - 8 * scale), one rounding to ``dtype`` more than the kernel's.
+        That layout, for each 64 output rows, is [K/2, 64] bytes: byte (k // 2, n % 32 + 32 *
+        (k % 2)) holds row n's code k in its low nibble for n % 64 < 32, in its high nibble
+        otherwise (the tests check it against PyTorch's conversion)."""
+        N, K, g = self.out_features, self.in_features, self.group_size
+        b = self.qweight.view(N // 64, K // 2, 64)
+        lo, hi = b & 15, b >> 4
+        even = torch.cat((lo[..., :32], hi[..., :32]), dim=-1)  # codes 2j of the 64 rows
+        odd = torch.cat((lo[..., 32:], hi[..., 32:]), dim=-1)
+        q = torch.stack((even, odd), dim=2).view(N // 64, K, 64).transpose(1, 2).reshape(N, K // g, g)
+        sz = self._scales_as(dtype).float()  # [K/g, N, 2]: (scale, zero)
+        scale = sz[..., 0].t().contiguous()[..., None]  # [N, K/g, 1]
+        shift = sz[..., 1].t().contiguous()[..., None] - 8 * scale
+        return torch.addcmul(shift.to(dtype), q.to(dtype), scale.to(dtype)).view(N, K)
+
+    def drop_derived(self) -> None:
+        """Forget the converted scales (sleep mode frees the weights they came from)."""
+        self._cast = None
 
     def _scales_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The scales in ``dtype``, which the packed CPU kernels require of them: converted once

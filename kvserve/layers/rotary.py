@@ -46,6 +46,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables(positions, q.dtype)
         return q * cos + _swap_halves(q) * sin, k * cos + _swap_halves(k) * sin
 
+    def drop_derived(self) -> None:
+        """Forget the step's tables (sleep mode frees what the model holds)."""
+        self._step = None
+
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions`` [T, 1, D] in ``dtype``, sin's first half negated (the
         rotation's ``-x2 * sin`` as ``x2 * -sin``: the same product, one op fewer). Every layer of
