@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.bench.quality import heldout_ids, perplexity  # noqa: E402
 from kvserve.models.loader import default_model_path  # noqa: E402
 
 PROMPTS = ["Write a story about a dragon who learns to cook.", "Explain how a hash table works, step by step.",
@@ -125,7 +126,6 @@ def main() -> None:
             f"kvserve {s} {v:.1f} tok/s ({v / med['llama.cpp']:.2f}x llama.cpp's batch-1 rate)"
             for s, v in tput.items()), flush=True)
     if a.prefill_tokens:  # time to the first token of one held-out prompt, every side
-        from kvserve.bench.quality import heldout_ids
         ids = heldout_ids(ours.get_tokenizer(), a.prefill_tokens + 50 * a.repeats)
         one = SamplingParams(max_tokens=1, temperature=0)
         ttft = {s: [] for s in sides}
@@ -145,7 +145,6 @@ def main() -> None:
         print(f"first token of a {a.prefill_tokens}-token prompt: " + "; ".join(
             f"{s} {statistics.median(v):.3f} s" for s, v in ttft.items()), flush=True)
     if a.perplexity_tokens:
-        from kvserve.bench.quality import heldout_ids, perplexity
         ids = heldout_ids(ours.get_tokenizer(), a.perplexity_tokens)
         res["perplexity"] = {s: perplexity(llm, ids) for s, llm in engines.items()} | {"tokens": len(ids)}
         print(f"perplexity over {len(ids)} held-out tokens: "

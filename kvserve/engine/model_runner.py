@@ -29,7 +29,6 @@ from kvserve.engine.tp_runner import TensorParallel
 from kvserve.engine.weights import ModelWeights
 from kvserve.kv_eviction import SCORED, score_rows
 from kvserve.layers.attention import ForwardContext, forward_context, get_backend
-from kvserve.layers.linear import pack_cpu_weights
 from kvserve.models import loader, snapshot
 
 log = logging.getLogger(__name__)
@@ -72,9 +71,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.packed_weights: frozenset[str] = frozenset()
         self.startup_seconds: dict[str, float] = {}  # this runner's phases (engine/startup.py)
         self.model = self._build_and_load()
-        # Not with sleep mode, which moves the weights by parameter name.
-        if self.device.type == "cpu" and config.kernel.cpu_packed_weights and not config.enable_sleep_mode:
-            pack_cpu_weights(self.model)
+        self.pack_for_cpu(self.model)
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
             from kvserve.errors import ConfigError

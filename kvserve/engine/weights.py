@@ -9,6 +9,7 @@ from kvserve.engine import startup
 from kvserve.engine.device import default_dtype
 from kvserve.engine.startup import timed
 from kvserve.errors import ConfigError
+from kvserve.layers.linear import pack_cpu_weights
 from kvserve.layers.quant_linear import quantize_model
 from kvserve.models import loader, snapshot
 from kvserve.progress import progress
@@ -86,6 +87,13 @@ class ModelWeights:
             if quant is not None and quant.method not in ("none", "gguf", *CHECKPOINT_METHODS):
                 quantize_model(model, quant)
         return model
+
+    def pack_for_cpu(self, model: torch.nn.Module) -> None:
+        """Pack ``model``'s projections and output head for oneDNN (``layers/linear.py``) on the
+        CPU unless configured off; not with sleep mode, which moves the weights by parameter name."""
+        config = self.config
+        if self.device.type == "cpu" and config.kernel.cpu_packed_weights and not config.enable_sleep_mode:
+            pack_cpu_weights(model)
 
     def _gguf_packed_by_default(self) -> bool:
         """Whether a GGUF's blocks stay packed without ``quantization="gguf"``: where a kernel

@@ -62,13 +62,22 @@ class Linear(nn.Linear):
         finally:
             self.packed = packed
         if packed is not None:
-            new.packed = torch.ops.mkldnn._reorder_linear_weight(packed.to_dense(), 1)
+            new.packed = _pack(packed.to_dense())
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _packed_product(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered into oneDNN's blocked layout (an opaque tensor, no storage)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def cpu_packing_available() -> bool:
@@ -109,7 +118,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
         if type(mod) is not Linear or mod.packed is not None or not packable(mod.weight):
             continue
         w = mod.weight
-        mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        mod.packed = _pack(w)
         mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         n += 1
     emb = getattr(model, "embed_tokens", None)
@@ -125,7 +134,7 @@ class PackedCopy:
     storage to copy."""
 
     def __init__(self, weight: torch.Tensor):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.packed = _pack(weight)
 
     def __deepcopy__(self, memo) -> PackedCopy:
         return PackedCopy(self.packed.to_dense())
@@ -140,7 +149,7 @@ def head_logits(hidden: torch.Tensor, embed_tokens: nn.Module, lm_head: nn.Modul
     else:
         packed = lm_head.packed
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+        return _packed_product(hidden, packed)
     return linear(hidden, (embed_tokens if lm_head is None else lm_head).weight, kind="logits")
 
 

@@ -31,7 +31,6 @@ from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import Request
 from kvserve.errors import ConfigError
 from kvserve.layers.attention import ForwardContext, forward_context
-from kvserve.layers.linear import pack_cpu_weights
 from kvserve.layers.weight_init import loaded_later
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
@@ -71,8 +70,7 @@ class DraftModel:
             self.arch = self.model.arch
         else:
             self.model, self.arch = self._load(config, spec, target, runner)
-            if dev.type == "cpu" and config.kernel.cpu_packed_weights and not config.enable_sleep_mode:
-                pack_cpu_weights(self.model)  # as the target's (model_runner.py)
+            runner.pack_for_cpu(self.model)  # as the target is
         self.model.eval()
         self.block_size = config.cache.block_size
         self.kv = KVCache(self.arch, num_blocks, self.block_size, dtype, dev)
