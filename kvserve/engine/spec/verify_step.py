@@ -43,7 +43,11 @@ class VerifyStep:
             n = len(sched[i].draft_token_ids) + 1
             idx.extend(range(end - n, end))
             sizes.append(n)
-        logits = self._logits(hidden[torch.tensor(idx).to(self.device, non_blocking=True)])
+        if idx[-1] - idx[0] + 1 == len(idx):  # one run of rows (rising, no repeats): a view, no gather
+            rows = hidden[idx[0]:idx[-1] + 1]
+        else:
+            rows = hidden[torch.tensor(idx).to(self.device, non_blocking=True)]
+        logits = self._logits(rows)
         plain = any(plain_greedy(sched[i].request) for i in verifying)
         return VerifyLogits(list(logits.split(sizes)), sizes, logits.argmax(dim=-1) if plain else None)
 
