@@ -22,7 +22,7 @@ def qwen(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen_prompts():
     gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 11, 45, 130)]
+    return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 11, 45, 90)]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
