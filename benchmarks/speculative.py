@@ -17,10 +17,15 @@ the j before it were) for ``--replay``, the load times and the load average. ``-
 first times, on the loaded models, a verify step of k + 1 tokens against a 1-token step of the
 target and each draft model's 1-token step (what a mean acceptance length must beat).
 
-``--replay JSON`` (for a GPU): end to end at ``--batches``, drafts off against drafts accepted at
-the rates a batch-1 run measured (synthetic acceptance: the verify step keeps draft j with its
-position's probability while the ones before it are kept; the draft model, if ``--draft``,
-really runs). Times only.
+``--replay JSON`` (for a GPU): end to end at ``--batches``, drafts off against drafts accepted as
+a batch-1 run measured (synthetic acceptance). The batch-1 run keeps each method's trace: every
+decode step's (drafts proposed, drafts kept), in order; each replayed request plays it back
+step by step, so the steps propose and keep what the real ones did (the n-gram lookup runs
+too, for its host time; the draft model, if ``--draft``, really runs and its drafts are then
+kept as traced). A JSON without traces (or ``--replay-rates``) draws instead: the number of
+drafts from the run's distribution, and draft j kept with its position's rate while the ones
+before it are; that loses how long proposals go with kept ones, and under-replays acceptance
+(on the code workload: acceptance length 2.9 replayed against 4.0 measured). Times only.
 
 ``--verify-cost`` (for a GPU, e.g. ``--model dummy:llama-3-8b``): the time of one verify step of
 ``k + 1`` tokens per sequence against a 1-token decode step, for k = 1..8 at batch 1, 8, 32, 128
@@ -147,6 +152,9 @@ HELD_OUT = [
     "Explain what itertools.groupby does, with a short example.",
 ]
 WORKLOADS = {"editing": EDITING, "code": CODE, "chat": CHAT, "held_out": HELD_OUT}
+# --replay's drafts are this id plus how many of them the traced step kept (any id the target's
+# vocabulary holds: only the time is measured)
+TRACE_TOKEN = 1000
 
 
 def run_side(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -185,6 +193,19 @@ def speculators(llm: LLM, args) -> dict:
         st = out[name].stats
         st.log, record = [], st.record
         st.record = lambda n, a, st=st, record=record: (st.log.append((n, a)), record(n, a))
+        # Every decode step in order, (drafts proposed, drafts kept), (0, 0) where none were
+        # proposed: what ``--replay`` plays back step by step. Not the step that samples a
+        # request's first token (its prompt's last, even when the rest was cached).
+        sp = out[name]
+        sp.trace, observe = [], sp.observe
+
+        def traced(o, result, launched, sp=sp, observe=observe):
+            for s, toks in zip(o.scheduled, result.sampled_token_ids):
+                if (toks and s.num_new_tokens == len(s.draft_token_ids) + 1
+                        and s.request.num_output_tokens > len(toks)):
+                    sp.trace.append((len(s.draft_token_ids), len(toks) - 1))
+            observe(o, result, launched)
+        sp.observe = traced
     return out
 
 
@@ -226,6 +247,8 @@ def batch1(args) -> dict:
         for _ in range(args.repeats):  # the sides alternate, so load from other jobs falls on each
             for side, sp in sides.items():
                 llm.engine.speculator = sp
+                if sp is not None:
+                    sp.trace.clear()
                 toks, dt = run_side(llm, prompts, args.max_tokens)
                 tokens[side] = toks
                 best[side] = min(best[side], dt)
@@ -251,7 +274,8 @@ def batch1(args) -> dict:
                          # cost a 1-token step and drafting were free, free of the machine's load.
                          "target_steps": decode - acc / args.repeats,
                          "step_bound_speedup": decode / (decode - acc / args.repeats),
-                         "per_position": position_rates(log, sp.config.num_speculative_tokens)}
+                         "per_position": position_rates(log, sp.config.num_speculative_tokens),
+                         "trace": list(sp.trace)}
             r = row[side]
             line += (f" | {side} {r['tok_s']:6.2f} tok/s {r['speedup']:.2f}x, acceptance length "
                      f"{r['mean_acceptance_length']:.2f}")
@@ -296,21 +320,23 @@ def step_costs(llm: LLM, sides: dict, args) -> dict:
 
 
 def replay(args) -> dict:
-    """End to end at each batch size with drafts accepted at measured rates (synthetic
-    acceptance, as vLLM's benchmarks do): a verify step keeps each draft with probability
-    ``a`` (the per-draft rate the method had on the workload at batch 1) while the one before it
-    was kept, then emits the target's token. Drafts cost what they cost: the draft model runs,
-    the n-gram lookup runs, and then proposes as many drafts as the batch-1 run's lookup did
-    (drawn from its distribution, no match and a plain step included). Output tokens are not the model's; only
-    the time is measured."""
+    """End to end at each batch size with drafts accepted as measured (synthetic acceptance, as
+    vLLM's benchmarks do): each request plays the batch-1 run's trace, proposing and keeping
+    at each decode step what that step did, then emits the target's token (without a trace:
+    draws by the per-position rates, see the module's docstring). Drafts cost what they cost:
+    the draft model runs, the n-gram lookup runs. Output tokens are not the model's; only the
+    time is measured."""
     from kvserve.engine.spec import ngram, rejection, speculator
     with open(args.replay) as f:
         measured = json.load(f)["batch1"]
     measured = {w: row for w, row in measured.items() if w in WORKLOADS}  # not "load", "step_costs"
     gen = torch.Generator().manual_seed(0)
-    state = {"a": [0.0], "lengths": []}
+    state = {"a": [0.0], "lengths": [], "trace": None, "cursors": {}}
 
     def synthetic_accept(drafts, best):
+        if state["trace"]:  # the drafts carry how many of them the traced step kept
+            m = min(drafts[0] - TRACE_TOKEN, len(drafts))
+            return drafts[:m] + [best[m]]
         a, m = state["a"], 0
         while m < len(drafts) and float(torch.rand(1, generator=gen)) < a[min(m, len(a) - 1)]:
             m += 1
@@ -330,8 +356,19 @@ def replay(args) -> dict:
         steps = decode_steps - accepted  # the target's decode steps with drafts on
         return [p / steps for p in proposed] if proposed and steps > 0 else []
 
+    def traced(tokens, k):
+        """The next traced step's drafts for the request of ``tokens``: each request plays the
+        trace from its own place (a batch's requests spread over it), a step per step it decodes."""
+        trace, cursor = state["trace"], state["cursors"]
+        i = cursor.setdefault(id(tokens), len(cursor) * 997 % len(trace))
+        cursor[id(tokens)] = (i + 1) % len(trace)
+        n, kept = trace[i]
+        return [TRACE_TOKEN + kept] * min(n, k)
+
     def synthetic_ngram(tokens, k, lo, hi):
         ngram.propose_ngram(tokens, k, lo, hi)  # the lookup's host cost is paid; its match is not used
+        if state["trace"]:
+            return traced(tokens, k)
         u, at_least = float(torch.rand(1, generator=gen)), state["lengths"]
         n = sum(u < p for p in at_least) if at_least else k
         return [int(tokens[-1])] * min(n, k)
@@ -347,6 +384,16 @@ def replay(args) -> dict:
               max_num_batched_tokens=max(2048, B_max * (args.k + 1)), cuda_graph_max_batch=args.graph_rows,
               speculative_config=method_config("ngram", args))
     sides = speculators(llm, args)
+    for sp in sides.values():
+        if sp is not None and sp.draft is not None:  # the draft model runs; the trace says what it keeps
+            def propose(want, running, real=sp.draft.propose):
+                if not state["trace"]:
+                    return real(want, running)
+                drafts = [traced(r.all_token_ids, k) for r, k in want]  # as many steps as traced
+                real([(r, len(d)) for (r, _), d in zip(want, drafts) if d], running)
+                for (r, _), d in zip(want, drafts):
+                    r.spec_token_ids = d if r.spec_token_ids or not d else []  # [] where the pool said no
+            sp.draft.propose = propose
     if args.draft_steps == "rule":  # the batch rule alone, without the measured choice
         for sp in sides.values():
             if sp is not None:
@@ -357,22 +404,26 @@ def replay(args) -> dict:
         for B in args.batches:
             prompts = [[(7 * i + j) % 30000 + 100 for j in range(args.context)] for i in range(B)]
             best = dict.fromkeys(sides, float("inf"))
-            verify_steps = dict.fromkeys(sides, 0)
+            verify_steps, accepted = dict.fromkeys(sides, 0), dict.fromkeys(sides, 0)
             llm.engine.speculator = None
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             for _ in range(args.repeats):
                 for side, sp in sides.items():
                     if sp is not None and side not in row:
                         continue
+                    state["trace"] = row[side].get("trace") if sp is not None and not args.replay_rates else None
+                    state["cursors"] = {}
                     state["a"] = rates(row[side]) if sp is not None else [0.0]
                     state["lengths"] = lengths(row[side], row["off_decode_steps"]) if sp is not None else []
                     llm.engine.speculator = sp
-                    d0 = sp.stats.spec_decode_num_drafts if sp is not None else 0
+                    st0 = sp.stats.copy() if sp is not None else None
                     t0 = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)
                     best[side] = min(best[side], time.perf_counter() - t0)
-                    if sp is not None:
-                        verify_steps[side] = sp.stats.spec_decode_num_drafts - d0  # the last run's
+                    if sp is not None:  # the last run's verify steps and accepted drafts
+                        verify_steps[side] = sp.stats.spec_decode_num_drafts - st0.spec_decode_num_drafts
+                        accepted[side] = (sp.stats.spec_decode_num_accepted_tokens
+                                          - st0.spec_decode_num_accepted_tokens)
             n = B * args.max_tokens
             res = {"off_tok_s": n / best["off"]}
             line = f"{w:8s} batch {B:4d}: off {res['off_tok_s']:8.1f} tok/s"
@@ -380,10 +431,15 @@ def replay(args) -> dict:
                 if side == "off" or side not in row:
                     continue
                 a = row[side]["draft_acceptance_rate"]
+                v = verify_steps[side]
                 res[side] = {"rate": a, "rates": rates(row[side]), "tok_s": n / best[side],
-                             "speedup": best["off"] / best[side], "requests_with_drafts": verify_steps[side]}
+                             "speedup": best["off"] / best[side], "requests_with_drafts": v,
+                             "replayed_acceptance_length": 1 + accepted[side] / v if v else 0.0,
+                             "measured_acceptance_length": row[side]["mean_acceptance_length"],
+                             "traced": bool(row[side].get("trace")) and not args.replay_rates}
                 line += (f" | {side} a={a:.2f} {res[side]['tok_s']:8.1f} tok/s {res[side]['speedup']:.2f}x"
-                         f" ({verify_steps[side]} drafted)")
+                         f" ({v} drafted, acceptance length {res[side]['replayed_acceptance_length']:.2f},"
+                         f" measured {row[side]['mean_acceptance_length']:.2f})")
             out[f"{w}/{B}"] = res
             print(line + " (synthetic acceptance)", flush=True)
     llm.engine.speculator = None
@@ -461,6 +517,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="batch 1: prompts per workload")
     ap.add_argument("--replay", default=None, metavar="JSON",
                     help="end to end at --batches with the per-draft acceptance rates of a batch-1 run's JSON")
+    ap.add_argument("--replay-rates", action="store_true",
+                    help="--replay: draw acceptance by the per-position rates even where a trace is kept")
     ap.add_argument("--draft-steps", choices=("measured", "rule"), default="measured",
                     help="--replay: whether a step drafts is measured as it runs (the engine's way), or "
                          "decided by the batch rule alone")
