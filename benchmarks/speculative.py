@@ -25,7 +25,7 @@ too, for its host time; the draft model, if ``--draft``, really runs and its dra
 kept as traced). A JSON without traces (or ``--replay-rates``) draws instead: the number of
 drafts from the run's distribution, and draft j kept with its position's rate while the ones
 before it are; that loses how long proposals go with kept ones, and under-replays acceptance
-(on the code workload: acceptance length 2.9 replayed against 4.0 measured). Times only.
+(on the code workload: acceptance length 2.5 replayed against 4.0 measured). Times only.
 
 ``--verify-cost`` (for a GPU, e.g. ``--model dummy:llama-3-8b``): the time of one verify step of
 ``k + 1`` tokens per sequence against a 1-token decode step, for k = 1..8 at batch 1, 8, 32, 128
@@ -525,7 +525,7 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=None, help="layer_skip's draft_layers")
     ap.add_argument("--prompts", type=int, default=4, help="batch 1: prompts per workload")
     ap.add_argument("--replay", default=None, metavar="JSON",
-                    help="end to end at --batches with the per-draft acceptance rates of a batch-1 run's JSON")
+                    help="end to end at --batches, replaying the steps of a batch-1 run's JSON")
     ap.add_argument("--replay-rates", action="store_true",
                     help="--replay: draw acceptance by the per-position rates even where a trace is kept")
     ap.add_argument("--draft-steps", choices=("measured", "rule"), default="measured",
