@@ -408,6 +408,7 @@ def replay(args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     out = {"draft_steps": args.draft_steps}
     for w, row in measured.items():
+        run = {side: sp for side, sp in sides.items() if sp is None or side in row}  # methods the run measured
         for B in args.batches:
             prompts = [[(7 * i + j) % 30000 + 100 for j in range(args.context)] for i in range(B)]
             best = dict.fromkeys(sides, float("inf"))
@@ -415,15 +416,12 @@ def replay(args) -> dict:
             # Warm-up, untimed: each side once at this batch size, so kernels compiled for its
             # shapes (a draft model's catch-up of a batch of prompts: a second or more each) are
             # not in the timed runs; the choice between drafted and plain steps starts from it.
-            for side, sp in sides.items():
-                if sp is None or side in row:
-                    set_side(side, sp, row)
-                    llm.generate(prompts, SamplingParams(max_tokens=min(64, args.max_tokens), temperature=0,
-                                                         ignore_eos=True), use_tqdm=False)
+            for side, sp in run.items():
+                set_side(side, sp, row)
+                llm.generate(prompts, SamplingParams(max_tokens=min(64, args.max_tokens), temperature=0,
+                                                     ignore_eos=True), use_tqdm=False)
             for _ in range(args.repeats):
-                for side, sp in sides.items():
-                    if sp is not None and side not in row:
-                        continue
+                for side, sp in run.items():
                     set_side(side, sp, row)
                     st0 = sp.stats.copy() if sp is not None else None
                     t0 = time.perf_counter()
@@ -436,8 +434,8 @@ def replay(args) -> dict:
             n = B * args.max_tokens
             res = {"off_tok_s": n / best["off"]}
             line = f"{w:8s} batch {B:4d}: off {res['off_tok_s']:8.1f} tok/s"
-            for side in sides:
-                if side == "off" or side not in row:
+            for side in run:
+                if side == "off":
                     continue
                 a = row[side]["draft_acceptance_rate"]
                 v = verify_steps[side]
