@@ -47,7 +47,10 @@ def prompts_of(lengths, seed=1):
     pytest.param(16, 1, None, "triton", marks=pytest.mark.slow)])
 def test_random_gemma3_matches_transformers(tmp_path, window, kv_heads, softcap, backend):
     model, path = make_gemma3(tmp_path, window, kv_heads, final_logit_softcapping=softcap)
-    prompts = prompts_of((1, 7, 15, 16, 17, 40, 100, 203))
+    # Under Triton's interpreter every kernel runs in Python: there, prompts up to about four
+    # windows (the windows' tiles, the chunk boundaries and the prefix hits all still occur).
+    lengths = (1, 7, 15, 16, 17, 40, 100, 203) if backend == "torch" else (1, 7, 17, 40, 70)
+    prompts = prompts_of(lengths)
     want = [hf_greedy(model, p, N_NEW, eos_token_id=None) for p in prompts]
     llm = LLM(path, show_progress=False, kv_cache_memory="64MiB", block_size=8, max_num_batched_tokens=64,
               enable_prefix_caching=True, attention_backend=backend)
