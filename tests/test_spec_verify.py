@@ -162,25 +162,90 @@ def _run(choice, clock, steps, batch, cost):
     return sides
 
 
+def _looks(sides, side):
+    """(first step, length) of each run of ``side`` in ``sides``."""
+    runs, start = [], None
+    for i, s in enumerate([*sides, None]):
+        if s == side and start is None:
+            start = i
+        elif s != side and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def _gaps(runs, first):
+    """Steps between the end of one look and the start of the next, the first from ``first``."""
+    ends = [first] + [a + n for a, n in runs]
+    return [a - e for (a, _), e in zip(runs, ends, strict=False)]
+
+
 def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
-    from kvserve.engine.spec.policy import MEASURED_FROM, PROBE_EVERY, PROBE_STEPS, WARMUP_STEPS, WINDOW, DraftOrPlain
+    from kvserve.engine.spec.policy import (
+        MEASURED_FROM,
+        PROBE_EVERY,
+        PROBE_FIRST,
+        PROBE_STEPS,
+        WARMUP_STEPS,
+        DraftOrPlain,
+    )
     clock = _Clock()
     choice = DraftOrPlain(clock)
     choice.record(32, False, 32, 0.0, pure=False)  # the prefill before: an end, not a sample
-    sides = _run(choice, clock, 2 * WARMUP_STEPS + 2 * PROBE_EVERY, 32, {True: 1.3e-3, False: 1e-3})
+    warm = 2 * WARMUP_STEPS
+    sides = _run(choice, clock, warm + 3 * PROBE_EVERY, 32, {True: 1.3e-3, False: 1e-3})
     # Drafted first, then plain, each until measured WARMUP_STEPS times.
-    assert sides[:2 * WARMUP_STEPS] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
-    assert sides[2 * WARMUP_STEPS:].count(True) == 2 * PROBE_STEPS  # drafts only while looked at again
-    # A bucket of its own: batch 8, where drafting costs half as much. Far apart, the plain side
-    # is looked at a quarter as often.
-    sides = _run(choice, clock, 2 * WARMUP_STEPS + 4 * PROBE_EVERY, 8, {True: 1e-3, False: 2e-3})
-    assert sides[2 * WARMUP_STEPS:].count(False) == PROBE_STEPS
+    assert sides[:warm] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
+    # Then plain, drafting only while looked at again: PROBE_STEPS at a time, the first look
+    # PROBE_FIRST steps after the choice, each gap twice the one before, up to PROBE_EVERY.
+    looks = _looks(sides[warm:], True)
+    assert all(n == PROBE_STEPS for _, n in looks)
+    gaps = _gaps(looks, 0)
+    assert gaps[:4] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST]
+    assert max(gaps) == PROBE_EVERY and gaps[-1] == PROBE_EVERY
+    # A bucket of its own: batch 8, where drafting costs half as much. Far apart, the gaps grow
+    # to four times as long.
+    sides = _run(choice, clock, warm + 12 * PROBE_EVERY, 8, {True: 1e-3, False: 2e-3})
+    looks = _looks(sides[warm:], False)
+    assert all(n == PROBE_STEPS for _, n in looks)
+    gaps = _gaps(looks, 0)
+    assert gaps[0] == PROBE_FIRST and gaps[-1] == max(gaps) == 4 * PROBE_EVERY
     # When drafting turns dearer (the text stops repeating), its own times switch sides once
-    # they are most of its window; it is only looked at again after that.
+    # they are most of its window; the new choice is soon looked at again, then ever less often.
     sides = _run(choice, clock, 2 * PROBE_EVERY, 8, {True: 4e-3, False: 2e-3})
-    assert sides[:4] == [True] * 4 and sides[WINDOW:].count(True) <= PROBE_STEPS
+    switch = sides.index(False)
+    assert sides[:4] == [True] * 4 and switch <= WARMUP_STEPS
+    looks = _looks(sides[switch:], True)
+    assert all(n == PROBE_STEPS for _, n in looks)
+    assert _gaps(looks, 0)[:3] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST]
     # Below MEASURED_FROM decoding requests the rule alone decides, whatever the times say.
     assert _run(choice, clock, 50, MEASURED_FROM - 1, {True: 9e-3, False: 1e-3}) == [True] * 50
+
+
+def test_draft_or_plain_undoes_a_choice_made_on_a_bad_opening():
+    """The warm-up steps are a request's first, where an n-gram lookup has the least text to
+    match: drafting measured dearer there is looked at again within a few dozen steps, and once
+    it is the cheaper side it is taken for good."""
+    from kvserve.engine.spec.policy import PROBE_FIRST, PROBE_STEPS, WARMUP_STEPS, WINDOW, DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    choice.record(8, False, 8, 0.0, pure=False)
+    sides = []
+    for i in range(300):
+        drafted = choice.drafts(8)
+        launched = clock.t
+        opening = i < WARMUP_STEPS  # drafted steps then cost 3x what they cost later
+        clock.t += 8 * ((3e-3 if opening else 1e-3) if drafted else 2e-3)
+        choice.record(8, drafted, 8, launched, pure=True)
+        sides.append(drafted)
+    warm = 2 * WARMUP_STEPS
+    assert sides[WARMUP_STEPS:warm] == [False] * WARMUP_STEPS
+    assert sides[warm] is False  # the opening made drafting look dearer
+    back = warm + sides[warm:].index(True)
+    assert back <= warm + PROBE_FIRST  # the first look at drafting
+    settled = back + WINDOW  # by then drafting's window holds only its later steps
+    assert settled < 60 and all(n == PROBE_STEPS for _, n in _looks(sides[settled:], False))
+    assert sides[settled:].count(True) >= 0.9 * len(sides[settled:])
 
 
 def test_draft_or_plain_ignores_steps_after_an_idle_gap_and_mixed_steps():

@@ -59,7 +59,8 @@ class SpecPolicy:
 MEASURED_FROM = 4  # decoding requests from which the times decide; below, the rule alone
 WARMUP_STEPS = 8  # measured steps of each side per batch-size bucket before the times decide
 WINDOW = 8  # a side's cost: the median of its latest steps (a one-off stall does not decide)
-PROBE_EVERY = 192  # steps of a bucket between two looks at the side not taken
+PROBE_FIRST = 16  # steps of a bucket from a new choice to the first look at the side not taken
+PROBE_EVERY = 192  # the longest gap between two looks
 PROBE_STEPS = 4
 FAR_APART = 1.5  # a cost ratio past which the slower side is looked at less often
 CONTINUOUS_S = 0.05  # a step launched longer than this after the last one ended follows an idle gap
@@ -76,8 +77,12 @@ class DraftOrPlain:
     batch-size bucket (powers of two) the wall time per emitted token of pure decode steps is
     kept for both kinds (the median of the latest ``WINDOW``), each is tried ``WARMUP_STEPS``
     times (drafted first), then the cheaper one runs, with the other tried again for
-    ``PROBE_STEPS`` of every ``PROBE_EVERY`` steps (about 2% of steps at the slower speed; a
-    quarter of that where one side costs ``FAR_APART`` times the other).
+    ``PROBE_STEPS`` steps at a time: first ``PROBE_FIRST`` steps after the choice, then at gaps
+    that double while the looks keep the choice, up to ``PROBE_EVERY`` steps (about 2% of steps
+    at the slower speed; a quarter of that where one side costs ``FAR_APART`` times the other).
+    A changed choice is looked at again soon. The warm-up steps are a request's first, where an
+    n-gram lookup has the least text to match: a choice they got wrong is undone within a few
+    dozen steps, not after hundreds.
 
     Below ``MEASURED_FROM`` decoding requests the rule alone decides: a verify step of up to
     nine rows per request costs about one plain step there (1.09-1.13 on an H200 at batch 1), so
@@ -94,6 +99,8 @@ class DraftOrPlain:
         self.recent: dict[tuple[int, bool], deque[float]] = {}
         self.measured: dict[tuple[int, bool], int] = {}
         self.decided: dict[int, int] = {}
+        # per bucket: [the next look's first step, the gap before it, the side chosen]
+        self.looks: dict[int, list] = {}
         self.last_end: float | None = None
 
     def drafts(self, num_decoding: int) -> bool:
@@ -108,9 +115,15 @@ class DraftOrPlain:
                 return side
         drafted, plain = self.cost((b, True)), self.cost((b, False))
         better = drafted <= plain
-        # Far apart, the other side is looked at a quarter as often: each look costs more.
-        every = PROBE_EVERY * (4 if max(drafted, plain) > FAR_APART * min(drafted, plain) else 1)
-        return better if n % every >= PROBE_STEPS else not better
+        look = self.looks.get(b)
+        if look is None or look[2] != better:  # a first or a changed choice: look again soon
+            look = self.looks[b] = [n + PROBE_FIRST, PROBE_FIRST, better]
+        elif n >= look[0] + PROBE_STEPS:  # a look that kept the choice: the next one later
+            # Far apart, the other side is looked at a quarter as often: each look costs more.
+            every = PROBE_EVERY * (4 if max(drafted, plain) > FAR_APART * min(drafted, plain) else 1)
+            look[1] = min(2 * look[1], every)
+            look[0] = n + look[1]
+        return not better if look[0] <= n < look[0] + PROBE_STEPS else better
 
     def record(self, num_decoding: int, drafted: bool, tokens: int, launched: float, pure: bool) -> None:
         """A step launched at ``launched`` ends now; a pure decode step emitted ``tokens``."""
