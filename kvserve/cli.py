@@ -77,6 +77,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton kernels on CUDA (streaming eviction too), the PyTorch reference "
                    "on the CPU and for --kv-eviction snapkv/h2o")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--cpu-compile", action="store_true", help="CPU: one sequence decodes through the model compiled "
+                   "by torch.compile (faster; compiling takes tens of seconds at start-up, less once cached)")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bars while loading weights and capturing CUDA graphs (they show only on a "
                    "terminal anyway)")
@@ -155,16 +157,15 @@ def _served_name(value: str) -> str:
 
 
 def _make_llm(args):
+    from kvserve.config import KernelConfig
     from kvserve.llm import LLM
     return LLM(args.model, tokenizer=args.tokenizer, chat_template=args.chat_template, dtype=args.dtype,
-               device=args.device, seed=args.seed,
-               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               device=args.device, seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                kv_cache_dtype=args.kv_cache_dtype, kv_group_size=args.kv_group_size, kv_scales=args.kv_scales,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                swap_space=args.swap_space, window_kv=args.window_kv, kv_eviction=args.kv_eviction,
-               kv_policy=args.kv_policy,
-               max_num_seqs=args.max_num_seqs,
+               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
@@ -177,7 +178,7 @@ def _make_llm(args):
                kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
                enable_sleep_mode=args.enable_sleep_mode, kv_transfer_config=args.kv_transfer_config,
                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, kernel=KernelConfig(cpu_compile=args.cpu_compile))
 
 
 def _params(args, n: int = 1):

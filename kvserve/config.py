@@ -205,11 +205,15 @@ class KernelConfig:
     # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
     # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
     cpu_packed_weights: bool = True
+    # CPU: one-token steps (one sequence decoding) run the model compiled by torch.compile
+    # (inductor fuses the norms, residuals, RoPE and activations between the products), compiled
+    # at start-up (engine/cpu_compile.py); larger steps stay eager.
+    cpu_compile: bool = False
 
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
-        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "cpu_packed_weights"):
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "cpu_packed_weights", "cpu_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),

@@ -47,8 +47,13 @@ class KVLifecycle:
             self.prepare_device()
 
     def prepare_device(self) -> None:
-        """CUDA: cuDNN's first call and the decode graphs, once weights and KV pool are in place."""
+        """CUDA: cuDNN's first call and the decode graphs, once weights and KV pool are in place;
+        the CPU: the compiled model, where asked for."""
         plan = self._kv_plan
+        if self.device.type == "cpu" and self.config.kernel.cpu_compile and self.compiled is None:
+            from kvserve.engine.cpu_compile import compile_decode
+            with timed(self.startup_seconds, "cpu_compile"):
+                self.compiled = compile_decode(self)
         if self.device.type == "cuda" and self.backend.name == "triton":
             with timed(self.startup_seconds, "sdpa_warmup"):
                 self._warm_sdpa()

@@ -71,7 +71,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.packed_weights: frozenset[str] = frozenset()
         self.startup_seconds: dict[str, float] = {}  # this runner's phases (engine/startup.py)
         self.model = self._build_and_load()
-        self.pack_for_cpu(self.model)
+        self.pack_for_cpu(self.model, compiled=config.kernel.cpu_compile)
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
             from kvserve.errors import ConfigError
@@ -88,6 +88,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.kv_cache: KVCache | None = None
         self.kv_groups = None  # kv_groups.KVGroups of the cache, set with it
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists
+        self.compiled = None  # CPU: the model compiled for one-token steps (engine/cpu_compile.py)
         self.graph_capture = None  # when each of them is captured (engine/graph_capture.py)
         self._sampled = None  # (sampled ids on the device, scheduled, row -> scheduled index) of the last step
         self.tiers = None  # kvserve.kvtier.TierConnector, set by the engine when tiers are on
@@ -409,6 +410,8 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
                 metas.append(self._build_metadata(gs, kv_budgets=kv_budgets if glob else None)[0])
                 metas[-1].kv_scored = kv_scored if glob else None
             layer_attn = [metas[i] for i in self.kv_groups.layer_group]
+        if model is None and self.compiled is not None:
+            net = self.compiled
         with forward_context(ForwardContext(meta, kv_layers, self.backend, layer_attn)):
             hidden = net(input_ids, positions)
         if as_rows:

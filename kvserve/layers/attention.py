@@ -12,6 +12,9 @@ last ``window`` keys up to itself); ``get_backend`` makes one by name.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -170,6 +173,58 @@ def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale:
             keys, vals = kv_format.read_kv(views, table, L, meta.res_slots[i] if f.kivi else -1)
         out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), L, scale, window).to(out.dtype)
     return out
+
+
+def attend(layer, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           window: int | None = None) -> torch.Tensor:
+    """The step's paged attention for ``layer`` (an attention module: its ``layer_idx``, ``rope``
+    and ``scale``) through the step's backend. Inside a compiled model (``engine/cpu_compile.py``)
+    the call is one opaque op: the step's context is read when it runs, not when it is traced."""
+    if torch.compiler.is_compiling():  # (the layer registered by ``compiled_layers``)
+        q, k = layer.rope(positions, q, k)  # in the graph, fused with what comes before
+        return torch.ops.kvserve.paged_attention(positions, q, k, v, layer.compiled_key, window)
+    return _attend_layer(layer, layer.rope, positions, q, k, v, window)
+
+
+def _attend_layer(layer, rope, positions, q, k, v, window):
+    ctx = get_forward_context()
+    k_cache, v_cache = ctx.kv_caches[layer.layer_idx]
+    return ctx.backend.forward(positions, q, k, v, rope, k_cache, v_cache, ctx.attn_of(layer.layer_idx),
+                               layer.scale, window=window)
+
+
+_COMPILED_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_COMPILED_MODELS = itertools.count()
+
+
+def compiled_layers(model: torch.nn.Module) -> None:
+    """Let a compiled ``model``'s attention ops find their layers by a key, the ops' argument:
+    the model's number among those compiled in this process, then the layer's index. The key
+    is part of the graph, so it is the same in every process (an object's id would make each
+    process's graph new to inductor's on-disk cache)."""
+    base = next(_COMPILED_MODELS) << 16
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "rope"):
+            m.compiled_key = base + m.layer_idx
+            _COMPILED_LAYERS[m.compiled_key] = m
+
+
+# It writes the layer's KV cache, which is no input of the op: each layer's call depends on the
+# one before it through its input, so a compiled graph keeps them in order.
+@torch.library.custom_op("kvserve::paged_attention", mutates_args=())
+def _paged_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                     window: int | None) -> torch.Tensor:
+    return _attend_layer(_COMPILED_LAYERS[layer], _rotated, positions, q, k, v, window)
+
+
+def _rotated(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    """The rope of a compiled graph's attention op: q and k come rotated."""
+    return q, k
+
+
+@_paged_attention.register_fake
+def _(positions, q, k, v, layer, window):
+    return q.new_empty(q.shape)
 
 
 def get_backend(name: str = "torch", kernel: KernelConfig | None = None):

@@ -99,10 +99,12 @@ def cpu_bf16_native() -> bool:
     return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def pack_cpu_weights(model: nn.Module) -> int:
+def pack_cpu_weights(model: nn.Module, projections: bool = True) -> int:
     """Pack every float32 ``Linear`` on the CPU for oneDNN (and every bfloat16 one where oneDNN
     multiplies bfloat16 natively), dropping its dense weight (memory stays one copy); returns how
-    many. The output head too (``head_logits``): its product is a batch-1 step's largest. A head
+    many. ``projections=False``: the output head only (a compiled model's graph, which holds the
+    projections, cannot take oneDNN's packed tensors; ``engine/cpu_compile.py``). The output head
+    too (``head_logits``): its product is a batch-1 step's largest. A head
     tied to the embedding keeps the dense weight for the lookups, so its packed copy is a second
     vocab x hidden matrix. Whoever needs the dense weights again, or writes weights, calls
     ``unpack_cpu_weights`` first (a packed copy does not follow writes to the embedding)."""
@@ -116,6 +118,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if type(mod) is not Linear or mod.packed is not None or not packable(mod.weight):
+            continue
+        if not projections and mod is not getattr(model, "lm_head", None):
             continue
         w = mod.weight
         mod.packed = _pack(w)
@@ -174,10 +178,11 @@ def unpack_cpu_weights(model: nn.Module) -> None:
 def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
     """``silu(x W_g.T) * (x W_u.T)`` for the merged [gate | up] matrix: one kernel for few rows
     (a quantized matrix: its product, then the activation)."""
-    kernel = kernel_config()
-    if isinstance(gate_up, nn.Linear) and gate_up.bias is None and takes_gemv(x, gate_up.weight, "gate_up_silu",
-                                                                              kernel):
-        from kvserve.kernels.gemv import gemv
-        return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel.pdl)
+    if kernels.available(x):  # kernel choices matter on CUDA only (a compiled CPU model cannot read them)
+        kernel = kernel_config()
+        if isinstance(gate_up, nn.Linear) and gate_up.bias is None and takes_gemv(x, gate_up.weight,
+                                                                                  "gate_up_silu", kernel):
+            from kvserve.kernels.gemv import gemv
+            return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel.pdl)
     from kvserve.layers.activation import silu_and_mul
     return silu_and_mul(gate_up(x))

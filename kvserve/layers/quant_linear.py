@@ -164,6 +164,8 @@ class QuantLinear(nn.Module):
         """The scales in ``dtype``, which the packed CPU kernels require of them: converted once
         and kept, not per product, where the conversion took longer than the int4 product itself.
         The key follows the buffer, so a reloaded or rewritten one is converted anew."""
+        if torch.compiler.is_compiling() and self._cast is not None and self._cast[0][0] == dtype:
+            return self._cast[1]  # a compiled model: an eager step converted them (the key is not traceable)
         s = self.scales
         key = (dtype, s.data_ptr(), 0 if s.is_inference() else s._version)
         if self._cast is None or self._cast[0] != key:

@@ -43,7 +43,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D]; rotated copies are returned."""
-        cos, sin = self._tables(positions, q.dtype)
+        # (a compiled graph gathers the tables once for all its layers itself)
+        tables = self._gather if torch.compiler.is_compiling() else self._tables
+        cos, sin = tables(positions, q.dtype)
         return q * cos + _swap_halves(q) * sin, k * cos + _swap_halves(k) * sin
 
     def drop_derived(self) -> None:
@@ -60,13 +62,16 @@ class RotaryEmbedding(nn.Module):
         c = self._step
         if c is not None and c[0] is positions and c[1] == dtype:
             return c[2], c[3]
-        half = self.sin.shape[-1] // 2
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = self._gather(positions, dtype)
         if positions.device.type == "cpu":
             self._step = (positions, dtype, cos, sin)
         return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.sin.shape[-1] // 2
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

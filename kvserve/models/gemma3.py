@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.errors import ModelLoadError
-from kvserve.layers.attention import get_forward_context
+from kvserve.layers.attention import attend
 from kvserve.layers.linear import Linear, head_logits
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
@@ -60,11 +60,7 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        ctx = get_forward_context()
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache, ctx.attn_of(self.layer_idx),
-                                self.scale, window=self.window)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(attend(self, positions, q, k, v, self.window).reshape(-1, self.q_size))
 
 
 class GeGLU(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kvserve.errors import ModelLoadError
-from kvserve.layers.attention import get_forward_context
+from kvserve.layers.attention import attend
 from kvserve.layers.linear import Linear, gate_up_silu, head_logits
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.parallel import Shard, TPGroup, column_linear, embedding, row_linear, take
@@ -44,11 +44,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        ctx = get_forward_context()
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(positions, q, k, v, self.rope, k_cache, v_cache,
-                                ctx.attn_of(self.layer_idx), self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(attend(self, positions, q, k, v).reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):

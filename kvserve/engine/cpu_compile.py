@@ -1,0 +1,81 @@
+"""The model's forward compiled for the CPU's one-token steps (``KernelConfig.cpu_compile``).
+
+A CPU decode step is a few hundred small PyTorch ops between the weight products (norms,
+residual adds, RoPE, casts, the activation), each costing microseconds of dispatch whatever its
+size. torch.compile (inductor) fuses them into a few C++ loops around the products. The paged
+attention stays one opaque op after RoPE (``layers/attention.attend``): it reads the step's
+context when it runs. Steps of ``MAX_ROWS`` token take the compiled graph: one sequence
+decoding, the CPU's common case (one user chatting); a step of several tokens is bound more by
+its products, and a second graph (with the rows symbolic) would double the compile time for a
+few percent. The graph is compiled at start-up, on a scratch cache, so no request waits for the
+compiler (inductor keeps what it built on disk: later starts of the same model take a fraction
+of the first's time); if compiling fails (no C++ compiler, an op inductor does not take), the
+engine says why and runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.engine.kv_cache import KVCache
+from kvserve.errors import ConfigError
+from kvserve.layers.attention import ForwardContext, compiled_layers, forward_context
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 1
+
+
+class CompiledDecode:
+    """``model.forward`` compiled for steps of ``MAX_ROWS`` token, eager for larger ones."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.eager = model.forward
+        compiled_layers(model)
+        self.compiled = torch.compile(model.forward, dynamic=None)
+        self.calls = 0  # steps that took the compiled graph
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] > MAX_ROWS:
+            return self.eager(input_ids, positions)
+        self.calls += 1
+        return self.compiled(input_ids, positions)
+
+
+def compile_decode(runner) -> CompiledDecode | None:
+    """Compile ``runner``'s model and run its graph once on a scratch cache; None (with the
+    reason logged and printed) where that fails."""
+    config = runner.config
+    if config.enable_sleep_mode:
+        raise ConfigError("kernel.cpu_compile", "cannot be combined with enable_sleep_mode (sleep frees the "
+                                                "weights the compiled model reads)")
+    if getattr(runner.model, "tp", None) is not None:
+        raise ConfigError("kernel.cpu_compile", "cannot be combined with tensor parallelism")
+    if runner.backend.name != "torch":
+        raise ConfigError("kernel.cpu_compile", f"needs the torch attention backend, not {runner.backend.name!r}")
+    compiled = CompiledDecode(runner.model)
+    try:
+        _warm(runner, compiled, MAX_ROWS)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the eager model serves
+        msg = f"kernel.cpu_compile: compiling the model failed, running eagerly ({type(e).__name__}: {e})"
+        log.warning(msg)
+        if config.show_progress:
+            print(msg, flush=True)
+        torch._dynamo.reset()
+        return None
+    compiled.calls = 0
+    return compiled
+
+
+@torch.inference_mode()
+def _warm(runner, compiled: CompiledDecode, rows: int) -> None:
+    """A step of ``rows`` one-token sequences: eagerly first (the layers' derived tensors, e.g.
+    converted scales, exist before tracing), then compiled."""
+    bs = runner.block_size
+    scratch = KVCache(runner.arch, rows, bs, runner.dtype, runner.device)
+    meta, positions = runner._build_metadata([(0, 1, [i]) for i in range(rows)])
+    ids = torch.zeros(rows, dtype=torch.long, device=runner.device)
+    with forward_context(ForwardContext(meta, scratch.layers, runner.backend)):
+        compiled.eager(ids, positions)
+        compiled(ids, positions)

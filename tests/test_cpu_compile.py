@@ -1,0 +1,86 @@
+"""The CPU's compiled model (``KernelConfig(cpu_compile=True)``, ``kvserve/engine/cpu_compile.py``):
+greedy tokens equal to transformers' on a random small Llama in float32, one-token steps (a
+1-token prompt, one sequence decoding) taking the compiled graph and larger steps (prompts,
+batches) the eager model, in one engine; int4-packed weights in bfloat16 against the eager
+engine; a compiler that fails leaves an eager engine; bad settings refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import KernelConfig
+from kvserve.engine import cpu_compile
+from kvserve.errors import ConfigError
+from tests.conftest import hf_greedy
+from tests.test_kv_eviction import make_llama
+
+N_NEW = 12
+
+
+def prompts_of(lengths, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.slow  # each engine compiles its model (seconds)
+def test_compiled_model_matches_transformers(tmp_path):
+    model, path = make_llama(tmp_path)
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", block_size=4, show_progress=False,
+              kernel=KernelConfig(cpu_compile=True))
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and compiled.calls == 0
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    prompts = prompts_of((1, 16, 17, 40))
+    want = [hf_greedy(model, p, N_NEW, eos_token_id=None) for p in prompts]
+    for i, steps in ((0, N_NEW), (3, N_NEW - 1)):  # alone: one-token steps compiled, a prompt's eager
+        before = compiled.calls
+        out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want[i]
+        assert compiled.calls - before == steps
+    before = compiled.calls
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o, w in zip(prompts, outs, want, strict=True):
+        assert o.outputs[0].token_ids == w, f"prompt of {len(p)} tokens"
+    assert compiled.calls == before  # a batch's steps: eager
+    llm.engine.check_invariants()
+    assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_compiled_int4_bfloat16_matches_eager():
+    """The fast CPU path: bfloat16 activations, int4 weights packed for PyTorch's CPU kernel."""
+    kw = dict(dtype="bfloat16", quantization="int4", quantization_group_size=32, kv_cache_memory="16MiB",
+              show_progress=False)
+    eager = LLM("dummy:tiny", **kw)
+    fast = LLM("dummy:tiny", kernel=KernelConfig(cpu_compile=True), **kw)
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of((3, 9, 30))]
+    got = [fast.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time: compiled
+    want = [eager.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert fast.engine.runner.compiled.calls == 3 * (N_NEW - 1)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw, t in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, w.outputs[0].token_ids, strict=True):
+            # inductor rounds fused bfloat16 ops once where eager rounds after each
+            assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=0.05)
+
+
+def test_a_failing_compiler_leaves_an_eager_engine(monkeypatch, capsys):
+    def fail(runner, compiled, rows):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(cpu_compile, "_warm", fail)
+    llm = LLM("dummy:tiny", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
+    assert llm.engine.runner.compiled is None
+    assert "running eagerly (RuntimeError: no C++ compiler)" in capsys.readouterr().out
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ConfigError, match="cpu_compile"):
+        KernelConfig(cpu_compile="yes")
+    with pytest.raises(ConfigError, match="cpu_compile.*enable_sleep_mode"):
+        LLM("dummy:tiny", kv_cache_memory="16MiB", show_progress=False, enable_sleep_mode=True,
+            kernel=KernelConfig(cpu_compile=True))
