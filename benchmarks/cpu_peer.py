@@ -5,7 +5,8 @@ run.
 
 Both decode the same prompts greedily (64 new tokens each, EOS ignored), one request at a time:
 kvserve in each configuration ``--sides`` names (default: ``auto``, what a plain ``LLM(path)``
-runs; ``float32``; a side ``DTYPE+QUANT``, e.g. ``auto+none``, also sets ``quantization``),
+runs; ``float32``; a side ``DTYPE+QUANT``, e.g. ``auto+none``, also sets ``quantization``, and
+``+compile`` compiles the model for small steps, ``KernelConfig(cpu_compile=True)``),
 llama.cpp on the file's own blocks with ``--threads`` threads (default: torch's thread count,
 which kvserve uses). The sides alternate, prompt by prompt, ``--repeats`` rounds; the median of
 each side's tokens per second (new tokens over the whole request, prompt included) is
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.bench.quality import heldout_ids, perplexity  # noqa: E402
+from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.models.loader import default_model_path  # noqa: E402
 
 PROMPTS = ["Write a story about a dragon who learns to cook.", "Explain how a hash table works, step by step.",
@@ -41,7 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     ap.add_argument("--sides", default="auto,float32",
-                    help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+none)")
+                    help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+none), "
+                         "+compile to compile the model for small steps (e.g. auto+compile)")
     ap.add_argument("--batch", type=int, default=16, help="requests at once on each kvserve side (0: skip)")
     ap.add_argument("--prefill-tokens", type=int, default=1000,
                     help="time to the first token of a held-out prompt this long, every side (0: skip)")
@@ -59,12 +62,16 @@ def main() -> None:
     path = a.model or default_model_path()
     engines, about = {}, {}
     for side in a.sides.split(","):
-        d, _, q = side.partition("+")
-        llm = LLM(path, dtype=d, quantization=q or None, show_progress=False, kv_cache_memory="256MiB",
-                  max_model_len=max(2048, a.perplexity_tokens + 1, a.prefill_tokens + 1))
+        d, *rest = side.split("+")
+        compiled = "compile" in rest
+        q = next((r for r in rest if r != "compile"), None)
+        llm = LLM(path, dtype=d, quantization=q, show_progress=False, kv_cache_memory="256MiB",
+                  max_model_len=max(2048, a.perplexity_tokens + 1, a.prefill_tokens + 1),
+                  kernel=KernelConfig(cpu_compile=compiled))
         rt = llm.engine.runner
         engines[side] = llm
-        about[side] = {"dtype": str(rt.dtype).removeprefix("torch."), "gguf_tensors_packed": len(rt.packed_weights)}
+        about[side] = {"dtype": str(rt.dtype).removeprefix("torch."), "gguf_tensors_packed": len(rt.packed_weights),
+                       "compiled": rt.compiled is not None, "startup_s": dict(rt.startup_seconds)}
     ours = next(iter(engines.values()))
     peer = Llama(model_path=path, n_threads=a.threads, n_threads_batch=a.threads,
                  n_ctx=max(2048, a.prefill_tokens + 16), verbose=False)
