@@ -77,8 +77,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton kernels on CUDA (streaming eviction too), the PyTorch reference "
                    "on the CPU and for --kv-eviction snapkv/h2o")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument("--cpu-compile", action="store_true", help="CPU: one sequence decodes through the model compiled "
-                   "by torch.compile (faster; compiling takes tens of seconds at start-up, less once cached)")
+    g.add_argument("--cpu-compile", action="store_true", help="CPU, quantized projections (GGUF blocks, int4, int8): "
+                   "one sequence decodes through the model torch.compile'd at start-up (tens of seconds, less cached)")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bars while loading weights and capturing CUDA graphs (they show only on a "
                    "terminal anyway)")

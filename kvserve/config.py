@@ -207,7 +207,8 @@ class KernelConfig:
     cpu_packed_weights: bool = True
     # CPU: one-token steps (one sequence decoding) run the model compiled by torch.compile
     # (inductor fuses the norms, residuals, RoPE and activations between the products), compiled
-    # at start-up (engine/cpu_compile.py); larger steps stay eager.
+    # at start-up (engine/cpu_compile.py); larger steps stay eager. Models with quantized
+    # projections only: a float model runs eagerly (and says why).
     cpu_compile: bool = False
 
     def __post_init__(self):

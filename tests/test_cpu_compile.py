@@ -1,12 +1,15 @@
 """The CPU's compiled model (``KernelConfig(cpu_compile=True)``, ``kvserve/engine/cpu_compile.py``):
-greedy tokens equal to transformers' on a random small Llama in float32, one-token steps (a
+greedy tokens equal to transformers' on a random small Llama whose projections lie on an int8
+grid (kvserve loads them as int8, transformers as the float values), float32, one-token steps (a
 1-token prompt, one sequence decoding) taking the compiled graph and larger steps (prompts,
-batches) the eager model, in one engine; int4-packed weights in bfloat16 against the eager
-engine; a compiler that fails leaves an eager engine; bad settings refused."""
+batches) the eager model, in one engine; the model compiled as one graph; int4-packed weights in
+bfloat16 against the eager engine; a float model, or a compiler that fails, leaves an eager
+engine that says why; bad settings refused."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import KernelConfig
@@ -24,10 +27,25 @@ def prompts_of(lengths, seed=3):
 
 
 @pytest.mark.slow  # each engine compiles its model (seconds)
+def _on_int8_grid(model, path: str) -> None:
+    """Round each projection's rows to 255 steps of their own absolute maximum (the grid of
+    per-channel int8, which then holds them exactly) and save the model at ``path``."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "proj" in name:
+                step = p.abs().amax(1, keepdim=True) / 127
+                p.copy_((p / step).round() * step)
+    model.save_pretrained(path, safe_serialization=True)
+
+
 def test_compiled_model_matches_transformers(tmp_path):
-    model, path = make_llama(tmp_path)
-    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", block_size=4, show_progress=False,
+    model, _ = make_llama(tmp_path)
+    path = str(tmp_path / "int8_grid")
+    _on_int8_grid(model, path)
+    counters.clear()
+    llm = LLM(path, dtype="float32", quantization="int8", kv_cache_memory="8MiB", block_size=4, show_progress=False,
               kernel=KernelConfig(cpu_compile=True))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole model, one graph
     compiled = llm.engine.runner.compiled
     assert compiled is not None and compiled.calls == 0
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
@@ -53,7 +71,9 @@ def test_compiled_int4_bfloat16_matches_eager():
     kw = dict(dtype="bfloat16", quantization="int4", quantization_group_size=32, kv_cache_memory="16MiB",
               show_progress=False)
     eager = LLM("dummy:tiny", **kw)
+    counters.clear()
     fast = LLM("dummy:tiny", kernel=KernelConfig(cpu_compile=True), **kw)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in prompts_of((3, 9, 30))]
     got = [fast.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time: compiled
@@ -66,13 +86,20 @@ def test_compiled_int4_bfloat16_matches_eager():
             assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=0.05)
 
 
-def test_a_failing_compiler_leaves_an_eager_engine(monkeypatch, capsys):
+def test_a_float_model_or_a_failing_compiler_leaves_an_eager_engine(monkeypatch, capsys):
+    # Float projections run faster packed for oneDNN, which a graph cannot hold: not compiled.
+    llm = LLM("dummy:tiny", dtype="float32", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
+    assert llm.engine.runner.compiled is None
+    assert "running eagerly: the projections (layers.0.self_attn.qkv_proj, ...) are float weights" in \
+        capsys.readouterr().out
+    assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.packed is not None
+
     def fail(runner, compiled, rows):
         raise RuntimeError("no C++ compiler")
     monkeypatch.setattr(cpu_compile, "_warm", fail)
-    llm = LLM("dummy:tiny", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
+    llm = LLM("dummy:tiny", quantization="int8", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
     assert llm.engine.runner.compiled is None
-    assert "running eagerly (RuntimeError: no C++ compiler)" in capsys.readouterr().out
+    assert "running eagerly: compiling the model failed (RuntimeError: no C++ compiler)" in capsys.readouterr().out
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3

@@ -8,19 +8,24 @@ context when it runs. Steps of ``MAX_ROWS`` token take the compiled graph: one s
 decoding, the CPU's common case (one user chatting); a step of several tokens is bound more by
 its products, and a second graph (with the rows symbolic) would double the compile time for a
 few percent. The graph is compiled at start-up, on a scratch cache, so no request waits for the
-compiler (inductor keeps what it built on disk: later starts of the same model take a fraction
-of the first's time); if compiling fails (no C++ compiler, an op inductor does not take), the
-engine says why and runs eagerly.
+compiler (inductor keeps what it built on disk: later starts of the same model, the first
+compiled in their process, take a fraction of the first's time). It takes models whose
+projections are quantized (QuantLinear: a GGUF's packed blocks, int4, int8); float ones run
+faster packed for oneDNN, which a graph cannot hold. Where the model is float, or compiling
+fails (no C++ compiler, an op inductor does not take), or the model does not come out as one
+graph, the engine says why and runs eagerly.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch._dynamo.utils import counters
 
 from kvserve.engine.kv_cache import KVCache
 from kvserve.errors import ConfigError
 from kvserve.layers.attention import ForwardContext, compiled_layers, forward_context
+from kvserve.layers.linear import Linear
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +59,32 @@ def compile_decode(runner) -> CompiledDecode | None:
         raise ConfigError("kernel.cpu_compile", "cannot be combined with tensor parallelism")
     if runner.backend.name != "torch":
         raise ConfigError("kernel.cpu_compile", f"needs the torch attention backend, not {runner.backend.name!r}")
+    head = getattr(runner.model, "lm_head", None)
+    dense = [n for n, m in runner.model.named_modules() if type(m) is Linear and m is not head]
+    if dense:
+        return _eager(config, f"the projections ({dense[0]}, ...) are float weights, which run faster packed for "
+                              "oneDNN than in a graph; it takes quantized ones (a GGUF's blocks, --quantization "
+                              "int4 or int8)")
     compiled = CompiledDecode(runner.model)
+    stats = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     try:
         _warm(runner, compiled, MAX_ROWS)
     except Exception as e:  # noqa: BLE001 - any compiler failure: the eager model serves
-        msg = f"kernel.cpu_compile: compiling the model failed, running eagerly ({type(e).__name__}: {e})"
-        log.warning(msg)
-        if config.show_progress:
-            print(msg, flush=True)
-        torch._dynamo.reset()
-        return None
+        return _eager(config, f"compiling the model failed ({type(e).__name__}: {e})")
+    graphs = counters["stats"]["unique_graphs"] - stats[0]
+    breaks = sum(counters["graph_break"].values()) - stats[1]
+    if graphs != 1 or breaks:  # a split model pays the graphs' entry costs for little fusion
+        return _eager(config, f"torch.compile made {graphs} graphs with {breaks} breaks of the model, not one "
+                              "(its limit of recompiles per model class in a process may be reached)")
     compiled.calls = 0
     return compiled
+
+
+def _eager(config, why: str) -> None:
+    msg = f"kernel.cpu_compile: running eagerly: {why}"
+    log.warning(msg)
+    if config.show_progress:
+        print(msg, flush=True)
 
 
 @torch.inference_mode()

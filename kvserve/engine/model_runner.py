@@ -71,7 +71,7 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         self.packed_weights: frozenset[str] = frozenset()
         self.startup_seconds: dict[str, float] = {}  # this runner's phases (engine/startup.py)
         self.model = self._build_and_load()
-        self.pack_for_cpu(self.model, compiled=config.kernel.cpu_compile)
+        self.pack_for_cpu(self.model)
         name = self.backend_name
         if name == "triton" and self.device.type != "cuda" and not kernels.interpreting():
             from kvserve.errors import ConfigError

@@ -88,13 +88,12 @@ class ModelWeights:
                 quantize_model(model, quant)
         return model
 
-    def pack_for_cpu(self, model: torch.nn.Module, compiled: bool = False) -> None:
+    def pack_for_cpu(self, model: torch.nn.Module) -> None:
         """Pack ``model``'s projections and output head for oneDNN (``layers/linear.py``) on the
-        CPU unless configured off; not with sleep mode, which moves the weights by parameter name.
-        ``compiled``: the model is to be compiled (``engine/cpu_compile.py``), the head only."""
+        CPU unless configured off; not with sleep mode, which moves the weights by parameter name."""
         config = self.config
         if self.device.type == "cpu" and config.kernel.cpu_packed_weights and not config.enable_sleep_mode:
-            pack_cpu_weights(model, projections=not compiled)
+            pack_cpu_weights(model)
 
     def _gguf_packed_by_default(self) -> bool:
         """Whether a GGUF's blocks stay packed without ``quantization="gguf"``: where a kernel

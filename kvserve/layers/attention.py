@@ -200,8 +200,8 @@ _COMPILED_MODELS = itertools.count()
 def compiled_layers(model: torch.nn.Module) -> None:
     """Let a compiled ``model``'s attention ops find their layers by a key, the ops' argument:
     the model's number among those compiled in this process, then the layer's index. The key
-    is part of the graph, so it is the same in every process (an object's id would make each
-    process's graph new to inductor's on-disk cache)."""
+    is part of the graph, so a process's first compiled model has the same graph in every
+    process, and inductor's on-disk cache serves it (an object's id would make it new each time)."""
     base = next(_COMPILED_MODELS) << 16
     for m in model.modules():
         if hasattr(m, "layer_idx") and hasattr(m, "rope"):

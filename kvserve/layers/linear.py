@@ -40,10 +40,11 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear", kern
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            kind: str = "linear") -> torch.Tensor:
-    kernel = kernel_config()
-    if takes_gemv(x, weight, kind, kernel):
-        from kvserve.kernels.gemv import gemv
-        return gemv(x, weight, bias, pdl=kernel.pdl)
+    if kernels.available(x):  # (as in gate_up_silu)
+        kernel = kernel_config()
+        if takes_gemv(x, weight, kind, kernel):
+            from kvserve.kernels.gemv import gemv
+            return gemv(x, weight, bias, pdl=kernel.pdl)
     return F.linear(x, weight, bias)
 
 
@@ -99,12 +100,10 @@ def cpu_bf16_native() -> bool:
     return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def pack_cpu_weights(model: nn.Module, projections: bool = True) -> int:
+def pack_cpu_weights(model: nn.Module) -> int:
     """Pack every float32 ``Linear`` on the CPU for oneDNN (and every bfloat16 one where oneDNN
     multiplies bfloat16 natively), dropping its dense weight (memory stays one copy); returns how
-    many. ``projections=False``: the output head only (a compiled model's graph, which holds the
-    projections, cannot take oneDNN's packed tensors; ``engine/cpu_compile.py``). The output head
-    too (``head_logits``): its product is a batch-1 step's largest. A head
+    many. The output head too (``head_logits``): its product is a batch-1 step's largest. A head
     tied to the embedding keeps the dense weight for the lookups, so its packed copy is a second
     vocab x hidden matrix. Whoever needs the dense weights again, or writes weights, calls
     ``unpack_cpu_weights`` first (a packed copy does not follow writes to the embedding)."""
@@ -118,8 +117,6 @@ def pack_cpu_weights(model: nn.Module, projections: bool = True) -> int:
     n = 0
     for mod in model.modules():
         if type(mod) is not Linear or mod.packed is not None or not packable(mod.weight):
-            continue
-        if not projections and mod is not getattr(model, "lm_head", None):
             continue
         w = mod.weight
         mod.packed = _pack(w)

@@ -69,7 +69,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = None  # a row-parallel layer's group: the products are summed over its ranks
-        self._cast: tuple[tuple, torch.Tensor] | None = None  # (key, scales in x's dtype): see _scales_as
+        # The scales in x's dtype, the key they were converted under, and that dtype: see _scales_as
+        self._cast: torch.Tensor | None = None
+        self._cast_key: tuple | None = None
+        self._cast_dtype: torch.dtype | None = None
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, quant: QuantConfig) -> QuantLinear:
@@ -158,19 +161,21 @@ class QuantLinear(nn.Module):
 
     def drop_derived(self) -> None:
         """Forget the converted scales (sleep mode frees the weights they came from)."""
-        self._cast = None
+        self._cast = self._cast_key = self._cast_dtype = None
 
     def _scales_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The scales in ``dtype``, which the packed CPU kernels require of them: converted once
         and kept, not per product, where the conversion took longer than the int4 product itself.
         The key follows the buffer, so a reloaded or rewritten one is converted anew."""
-        if torch.compiler.is_compiling() and self._cast is not None and self._cast[0][0] == dtype:
-            return self._cast[1]  # a compiled model: an eager step converted them (the key is not traceable)
+        if torch.compiler.is_compiling() and self._cast_dtype == dtype:
+            # A compiled model: an eager step converted them. Only the dtype is read (and so
+            # guarded on): a guard on the key would hold each engine's data_ptr.
+            return self._cast
         s = self.scales
         key = (dtype, s.data_ptr(), 0 if s.is_inference() else s._version)
-        if self._cast is None or self._cast[0] != key:
-            self._cast = (key, s.to(dtype))
-        return self._cast[1]
+        if self._cast_key != key:
+            self._cast, self._cast_key, self._cast_dtype = s.to(dtype), key, dtype
+        return self._cast
 
     def _cpu_grouped_int8(self, x: torch.Tensor) -> torch.Tensor:
         N, K, g = self.out_features, self.in_features, self.group_size
