@@ -329,13 +329,13 @@ def run_backends(llm):
         def prepare(self, meta, device):
             self.inner.prepare(meta, device)
 
-        def forward(self, positions, q, k, v, rope, kc, vc, meta, scale):
+        def forward(self, positions, q, k, v, rope, kc, vc, meta, scale, window=None):
             if not (meta.max_query_len > 1 and len(meta.seq_lens) > 1):
-                return self.inner.forward(positions, q, k, v, rope, kc, vc, meta, scale)
+                return self.inner.forward(positions, q, k, v, rope, kc, vc, meta, scale, window=window)
             q0, k0, v0 = q.clone(), k.clone(), v.clone()
-            o = self.inner.forward(positions, q, k, v, rope, kc, vc, meta, scale)
+            o = self.inner.forward(positions, q, k, v, rope, kc, vc, meta, scale, window=window)
             meta.seq_tables = [meta.block_tables[i, : -(-L // meta.block_size)] for i, L in enumerate(meta.seq_lens)]
-            r = TorchPagedAttention.forward(positions, q0, k0, v0, rope, kc.clone(), vc.clone(), meta, scale)
+            r = TorchPagedAttention.forward(positions, q0, k0, v0, rope, kc.clone(), vc.clone(), meta, scale, window)
             per = []
             for i in range(len(meta.seq_lens)):
                 a, b = meta.query_start[i], meta.query_start[i + 1]

@@ -40,13 +40,13 @@ class _Recorder:
     def prepare(self, meta, device):
         self.inner.prepare(meta, device)
 
-    def forward(self, positions, q, k, v, rope, k_cache, v_cache, meta, scale):
+    def forward(self, positions, q, k, v, rope, k_cache, v_cache, meta, scale, window=None):
         i = self.layer_of.setdefault(id(k_cache), len(self.layer_of))
         _, kr = rope(positions, q.clone(), k.clone())
         kr = hadamard(kr)
         self.k_amax[i] = torch.maximum(self.k_amax[i], kr.abs().amax(dim=(0, 2)).double().cpu())
         self.v_amax[i] = torch.maximum(self.v_amax[i], v.abs().amax(dim=(0, 2)).double().cpu())
-        return self.inner.forward(positions, q, k, v, rope, k_cache, v_cache, meta, scale)
+        return self.inner.forward(positions, q, k, v, rope, k_cache, v_cache, meta, scale, window=window)
 
 
 def calibrate(model: str | None = None, text: str | None = None, num_tokens: int = 2048, chunk: int = 512,
