@@ -32,19 +32,19 @@ from kvserve.layers.weight_init import initialising
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear", kernel: KernelConfig | None = None) -> bool:
     """Whether ``x @ weight.T`` runs in the skinny-GEMM kernel: a product of ``kind`` ("linear",
-    "gate_up_silu", "logits") of at most ``kernel``'s row limit (None: the step's), on CUDA."""
-    rows = (kernel or kernel_config()).gemv_max_rows(kind)
-    return (x.dim() == 2 and 1 <= x.shape[0] <= rows and kernels.available(x)
-            and weight.stride(-1) == 1 and x.stride(-1) == 1)
+    "gate_up_silu", "logits") of at most ``kernel``'s row limit (None: the step's), on CUDA.
+    The step's kernel choices are read on CUDA only: a model compiled for the CPU
+    (``engine/cpu_compile.py``) cannot trace the context they live in."""
+    if not (x.dim() == 2 and kernels.available(x) and weight.stride(-1) == 1 and x.stride(-1) == 1):
+        return False
+    return 1 <= x.shape[0] <= (kernel or kernel_config()).gemv_max_rows(kind)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            kind: str = "linear") -> torch.Tensor:
-    if kernels.available(x):  # (as in gate_up_silu)
-        kernel = kernel_config()
-        if takes_gemv(x, weight, kind, kernel):
-            from kvserve.kernels.gemv import gemv
-            return gemv(x, weight, bias, pdl=kernel.pdl)
+    if takes_gemv(x, weight, kind):
+        from kvserve.kernels.gemv import gemv
+        return gemv(x, weight, bias, pdl=kernel_config().pdl)
     return F.linear(x, weight, bias)
 
 
@@ -175,11 +175,8 @@ def unpack_cpu_weights(model: nn.Module) -> None:
 def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
     """``silu(x W_g.T) * (x W_u.T)`` for the merged [gate | up] matrix: one kernel for few rows
     (a quantized matrix: its product, then the activation)."""
-    if kernels.available(x):  # kernel choices matter on CUDA only (a compiled CPU model cannot read them)
-        kernel = kernel_config()
-        if isinstance(gate_up, nn.Linear) and gate_up.bias is None and takes_gemv(x, gate_up.weight,
-                                                                                  "gate_up_silu", kernel):
-            from kvserve.kernels.gemv import gemv
-            return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel.pdl)
+    if isinstance(gate_up, nn.Linear) and gate_up.bias is None and takes_gemv(x, gate_up.weight, "gate_up_silu"):
+        from kvserve.kernels.gemv import gemv
+        return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel_config().pdl)
     from kvserve.layers.activation import silu_and_mul
     return silu_and_mul(gate_up(x))
