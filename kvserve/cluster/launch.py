@@ -25,6 +25,7 @@ ROUTERS = {  # --router: how requests pick a replica (Ray's own two, registered 
     "power-of-two": "kvserve.cluster.router:PowerOfTwo",
     "round-robin": "kvserve.cluster.router:RoundRobin",
 }
+LOOK_BACK_S = 30.0  # Ray Serve's default look-back window for the load average
 
 
 def _scaling(args) -> dict:
@@ -42,8 +43,11 @@ def _scaling(args) -> dict:
         raise ConfigError("target_ongoing_requests", f"must be > 0, got {args.target_ongoing_requests}")
     if not 0 <= args.scale_down_delay < float("inf"):
         raise ConfigError("scale_down_delay", f"must be a number of seconds >= 0, got {args.scale_down_delay}")
+    # Ray averages the load over a look-back window (30 s) before the delay even starts: a replica
+    # idle for --scale-down-delay seconds would wait for the window too. Shorter delays shorten it.
     auto = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-            "target_ongoing_requests": args.target_ongoing_requests, "downscale_delay_s": args.scale_down_delay}
+            "target_ongoing_requests": args.target_ongoing_requests, "downscale_delay_s": args.scale_down_delay,
+            "look_back_period_s": min(LOOK_BACK_S, max(1.0, args.scale_down_delay))}
     if args.replicas is not None:
         auto["initial_replicas"] = args.replicas
     return {"autoscaling_config": auto}

@@ -15,14 +15,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_scale_to_zero_and_back_with_a_request_waiting():
+    # A small random model: what is tested is the replicas coming and going, not the model.
     with ray_server("--min-replicas", "0", "--max-replicas", "1", "--scale-down-delay", "2",
-                    "--cpus-per-replica", "0.5", "--served-model-name", "smol", "--kv-cache-memory", "64MiB",
-                    "--max-model-len", "2048", wait_healthy=False) as url:
+                    "--cpus-per-replica", "0.5", "--model", "dummy:tiny", "--served-model-name", "smol",
+                    "--kv-cache-memory", "16MiB", "--max-model-len", "2048", wait_healthy=False) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=240)
         assert replica_pids() == []
         ids = []
         for turn in range(2):
-            r = client.completions.with_raw_response.create(model="smol", prompt="Hello", max_tokens=4)
+            r = client.completions.with_raw_response.create(model="smol", prompt=[5, 6, 7], max_tokens=4)
             assert r.parse().usage.completion_tokens == 4  # answered by a replica started for it
             ids.append(r.headers["x-kvserve-replica"])
             if turn == 0:

@@ -38,5 +38,10 @@ def test_autoscaling_options_are_checked_before_ray_starts(argv, field):
 def test_autoscaling_options():
     auto = _scaling(build_parser().parse_args(["serve", "--max-replicas", "4", "--replicas", "2"]))
     assert auto == {"autoscaling_config": {"min_replicas": 0, "max_replicas": 4, "target_ongoing_requests": 16.0,
-                                           "downscale_delay_s": 600.0, "initial_replicas": 2}}
+                                           "downscale_delay_s": 600.0, "look_back_period_s": 30.0,
+                                           "initial_replicas": 2}}
     assert _scaling(build_parser().parse_args(["serve", "--replicas", "3"])) == {"num_replicas": 3}
+    # A short delay shortens Ray's load-averaging window with it (at least a second).
+    for delay, window in (("2", 2.0), ("0", 1.0), ("45", 30.0)):
+        short = _scaling(build_parser().parse_args(["serve", "--max-replicas", "1", "--scale-down-delay", delay]))
+        assert short["autoscaling_config"]["look_back_period_s"] == window
