@@ -213,3 +213,32 @@ def test_sleep_host_copy_falls_back_to_a_pinned_allocation(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(copy.tensor[:4 << 20].view(torch.float32), src.cpu())
     del copy, fallback
+
+
+def test_first_requests_compile_no_triton_kernel():
+    """Start-up compiles what eager steps need (``engine/eager_warmup.py``): after it, batches of
+    prompts of mixed lengths, a cached prefix, verify steps and a draft model's catch-up steps
+    meet only kernels already compiled."""
+    import triton
+    compiled = []
+
+    def hook(**kw):
+        compiled.append(kw["fn"].name)
+        return False  # compile as usual
+
+    llm = LLM("dummy:tiny", device="cuda", dtype="bfloat16", show_progress=False, kv_cache_memory="256MiB",
+              speculative_config={"method": "draft_model", "model": "dummy:tiny-draft", "num_speculative_tokens": 3})
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 500, (40,), generator=gen).tolist()
+    batches = [[n] for n in (1, 7, 300)] + [[3, 90], [16, 17, 33, 64, 65, 200], [5] * 40, [700, 2, 129]]
+    before = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        for lens in batches:
+            prompts = [shared + torch.randint(0, 500, (n,), generator=gen).tolist() for n in lens]
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = before
+    assert llm.stats.spec.spec_decode_num_drafts > 0
+    assert compiled == [], f"compiled after start-up: {sorted(set(compiled))}"

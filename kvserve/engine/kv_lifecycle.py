@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 
-from kvserve.engine import kv_plan
+from kvserve.engine import eager_warmup, kv_plan
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.startup import timed
 
@@ -61,6 +61,14 @@ class KVLifecycle:
             if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
                 with timed(self.startup_seconds, "graphs"):
                     self.capture_graphs()
+            n = eager_warmup.blocks_needed(self.block_size)
+            # Once: at a wake the shapes are compiled already. Tensor-parallel ranks and KIVI
+            # caches (residual rows) step differently; they compile at their first steps.
+            if "eager_warmup" not in self.startup_seconds and self.tp is None and not self.kv_format.kivi \
+                    and plan.num_blocks >= n:
+                with timed(self.startup_seconds, "eager_warmup"):
+                    eager_warmup.warm_eager(self, list(range(plan.num_blocks - n, plan.num_blocks)),
+                                            groups=plan.groups.num_groups if plan.groups is not None else 1)
 
     def release_kv_cache(self) -> None:
         """Sleep: the KV pool and the graphs that read it go (their memory with them)."""

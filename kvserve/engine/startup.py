@@ -16,6 +16,7 @@ ready):
     kv_cache      the KV pool allocated
     sdpa_warmup   CUDA: cuDNN's first call
     graphs        CUDA graphs captured at start-up (``cuda_graph_capture`` startup)
+    eager_warmup  CUDA: the eager steps' kernels compiled (``engine/eager_warmup.py``)
     gc            the full collection before start-up's objects are frozen out of the collector's reach
     total         ``LLMEngine.__init__`` from first line to last
 
@@ -100,7 +101,7 @@ def warm_device(device, dtype, arch, backend: str, compiler_key: concurrent.futu
 
 
 PHASES = ("tokenizer", "device_warmup", "triton_key", "build", "weights", "kv_profile", "kv_cache", "sdpa_warmup",
-          "graphs", "gc", "total")
+          "graphs", "eager_warmup", "gc", "total")
 
 
 def ordered(seconds: dict[str, float]) -> dict[str, float]:

@@ -35,7 +35,9 @@ from kvserve.kernels.common import LOG2E, Streaming, dot_precision, online_softm
 from kvserve.kernels.kv_quant import compressed_tile, fast_path, fit_tile, kernel_args, load_kv_tile, tile_scales
 
 
-@triton.jit
+# The block tables' width changes from step to step; specialized, each new value that is 1 or a
+# multiple of 16 would compile the kernel again in a request's time.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, KC, VC, KS, VS, RES, O, BT, CU_Q, SEQ_LENS, RECENT, RSLOTS,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kvserve.config import EngineConfig, SpeculativeConfig
+from kvserve.engine import eager_warmup
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.device import default_dtype
 from kvserve.engine.kv_cache import KVCache
@@ -84,6 +85,10 @@ class DraftModel:
                                        runner.graphs.max_blocks, self.block_size, self.arch.num_kv_heads,
                                        rows=True)
             self.graphs.capture_all()  # before serving: the draft's graphs are small
+        if dev.type == "cuda" and runner.backend.name == "triton":  # its eager steps' kernels, too
+            scratch = self.pool.allocate(eager_warmup.blocks_needed(self.block_size))
+            eager_warmup.warm_eager(runner, scratch, model=(self.model, self.kv.layers, self.graphs))
+            self.pool.free(scratch[::-1])
 
     @staticmethod
     def _load(config: EngineConfig, spec: SpeculativeConfig, target: loader.ModelSource, runner):

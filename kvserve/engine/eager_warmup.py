@@ -1,0 +1,86 @@
+"""Start-up forwards over the shapes of eager steps, so that Triton compiles their kernels then
+and not in the time of the first requests that meet them.
+
+Triton compiles a kernel once per specialization: its constexprs and the integer arguments
+that are 1 or multiples of 16. Start-up meets only some of an engine's: the profiling forward
+is one lone prompt (cuDNN's attention, not the paged prefill kernel) and the CUDA graphs hold
+decode steps. So the first batch of prompts, the first prompt with a cached prefix, the first
+verify step run eagerly and a draft model's catch-up steps each compiled kernels in a request's
+time: 0.3 to 1.5 s apiece, several seconds over a server's first requests.
+
+The shapes below reach the specializations that steps depend on: the prefill kernel's two tile
+sizes (a step's longest query up to 64 tokens, or past it), with and without cached context;
+the skinny GEMM's row tiers (1, 2 to 16, 17 to 32 rows), each with a row count that is a
+multiple of 16 and one that is not, in the projections and the LM head. The block tables' width
+varies from step to step without mattering: the prefill kernel does not specialize on it.
+
+The forwards write KV into scratch blocks that no request holds (the target's highest block
+numbers before any request exists; the draft model's from its own pool, given back). Nothing
+reads a block before a request's own tokens are written into it, and no scratch block enters
+the prefix cache.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.engine.faults import is_device_fault
+from kvserve.layers.attention import ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+# Steps as (computed, new) per sequence: batches of short prompts of 5, 16, 21 and 32 rows, and
+# one whose longest query passes 64 tokens, its second sequence with cached context.
+SHAPES = (((0, 2), (0, 3)), ((0, 7), (0, 9)), ((0, 9), (0, 12)), ((0, 15), (0, 17)), ((0, 70), (16, 30)))
+LOGIT_ROWS = (1, 2, 16, 17, 32)
+
+
+def blocks_needed(block_size: int) -> int:
+    return max(sum(-(-(c + n) // block_size) for c, n in shape) for shape in SHAPES)
+
+
+def _tables(shape, block_size: int, scratch: list[int]) -> list[tuple[int, int, list[int]]]:
+    seqs, free = [], list(scratch)
+    for c, n in shape:
+        k = -(-(c + n) // block_size)
+        seqs.append((c, n, free[:k]))
+        free = free[k:]
+    return seqs
+
+
+def warm_eager(runner, scratch: list[int], model=None, groups: int = 1) -> None:
+    """Run each shape through ``runner._forward`` (``model``: a draft's (model, KV layers,
+    graphs), as its steps pass it) on the block numbers ``scratch``, then the LM head over
+    ``LOGIT_ROWS`` rows. ``groups``: the target's KV groups (sliding-window models), each given
+    the same scratch tables. A failure other than the device's is logged and start-up goes on:
+    the steps would compile their kernels when they come, as they did without the warm-up."""
+    try:
+        _warm(runner, scratch, model, groups)
+    except Exception as e:  # noqa: BLE001 - an optimisation; the device's own faults still end start-up
+        if is_device_fault(e):
+            raise
+        log.warning("the eager steps' kernels were not compiled at start-up (%r); the first steps of "
+                    "each shape compile them", e)
+
+
+@torch.inference_mode()
+def _warm(runner, scratch: list[int], model, groups: int) -> None:
+    net = runner.model if model is None else model[0]
+    bs = runner.block_size
+    hidden = None
+    for shape in SHAPES:
+        if max(c + n for c, n in shape) > runner.max_model_len:  # no step of this engine is so long
+            continue
+        seqs = _tables(shape, bs, scratch)
+        ids = [(7 * i + 3) % runner.arch.vocab_size for i in range(sum(n for _, n in shape))]
+        group_seqs = [seqs] * (groups - 1) if groups > 1 else None
+        hidden, _ = runner._forward(ids, seqs, model=model, group_seqs=group_seqs)
+    for m in LOGIT_ROWS if hidden is not None else ():
+        if model is None:
+            runner._logits(hidden[:m])
+        else:
+            with forward_context(ForwardContext(None, [], runner.backend)):
+                net.compute_logits(hidden[:m])
+    if hidden is not None and runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
