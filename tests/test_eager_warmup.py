@@ -59,3 +59,17 @@ def test_warmup_keeps_to_the_engines_context_length(caplog):
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)] for warm in (False, True)]
     assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0])
     assert "not compiled" not in caplog.text
+
+
+def test_warmup_with_few_scratch_blocks_runs_the_shapes_that_fit(caplog, monkeypatch):
+    """A pool smaller than ``blocks_needed`` (the draft model's as much as the target's) runs the
+    shapes its scratch blocks hold and leaves out the rest, without an error."""
+    ran = []
+    llm = _engine(False)
+    rt = llm.engine.runner
+    real = rt._forward
+    monkeypatch.setattr(rt, "_forward", lambda ids, seqs, **kw: (ran.append(len(seqs)), real(ids, seqs, **kw))[1])
+    eager_warmup.warm_eager(rt, [0, 1, 2])
+    assert 0 < len(ran) < len(eager_warmup.SHAPES + eager_warmup.DECODE_SHAPES)
+    assert eager_warmup.blocks_needed(rt.block_size) > 3
+    assert "not compiled" not in caplog.text

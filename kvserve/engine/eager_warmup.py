@@ -6,13 +6,16 @@ that are 1 or multiples of 16. Start-up meets only some of an engine's: the prof
 is one lone prompt (cuDNN's attention, not the paged prefill kernel) and the CUDA graphs hold
 decode steps. So the first batch of prompts, the first prompt with a cached prefix, the first
 verify step run eagerly and a draft model's catch-up steps each compiled kernels in a request's
-time: 0.3 to 1.5 s apiece, several seconds over a server's first requests.
+time: on an H100, an 8B engine's first batches took 1.5 to 3.1 s longer than the same batches
+later, two or three compiles each (``benchmarks/first_requests.py``).
 
 The shapes below reach the specializations that steps depend on: the prefill kernel's two tile
 sizes (a step's longest query up to 64 tokens, or past it), with and without cached context;
 the skinny GEMM's row tiers (1, 2 to 16, 17 to 32 rows), each with a row count that is a
-multiple of 16 and one that is not, in the projections and the LM head. The block tables' width
-varies from step to step without mattering: the prefill kernel does not specialize on it.
+multiple of 16 and one that is not, in the projections and the LM head; decode steps run
+eagerly, with block tables one, two and sixteen blocks wide (the decode kernel specializes on the
+width; where graphs hold the decode steps this costs a few eager steps at start-up). The prefill
+kernel does not specialize on the width, which changes from step to step.
 
 The forwards write KV into scratch blocks that no request holds (the target's highest block
 numbers before any request exists; the draft model's from its own pool, given back). Nothing
@@ -31,13 +34,22 @@ from kvserve.layers.attention import ForwardContext, forward_context
 log = logging.getLogger(__name__)
 
 # Steps as (computed, new) per sequence: batches of short prompts of 5, 16, 21 and 32 rows, and
-# one whose longest query passes 64 tokens, its second sequence with cached context.
-SHAPES = (((0, 2), (0, 3)), ((0, 7), (0, 9)), ((0, 9), (0, 12)), ((0, 15), (0, 17)), ((0, 70), (16, 30)))
+# one whose longest query passes 64 tokens (65: the shortest that does), its second sequence with
+# cached context. Then decode steps run eagerly, as they run where no graph holds them (a
+# sliding-window model's KV groups, enforce_eager, a batch past the graphs): block tables one,
+# two and sixteen blocks wide, since the decode kernel specializes on the width.
+SHAPES = (((0, 2), (0, 3)), ((0, 7), (0, 9)), ((0, 9), (0, 12)), ((0, 15), (0, 17)), ((0, 65), (16, 30)))
+DECODE_SHAPES = (((3, 1),), ((3, 1), (20, 1)), ((250, 1), (3, 1)))
 LOGIT_ROWS = (1, 2, 16, 17, 32)
 
 
+def _blocks(shape, block_size: int) -> int:
+    return sum(-(-(c + n) // block_size) for c, n in shape)
+
+
 def blocks_needed(block_size: int) -> int:
-    return max(sum(-(-(c + n) // block_size) for c, n in shape) for shape in SHAPES)
+    """Scratch blocks for every shape; with fewer, the shapes that do not fit are left out."""
+    return max(_blocks(shape, block_size) for shape in SHAPES + DECODE_SHAPES)
 
 
 def _tables(shape, block_size: int, scratch: list[int]) -> list[tuple[int, int, list[int]]]:
@@ -52,9 +64,10 @@ def _tables(shape, block_size: int, scratch: list[int]) -> list[tuple[int, int, 
 def warm_eager(runner, scratch: list[int], model=None, groups: int = 1) -> None:
     """Run each shape through ``runner._forward`` (``model``: a draft's (model, KV layers,
     graphs), as its steps pass it) on the block numbers ``scratch``, then the LM head over
-    ``LOGIT_ROWS`` rows. ``groups``: the target's KV groups (sliding-window models), each given
-    the same scratch tables. A failure other than the device's is logged and start-up goes on:
-    the steps would compile their kernels when they come, as they did without the warm-up."""
+    ``LOGIT_ROWS`` rows. Shapes longer than the engine's context, or needing more blocks than
+    ``scratch`` holds, are left out. ``groups``: the target's KV groups (sliding-window models),
+    each given the same scratch tables. A failure other than the device's is logged and start-up
+    goes on: the steps would compile their kernels when they come, as they did without this."""
     try:
         _warm(runner, scratch, model, groups)
     except Exception as e:  # noqa: BLE001 - an optimisation; the device's own faults still end start-up
@@ -66,21 +79,24 @@ def warm_eager(runner, scratch: list[int], model=None, groups: int = 1) -> None:
 
 @torch.inference_mode()
 def _warm(runner, scratch: list[int], model, groups: int) -> None:
-    net = runner.model if model is None else model[0]
+    net, layers = (runner.model, runner.kv_cache.layers) if model is None else model[:2]
     bs = runner.block_size
     hidden = None
-    for shape in SHAPES:
-        if max(c + n for c, n in shape) > runner.max_model_len:  # no step of this engine is so long
-            continue
+    for shape in SHAPES + DECODE_SHAPES:
+        if max(c + n for c, n in shape) > runner.max_model_len or _blocks(shape, bs) > len(scratch):
+            continue  # no step of this engine is so long, or too few scratch blocks
         seqs = _tables(shape, bs, scratch)
         ids = [(7 * i + 3) % runner.arch.vocab_size for i in range(sum(n for _, n in shape))]
         group_seqs = [seqs] * (groups - 1) if groups > 1 else None
-        hidden, _ = runner._forward(ids, seqs, model=model, group_seqs=group_seqs)
+        # Without graphs: a decode shape runs eagerly, as where no graph holds it.
+        out, _ = runner._forward(ids, seqs, model=(net, layers, None), group_seqs=group_seqs)
+        if shape in SHAPES:
+            hidden = out
     for m in LOGIT_ROWS if hidden is not None else ():
         if model is None:
             runner._logits(hidden[:m])
         else:
             with forward_context(ForwardContext(None, [], runner.backend)):
                 net.compute_logits(hidden[:m])
-    if hidden is not None and runner.device.type == "cuda":
+    if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

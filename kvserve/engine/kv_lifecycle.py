@@ -61,11 +61,10 @@ class KVLifecycle:
             if not self.config.enforce_eager and (plan.groups is None or plan.groups.num_groups == 1):
                 with timed(self.startup_seconds, "graphs"):
                     self.capture_graphs()
-            n = eager_warmup.blocks_needed(self.block_size)
             # Once: at a wake the shapes are compiled already. Tensor-parallel ranks and KIVI
             # caches (residual rows) step differently; they compile at their first steps.
-            if "eager_warmup" not in self.startup_seconds and self.tp is None and not self.kv_format.kivi \
-                    and plan.num_blocks >= n:
+            if "eager_warmup" not in self.startup_seconds and self.tp is None and not self.kv_format.kivi:
+                n = min(eager_warmup.blocks_needed(self.block_size), plan.num_blocks)
                 with timed(self.startup_seconds, "eager_warmup"):
                     eager_warmup.warm_eager(self, list(range(plan.num_blocks - n, plan.num_blocks)),
                                             groups=plan.groups.num_groups if plan.groups is not None else 1)

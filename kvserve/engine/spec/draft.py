@@ -30,6 +30,7 @@ from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.device import default_dtype
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.request import Request
+from kvserve.engine.startup import timed
 from kvserve.errors import ConfigError
 from kvserve.layers.attention import ForwardContext, forward_context
 from kvserve.layers.weight_init import loaded_later
@@ -86,9 +87,10 @@ class DraftModel:
                                        rows=True)
             self.graphs.capture_all()  # before serving: the draft's graphs are small
         if dev.type == "cuda" and runner.backend.name == "triton":  # its eager steps' kernels, too
-            scratch = self.pool.allocate(eager_warmup.blocks_needed(self.block_size))
-            eager_warmup.warm_eager(runner, scratch, model=(self.model, self.kv.layers, self.graphs))
-            self.pool.free(scratch[::-1])
+            with timed(runner.startup_seconds, "eager_warmup"):
+                scratch = self.pool.allocate(min(eager_warmup.blocks_needed(self.block_size), num_blocks))
+                eager_warmup.warm_eager(runner, scratch, model=(self.model, self.kv.layers, self.graphs))
+                self.pool.free(scratch[::-1])
 
     @staticmethod
     def _load(config: EngineConfig, spec: SpeculativeConfig, target: loader.ModelSource, runner):
