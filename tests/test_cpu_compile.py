@@ -3,8 +3,9 @@ greedy tokens equal to transformers' on a random small Llama whose projections l
 grid (kvserve loads them as int8, transformers as the float values), float32, one-token steps (a
 1-token prompt, one sequence decoding) taking the compiled graph and larger steps (prompts,
 batches) the eager model, in one engine; the model compiled as one graph; int4-packed weights in
-bfloat16 against the eager engine; a float model, or a compiler that fails, leaves an eager
-engine that says why; bad settings refused."""
+bfloat16 against the eager engine; two compiled engines of one model class, other weights, each
+keep to their own; a float model, or a compiler that fails, leaves an eager engine that says
+why; bad settings refused."""
 from __future__ import annotations
 
 import pytest
@@ -84,6 +85,29 @@ def test_compiled_int4_bfloat16_matches_eager():
         for lg, lw, t in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, w.outputs[0].token_ids, strict=True):
             # inductor rounds fused bfloat16 ops once where eager rounds after each
             assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=0.05)
+
+
+@pytest.mark.slow
+def test_compiled_engines_of_one_model_class_keep_to_their_own_weights():
+    """Dynamo's guards on the model's modules are skipped (``cpu_compile.CompiledDecode``): each
+    engine compiles a code object of its own, so two engines of one model class with other
+    weights, decoding in turns in one process, each decode as their eager twins do."""
+    kw = dict(quantization="int8", kv_cache_memory="16MiB", show_progress=False)
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of((1, 5))]
+    compiled = [LLM("dummy:tiny", seed=s, kernel=KernelConfig(cpu_compile=True), **kw) for s in (0, 1)]
+    assert all(e.engine.runner.compiled is not None for e in compiled)
+    got = {s: [] for s in (0, 1)}
+    for p in prompts:  # in turns, one request at a time: every decode step compiled
+        for s in (0, 1):
+            got[s].append(compiled[s].generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+    for s in (0, 1):
+        eager = LLM("dummy:tiny", seed=s, **kw)
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        assert got[s] == want, f"seed {s}"
+        # every decode step, and the 1-token prompt's own step
+        assert compiled[s].engine.runner.compiled.calls == len(prompts) * (N_NEW - 1) + 1
+    assert got[0] != got[1]  # the weights differ, and so do the tokens
 
 
 def test_a_float_model_or_a_failing_compiler_leaves_an_eager_engine(monkeypatch, capsys):

@@ -197,16 +197,18 @@ _COMPILED_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _COMPILED_MODELS = itertools.count()
 
 
-def compiled_layers(model: torch.nn.Module) -> None:
+def compiled_layers(model: torch.nn.Module) -> int:
     """Let a compiled ``model``'s attention ops find their layers by a key, the ops' argument:
     the model's number among those compiled in this process, then the layer's index. The key
     is part of the graph, so a process's first compiled model has the same graph in every
-    process, and inductor's on-disk cache serves it (an object's id would make it new each time)."""
-    base = next(_COMPILED_MODELS) << 16
+    process, and inductor's on-disk cache serves it (an object's id would make it new each time).
+    Returns the model's number."""
+    number = next(_COMPILED_MODELS)
     for m in model.modules():
         if hasattr(m, "layer_idx") and hasattr(m, "rope"):
-            m.compiled_key = base + m.layer_idx
+            m.compiled_key = (number << 16) + m.layer_idx
             _COMPILED_LAYERS[m.compiled_key] = m
+    return number
 
 
 # It writes the layer's KV cache, which is no input of the op: each layer's call depends on the
