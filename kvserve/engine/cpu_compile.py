@@ -48,6 +48,7 @@ class CompiledDecode:
         fwd = type(model).forward
         code = fwd.__code__.replace(co_name=f"{fwd.__name__}_compiled_{number}")
         own = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
+        own.__kwdefaults__ = fwd.__kwdefaults__
         self.compiled = torch.compile(own.__get__(model), dynamic=None,
                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.calls = 0  # steps that took the compiled graph
