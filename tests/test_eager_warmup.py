@@ -23,7 +23,7 @@ def _engine(warm: bool, **kw) -> LLM:
         eager_warmup.warm_eager(rt, list(range(nb - n, nb)))
         d = eng.speculator.draft
         scratch = d.pool.allocate(n)
-        eager_warmup.warm_eager(rt, scratch, model=(d.model, d.kv.layers, d.graphs))
+        eager_warmup.warm_eager(rt, scratch, model=(d.model, d.kv.layers))
         d.pool.free(scratch[::-1])
     return llm
 

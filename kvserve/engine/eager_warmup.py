@@ -43,8 +43,12 @@ DECODE_SHAPES = (((3, 1),), ((3, 1), (20, 1)), ((250, 1), (3, 1)))
 LOGIT_ROWS = (1, 2, 16, 17, 32)
 
 
+def _seq_blocks(c: int, n: int, block_size: int) -> int:
+    return -(-(c + n) // block_size)
+
+
 def _blocks(shape, block_size: int) -> int:
-    return sum(-(-(c + n) // block_size) for c, n in shape)
+    return sum(_seq_blocks(c, n, block_size) for c, n in shape)
 
 
 def blocks_needed(block_size: int) -> int:
@@ -55,15 +59,15 @@ def blocks_needed(block_size: int) -> int:
 def _tables(shape, block_size: int, scratch: list[int]) -> list[tuple[int, int, list[int]]]:
     seqs, free = [], list(scratch)
     for c, n in shape:
-        k = -(-(c + n) // block_size)
+        k = _seq_blocks(c, n, block_size)
         seqs.append((c, n, free[:k]))
         free = free[k:]
     return seqs
 
 
 def warm_eager(runner, scratch: list[int], model=None, groups: int = 1) -> None:
-    """Run each shape through ``runner._forward`` (``model``: a draft's (model, KV layers,
-    graphs), as its steps pass it) on the block numbers ``scratch``, then the LM head over
+    """Run each shape through ``runner._forward``, eagerly (``model``: a draft's (model, KV
+    layers); None: the runner's own) on the block numbers ``scratch``, then the LM head over
     ``LOGIT_ROWS`` rows. Shapes longer than the engine's context, or needing more blocks than
     ``scratch`` holds, are left out. ``groups``: the target's KV groups (sliding-window models),
     each given the same scratch tables. A failure other than the device's is logged and start-up
@@ -79,7 +83,7 @@ def warm_eager(runner, scratch: list[int], model=None, groups: int = 1) -> None:
 
 @torch.inference_mode()
 def _warm(runner, scratch: list[int], model, groups: int) -> None:
-    net, layers = (runner.model, runner.kv_cache.layers) if model is None else model[:2]
+    net, layers = (runner.model, runner.kv_cache.layers) if model is None else model
     bs = runner.block_size
     hidden = None
     for shape in SHAPES + DECODE_SHAPES:

@@ -89,7 +89,7 @@ class DraftModel:
         if dev.type == "cuda" and runner.backend.name == "triton":  # its eager steps' kernels, too
             with timed(runner.startup_seconds, "eager_warmup"):
                 scratch = self.pool.allocate(min(eager_warmup.blocks_needed(self.block_size), num_blocks))
-                eager_warmup.warm_eager(runner, scratch, model=(self.model, self.kv.layers, self.graphs))
+                eager_warmup.warm_eager(runner, scratch, model=(self.model, self.kv.layers))
                 self.pool.free(scratch[::-1])
 
     @staticmethod
