@@ -150,13 +150,18 @@ class _Clock:
         return self.t
 
 
-def _run(choice, clock, steps, batch, cost):
-    """``steps`` back-to-back pure decode steps; ``cost[drafted]``: seconds per token."""
+def _run(choice, clock, steps, batch, cost, first_look_step=None):
+    """``steps`` back-to-back pure decode steps; ``cost[drafted]``: seconds per token. With
+    ``first_look_step``, the first step of each run of that side costs that many seconds per
+    token instead (a draft model catching up on the tokens decoded without it)."""
     sides = []
     for _ in range(steps):
         drafted = choice.drafts(batch)
+        per_token = cost[drafted]
+        if first_look_step is not None and drafted and not (sides and sides[-1]):
+            per_token = first_look_step
         launched = clock.t
-        clock.t += cost[drafted] * batch
+        clock.t += per_token * batch
         choice.record(batch, drafted, batch, launched, pure=True)
         sides.append(drafted)
     return sides
@@ -193,7 +198,8 @@ def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
     choice = DraftOrPlain(clock)
     choice.record(32, False, 32, 0.0, pure=False)  # the prefill before: an end, not a sample
     warm = 2 * WARMUP_STEPS
-    sides = _run(choice, clock, warm + 3 * PROBE_EVERY, 32, {True: 1.3e-3, False: 1e-3})
+    # Drafted steps 2% dearer per token: a look costs little, so the gaps double.
+    sides = _run(choice, clock, warm + 3 * PROBE_EVERY, 32, {True: 1.02e-3, False: 1e-3})
     # Drafted first, then plain, each until measured WARMUP_STEPS times.
     assert sides[:warm] == [True] * WARMUP_STEPS + [False] * WARMUP_STEPS
     # Then plain, drafting only while looked at again: PROBE_STEPS at a time, the first look
@@ -203,23 +209,76 @@ def test_draft_or_plain_takes_the_measured_cheaper_side_and_looks_again():
     gaps = _gaps(looks, 0)
     assert gaps[:4] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST]
     assert max(gaps) == PROBE_EVERY and gaps[-1] == PROBE_EVERY
-    # A bucket of its own: batch 8, where drafting costs half as much. Far apart, the gaps grow
-    # to four times as long.
-    sides = _run(choice, clock, warm + 12 * PROBE_EVERY, 8, {True: 1e-3, False: 2e-3})
+    # A bucket of its own: batch 8, where plain steps cost twice as much. It warms up with the
+    # choice of the bucket nearest it (plain), then drafts. A look at plain steps costs 4 steps
+    # x 8 tokens x (2 - 1) = 32 tokens' worth of drafting: 1% of that many tokens is 400 steps.
+    sides = _run(choice, clock, warm + 6 * 404, 8, {True: 1e-3, False: 2e-3})
+    assert sides[:warm] == [False] * WARMUP_STEPS + [True] * WARMUP_STEPS
     looks = _looks(sides[warm:], False)
     assert all(n == PROBE_STEPS for _, n in looks)
-    gaps = _gaps(looks, 0)
-    assert gaps[0] == PROBE_FIRST and gaps[-1] == max(gaps) == 4 * PROBE_EVERY
+    assert _gaps(looks, 0) == [PROBE_FIRST] + [400] * (len(looks) - 1) and len(looks) >= 5
     # When drafting turns dearer (the text stops repeating), its own times switch sides once
-    # they are most of its window; the new choice is soon looked at again, then ever less often.
-    sides = _run(choice, clock, 2 * PROBE_EVERY, 8, {True: 4e-3, False: 2e-3})
+    # they are most of its window; the new choice is soon looked at again, then no more often
+    # than its cost allows (4 x 8 x (4/2 - 1) tokens: 400 steps again).
+    sides = _run(choice, clock, 2 * 404, 8, {True: 4e-3, False: 2e-3})
     switch = sides.index(False)
     assert sides[:4] == [True] * 4 and switch <= WARMUP_STEPS
     looks = _looks(sides[switch:], True)
     assert all(n == PROBE_STEPS for _, n in looks)
-    assert _gaps(looks, 0)[:3] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST]
+    assert _gaps(looks, 0)[:2] == [PROBE_FIRST, 400]
     # Below MEASURED_FROM decoding requests the rule alone decides, whatever the times say.
     assert _run(choice, clock, 50, MEASURED_FROM - 1, {True: 9e-3, False: 1e-3}) == [True] * 50
+
+
+def test_draft_or_plain_spaces_its_looks_by_what_they_cost():
+    """A draft model's first drafted step after plain ones catches up on the tokens decoded
+    meanwhile: one step, so the median of drafting's steps does not see it, but the look pays
+    it. The looks are spaced so that they cost about LOOK_SHARE of the time, with PROBE_MAX the
+    longest gap."""
+    from kvserve.engine.spec.policy import LOOK_SHARE, PROBE_MAX, PROBE_STEPS, WARMUP_STEPS, DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    choice.record(32, False, 32, 0.0, pure=False)
+    cost = {True: 1.3e-3, False: 1e-3}
+    steps = 2 * WARMUP_STEPS + 40_000
+    sides = _run(choice, clock, steps, 32, cost, first_look_step=12e-3)
+    looks = _looks(sides[2 * WARMUP_STEPS:], True)
+    assert len(looks) >= 4 and all(n == PROBE_STEPS for _, n in looks)
+    gaps = _gaps(looks, 0)
+    # A look: one catch-up step (12 ms a token) and three at 1.3 ms, against 1 ms plain:
+    # (12 + 3 * 1.3 - 4) * 32 tokens lost, and 1% of a gap's 32 tokens a step pays for them.
+    lost = (12 + 3 * 1.3 - 4) * 32
+    assert all(abs(g - lost / (LOOK_SHARE * 32)) <= 1 for g in gaps[1:])  # (1190: rounded up)
+    # What the looks after the first cost, over the plain steps' time from the first look on.
+    start = 2 * WARMUP_STEPS + looks[1][0]
+    spent = sum(12e-3 + (PROBE_STEPS - 1) * 1.3e-3 - PROBE_STEPS * 1e-3 for _ in looks[1:]) * 32
+    plain_time = sides[start:].count(False) * 32 * 1e-3
+    assert spent <= 1.05 * LOOK_SHARE * plain_time
+    # However dear a look, the choice is looked at again within PROBE_MAX steps.
+    clock2 = _Clock()
+    choice2 = DraftOrPlain(clock2)
+    choice2.record(32, False, 32, 0.0, pure=False)
+    sides = _run(choice2, clock2, 2 * WARMUP_STEPS + 3 * PROBE_MAX, 32, cost, first_look_step=1.0)
+    gaps = _gaps(_looks(sides[2 * WARMUP_STEPS:], True), 0)
+    assert gaps[1:] == [PROBE_MAX] * (len(gaps) - 1) and len(gaps) >= 3
+
+
+def test_a_new_bucket_warms_up_with_its_nearest_bucket_choice():
+    """While a batch drains, each smaller bucket is new; where the buckets around it decode
+    plain, its warm-up starts plain too rather than with drafted steps."""
+    from kvserve.engine.spec.policy import WARMUP_STEPS, DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    choice.record(32, False, 32, 0.0, pure=False)
+    _run(choice, clock, 2 * WARMUP_STEPS + 4, 32, {True: 2e-3, False: 1e-3})
+    assert choice.drafts(32) is False  # decided: plain
+    for batch in (20, 12, 6):  # buckets 5, 4, 3, each met for the first time
+        assert _run(choice, clock, WARMUP_STEPS, batch, {True: 2e-3, False: 1e-3}) == [False] * WARMUP_STEPS
+    # A bucket nearer a drafting one starts drafted: batch 200 (bucket 8) after batch 100
+    # (bucket 7) chose drafting.
+    _run(choice, clock, 2 * WARMUP_STEPS + 4, 100, {True: 1e-3, False: 2e-3})
+    assert choice.drafts(100) is True
+    assert _run(choice, clock, 3, 200, {True: 1e-3, False: 2e-3}) == [True] * 3
 
 
 def test_draft_or_plain_undoes_a_choice_made_on_a_bad_opening():

@@ -60,9 +60,10 @@ MEASURED_FROM = 4  # decoding requests from which the times decide; below, the r
 WARMUP_STEPS = 8  # measured steps of each side per batch-size bucket before the times decide
 WINDOW = 8  # a side's cost: the median of its latest steps (a one-off stall does not decide)
 PROBE_FIRST = 16  # steps of a bucket from a new choice to the first look at the side not taken
-PROBE_EVERY = 192  # the longest gap between two looks
+PROBE_EVERY = 192  # the longest gap between two looks reached by doubling
 PROBE_STEPS = 4
-FAR_APART = 1.5  # a cost ratio past which the slower side is looked at less often
+LOOK_SHARE = 0.01  # the most a bucket's looks may cost, as a share of the chosen side's time
+PROBE_MAX = 4096  # the longest gap between two looks however much a look costs
 CONTINUOUS_S = 0.05  # a step launched longer than this after the last one ended follows an idle gap
 
 
@@ -78,11 +79,20 @@ class DraftOrPlain:
     kept for both kinds (the median of the latest ``WINDOW``), each is tried ``WARMUP_STEPS``
     times (drafted first), then the cheaper one runs, with the other tried again for
     ``PROBE_STEPS`` steps at a time: first ``PROBE_FIRST`` steps after the choice, then at gaps
-    that double while the looks keep the choice, up to ``PROBE_EVERY`` steps (about 2% of steps
-    at the slower speed; a quarter of that where one side costs ``FAR_APART`` times the other).
-    A changed choice is looked at again soon. The warm-up steps are a request's first, where an
-    n-gram lookup has the least text to match: a choice they got wrong is undone within a few
-    dozen steps, not after hundreds.
+    that double while the looks keep the choice, up to ``PROBE_EVERY`` steps. A changed choice
+    is looked at again soon. The warm-up steps are a request's first, where an n-gram lookup has
+    the least text to match: a choice they got wrong is undone within a few dozen steps, not
+    after hundreds.
+
+    A look costs what its steps took beyond what the chosen side would have taken for the same
+    tokens, and that can be far more than its median step says: a draft model's first drafted
+    step after plain ones catches up on every token decoded since, and on the prompts of the
+    requests that came meanwhile (at batch 32 on an H100, a 1B draft's catch-up took 70-90 ms,
+    ten plain steps of an 8B target). So the gap after a look is also long enough for the look
+    to cost at most ``LOOK_SHARE`` of the chosen side's time over it (up to ``PROBE_MAX``
+    steps). A bucket met for the first time (the batch grows or drains) warms up with the side
+    its nearest decided bucket chose first, so a drain past buckets where drafting loses does
+    not open each with drafted steps.
 
     Below ``MEASURED_FROM`` decoding requests the rule alone decides: a verify step of up to
     nine rows per request costs about one plain step there (1.09-1.13 on an H200 at batch 1), so
@@ -101,6 +111,7 @@ class DraftOrPlain:
         self.decided: dict[int, int] = {}
         # per bucket: [the next look's first step, the gap before it, the side chosen]
         self.looks: dict[int, list] = {}
+        self.look_spent: dict[int, list] = {}  # per bucket: [seconds, tokens] of the current look
         self.last_end: float | None = None
 
     def drafts(self, num_decoding: int) -> bool:
@@ -110,7 +121,8 @@ class DraftOrPlain:
         b = num_decoding.bit_length()
         n = self.decided.get(b, 0)
         self.decided[b] = n + 1
-        for side in (True, False):
+        first = self._first_side(b)
+        for side in (first, not first):
             if self.measured.get((b, side), 0) < WARMUP_STEPS:
                 return side
         drafted, plain = self.cost((b, True)), self.cost((b, False))
@@ -118,12 +130,22 @@ class DraftOrPlain:
         look = self.looks.get(b)
         if look is None or look[2] != better:  # a first or a changed choice: look again soon
             look = self.looks[b] = [n + PROBE_FIRST, PROBE_FIRST, better]
+            self.look_spent.pop(b, None)
         elif n >= look[0] + PROBE_STEPS:  # a look that kept the choice: the next one later
-            # Far apart, the other side is looked at a quarter as often: each look costs more.
-            every = PROBE_EVERY * (4 if max(drafted, plain) > FAR_APART * min(drafted, plain) else 1)
-            look[1] = min(2 * look[1], every)
+            seconds, tokens = self.look_spent.pop(b, (0.0, 0))
+            # Tokens the chosen side would have emitted beyond the look's in the look's time.
+            lost = seconds / (drafted if better else plain) - tokens
+            paid_for = math.ceil(lost / (LOOK_SHARE * num_decoding)) if lost > 0 else 0
+            look[1] = max(min(2 * look[1], PROBE_EVERY), min(paid_for, PROBE_MAX))
             look[0] = n + look[1]
         return not better if look[0] <= n < look[0] + PROBE_STEPS else better
+
+    def _first_side(self, b: int) -> bool:
+        """The side a bucket warms up with: its nearest decided bucket's choice; drafted first
+        in an engine's first bucket."""
+        if not self.looks:
+            return True
+        return self.looks[min(self.looks, key=lambda d: (abs(d - b), -d))][2]
 
     def record(self, num_decoding: int, drafted: bool, tokens: int, launched: float, pure: bool) -> None:
         """A step launched at ``launched`` ends now; a pure decode step emitted ``tokens``."""
@@ -136,6 +158,11 @@ class DraftOrPlain:
         key = (num_decoding.bit_length(), drafted)
         self.recent.setdefault(key, deque(maxlen=WINDOW)).append((now - last) / tokens)
         self.measured[key] = self.measured.get(key, 0) + 1
+        look = self.looks.get(key[0])
+        if look is not None and drafted != look[2]:  # a step of a look at the side not chosen
+            spent = self.look_spent.setdefault(key[0], [0.0, 0])
+            spent[0] += now - last
+            spent[1] += tokens
 
     def cost(self, key: tuple[int, bool]) -> float:
         """Seconds per emitted token of a (bucket, drafted) side."""
