@@ -33,12 +33,13 @@ from kvserve.layers.attention import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
-# Steps as (computed, new) per sequence: batches of short prompts of 5, 16, 21 and 32 rows, and
-# one whose longest query passes 64 tokens (65: the shortest that does), its second sequence with
-# cached context. Then decode steps run eagerly, as they run where no graph holds them (a
+# Steps as (computed, new) per sequence: a lone prompt (SDPA's attention, its keys rotated in
+# place by the RoPE + KV write: a specialization of its own), batches of short prompts of 5, 16,
+# 21 and 32 rows, and one whose longest query passes 64 tokens (65: the shortest that does), its
+# second sequence with cached context. Then decode steps run eagerly, as they run where no graph holds them (a
 # sliding-window model's KV groups, enforce_eager, a batch past the graphs): block tables one,
 # two and sixteen blocks wide, since the decode kernel specializes on the width.
-SHAPES = (((0, 2), (0, 3)), ((0, 7), (0, 9)), ((0, 9), (0, 12)), ((0, 15), (0, 17)), ((0, 65), (16, 30)))
+SHAPES = (((0, 40),), ((0, 2), (0, 3)), ((0, 7), (0, 9)), ((0, 9), (0, 12)), ((0, 15), (0, 17)), ((0, 65), (16, 30)))
 DECODE_SHAPES = (((3, 1),), ((3, 1), (20, 1)), ((250, 1), (3, 1)))
 LOGIT_ROWS = (1, 2, 16, 17, 32)
 
