@@ -18,7 +18,9 @@ from kvserve.config import (
     SpeculativeConfig,
     parse_size,
 )
-from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.memory_controls import check_cache_salt
+from kvserve.engine.request_intake import PromptType
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
