@@ -263,6 +263,57 @@ def test_draft_or_plain_spaces_its_looks_by_what_they_cost():
     assert gaps[1:] == [PROBE_MAX] * (len(gaps) - 1) and len(gaps) >= 3
 
 
+def test_only_the_looks_own_steps_are_charged_to_them():
+    """Steps of the side not chosen that no look scheduled (a seeded request's drafted steps,
+    which the rule decides; a drafted step where no request found a draft, recorded as plain)
+    leave the gaps as they are; so does recording each step after the next is scheduled
+    (async scheduling)."""
+    from kvserve.engine.spec.policy import WARMUP_STEPS, DraftOrPlain
+    cost = {True: 1.05e-3, False: 1e-3}  # a look costs 6.4 tokens: under 1% of a doubled gap
+
+    def gaps(stray_every=0, stray_side=True, ahead=False, steps=3000):
+        clock = _Clock()
+        choice = DraftOrPlain(clock)
+        choice.record(32, False, 32, 0.0, pure=False)
+        sides, pending = [], None
+        for i in range(steps):
+            if stray_every and i > 2 * WARMUP_STEPS and i % stray_every == 0:
+                launched = clock.t  # not decided by drafts(): a stray step of stray_side
+                clock.t += cost[stray_side] * 32
+                choice.record(32, stray_side, 32, launched, pure=True)
+                continue
+            drafted = choice.drafts(32)
+            if pending is not None:  # the step before ends after this one was scheduled
+                choice.record(32, *pending)
+            launched = clock.t
+            clock.t += cost[drafted] * 32
+            sides.append(drafted)
+            if ahead:
+                pending = (drafted, 32, launched, True)
+            else:
+                choice.record(32, drafted, 32, launched, pure=True)
+        return _gaps(_looks(sides[2 * WARMUP_STEPS:], True), 0)
+
+    plain = gaps()
+    assert plain[:5] == [16, 32, 64, 128, 192]
+    assert gaps(stray_every=7, stray_side=True)[:5] == plain[:5]  # seeded drafted steps
+    ahead = gaps(ahead=True)  # each side's warm-up is measured a step later: the first look too
+    assert ahead[0] - plain[0] in (0, 1, 2) and ahead[1:5] == plain[1:5]
+
+
+def test_a_new_bucket_warms_up_with_its_nearest_bucket_choice_between_two():
+    from kvserve.engine.spec.policy import WARMUP_STEPS, DraftOrPlain
+    clock = _Clock()
+    choice = DraftOrPlain(clock)
+    choice.record(6, False, 6, 0.0, pure=False)
+    _run(choice, clock, 2 * WARMUP_STEPS + 2, 6, {True: 2e-3, False: 1e-3})  # bucket 3: plain
+    _run(choice, clock, 2 * WARMUP_STEPS + 2, 100, {True: 1e-3, False: 2e-3})  # bucket 7: drafted
+    assert choice.looks[3][2] is False and choice.looks[7][2] is True
+    assert _run(choice, clock, 1, 12, {True: 1e-3, False: 1e-3}) == [False]  # bucket 4: nearer 3
+    assert _run(choice, clock, 1, 40, {True: 1e-3, False: 1e-3}) == [True]  # bucket 6: nearer 7
+    assert _run(choice, clock, 1, 20, {True: 1e-3, False: 1e-3}) == [True]  # bucket 5: as near; the larger
+
+
 def test_a_new_bucket_warms_up_with_its_nearest_bucket_choice():
     """While a batch drains, each smaller bucket is new; where the buckets around it decode
     plain, its warm-up starts plain too rather than with drafted steps."""

@@ -76,23 +76,25 @@ class DraftOrPlain:
     proposing and verifying take host time. Where that outweighs what the accepted drafts save
     (large batches, or text the drafts rarely match), decoding without drafts is faster. So per
     batch-size bucket (powers of two) the wall time per emitted token of pure decode steps is
-    kept for both kinds (the median of the latest ``WINDOW``), each is tried ``WARMUP_STEPS``
-    times (drafted first), then the cheaper one runs, with the other tried again for
-    ``PROBE_STEPS`` steps at a time: first ``PROBE_FIRST`` steps after the choice, then at gaps
-    that double while the looks keep the choice, up to ``PROBE_EVERY`` steps. A changed choice
-    is looked at again soon. The warm-up steps are a request's first, where an n-gram lookup has
-    the least text to match: a choice they got wrong is undone within a few dozen steps, not
-    after hundreds.
+    kept for both kinds (the median of the latest ``WINDOW``), each is tried ``WARMUP_STEPS`` times
+    (drafted first in the engine's first bucket), then the cheaper one runs, with the other tried
+    again for ``PROBE_STEPS`` steps at a time: first ``PROBE_FIRST`` steps after the choice, then at
+    gaps that double while the looks keep the choice, up to ``PROBE_EVERY`` steps. A changed choice
+    is looked at again soon. The warm-up steps are a request's first, where an n-gram lookup has the
+    least text to match: a choice they got wrong is undone within a few dozen steps, not after
+    hundreds.
 
     A look costs what its steps took beyond what the chosen side would have taken for the same
-    tokens, and that can be far more than its median step says: a draft model's first drafted
-    step after plain ones catches up on every token decoded since, and on the prompts of the
-    requests that came meanwhile (at batch 32 on an H100, a 1B draft's catch-up took 70-90 ms,
-    ten plain steps of an 8B target). So the gap after a look is also long enough for the look
-    to cost at most ``LOOK_SHARE`` of the chosen side's time over it (up to ``PROBE_MAX``
-    steps). A bucket met for the first time (the batch grows or drains) warms up with the side
-    its nearest decided bucket chose first, so a drain past buckets where drafting loses does
-    not open each with drafted steps.
+    tokens, and that can be far more than its median step says: a draft model's first drafted step
+    after plain ones catches up on every token decoded since, and on the prompts of the requests
+    that came meanwhile (at batch 32 on an H100, a 1B draft's catch-up took 70-90 ms, ten plain
+    steps of an 8B target). So the gap after a look is also long enough for the look to cost at most
+    ``LOOK_SHARE`` of the chosen side's time over it (up to ``PROBE_MAX`` steps). Only steps this
+    class scheduled as a look are charged to it: a seeded request's drafted steps, which the rule
+    decides, and a drafted step in which no request found a draft are not looks. A bucket met for
+    the first time (the batch grows or drains) warms up with the side its nearest decided bucket
+    chose first (the larger of two as near), so a drain past buckets where drafting loses does not
+    open each with drafted steps.
 
     Below ``MEASURED_FROM`` decoding requests the rule alone decides: a verify step of up to
     nine rows per request costs about one plain step there (1.09-1.13 on an H200 at batch 1), so
@@ -111,7 +113,12 @@ class DraftOrPlain:
         self.decided: dict[int, int] = {}
         # per bucket: [the next look's first step, the gap before it, the side chosen]
         self.looks: dict[int, list] = {}
+        self.emitted: dict[tuple[int, bool], deque[int]] = {}  # tokens of a side's latest steps
         self.look_spent: dict[int, list] = {}  # per bucket: [seconds, tokens] of the current look
+        # Per bucket: look steps scheduled and not yet recorded. The next step is scheduled
+        # before the last one is recorded (async scheduling), so a look's last step is charged
+        # to the next look; every look is charged four steps all the same.
+        self.look_owed: dict[int, int] = {}
         self.last_end: float | None = None
 
     def drafts(self, num_decoding: int) -> bool:
@@ -131,14 +138,21 @@ class DraftOrPlain:
         if look is None or look[2] != better:  # a first or a changed choice: look again soon
             look = self.looks[b] = [n + PROBE_FIRST, PROBE_FIRST, better]
             self.look_spent.pop(b, None)
+            self.look_owed[b] = 0
         elif n >= look[0] + PROBE_STEPS:  # a look that kept the choice: the next one later
             seconds, tokens = self.look_spent.pop(b, (0.0, 0))
-            # Tokens the chosen side would have emitted beyond the look's in the look's time.
-            lost = seconds / (drafted if better else plain) - tokens
-            paid_for = math.ceil(lost / (LOOK_SHARE * num_decoding)) if lost > 0 else 0
+            self.look_owed[b] = min(self.look_owed.get(b, 0), 1)  # the look's last step, in flight
+            # Tokens the chosen side would have emitted beyond the look's in the look's time, over
+            # the tokens a step of it emits: the steps that make up for the look.
+            lost = seconds / max(drafted if better else plain, 1e-9) - tokens
+            per_step = max(statistics.mean(self.emitted[b, better]), 1)
+            paid_for = math.ceil(lost / (LOOK_SHARE * per_step)) if lost > 0 else 0
             look[1] = max(min(2 * look[1], PROBE_EVERY), min(paid_for, PROBE_MAX))
             look[0] = n + look[1]
-        return not better if look[0] <= n < look[0] + PROBE_STEPS else better
+        if look[0] <= n < look[0] + PROBE_STEPS:
+            self.look_owed[b] = self.look_owed.get(b, 0) + 1
+            return not better
+        return better
 
     def _first_side(self, b: int) -> bool:
         """The side a bucket warms up with: its nearest decided bucket's choice; drafted first
@@ -157,9 +171,11 @@ class DraftOrPlain:
         # after it also pays the host time between the two.
         key = (num_decoding.bit_length(), drafted)
         self.recent.setdefault(key, deque(maxlen=WINDOW)).append((now - last) / tokens)
+        self.emitted.setdefault(key, deque(maxlen=WINDOW)).append(tokens)
         self.measured[key] = self.measured.get(key, 0) + 1
         look = self.looks.get(key[0])
-        if look is not None and drafted != look[2]:  # a step of a look at the side not chosen
+        if look is not None and drafted != look[2] and self.look_owed.get(key[0], 0) > 0:  # a look's step
+            self.look_owed[key[0]] -= 1
             spent = self.look_spent.setdefault(key[0], [0.0, 0])
             spent[0] += now - last
             spent[1] += tokens
