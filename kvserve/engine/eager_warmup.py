@@ -1,13 +1,13 @@
 """Start-up forwards over the shapes of eager steps, so that Triton compiles their kernels then
 and not in the time of the first requests that meet them.
 
-Triton compiles a kernel once per specialization: its constexprs and the integer arguments
-that are 1 or multiples of 16. Start-up meets only some of an engine's: the profiling forward
-is one lone prompt (cuDNN's attention, not the paged prefill kernel) and the CUDA graphs hold
-decode steps. So the first batch of prompts, the first prompt with a cached prefix, the first
-verify step run eagerly and a draft model's catch-up steps each compiled kernels in a request's
-time: on an H100, an 8B engine's first batches took 1.5 to 3.1 s longer than the same batches
-later, two or three compiles each (``benchmarks/first_requests.py``).
+Triton compiles a kernel once per specialization: its constexprs and the integer arguments that
+are 1 or multiples of 16. Start-up meets only some of an engine's: the profiling forward is one
+step's shape and the CUDA graphs hold decode steps. So the first batch of prompts, the first
+prompt with a cached prefix, the first verify step run eagerly and a draft model's catch-up
+steps each compiled kernels in a request's time: on an H100, an 8B engine's first batches took
+1.5 to 3.1 s longer than the same batches later, two or three compiles each
+(``benchmarks/first_requests.py``).
 
 The shapes below reach the specializations that steps depend on: the prefill kernel's two tile
 sizes (a step's longest query up to 64 tokens, or past it), with and without cached context;
@@ -33,12 +33,13 @@ from kvserve.layers.attention import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
-# Steps as (computed, new) per sequence: a lone prompt (SDPA's attention, its keys rotated in
-# place by the RoPE + KV write: a specialization of its own), batches of short prompts of 5, 16,
-# 21 and 32 rows, and one whose longest query passes 64 tokens (65: the shortest that does), its
-# second sequence with cached context. Then decode steps run eagerly, as they run where no graph holds them (a
-# sliding-window model's KV groups, enforce_eager, a batch past the graphs): block tables one,
-# two and sixteen blocks wide, since the decode kernel specializes on the width.
+# Steps as (computed, new) per sequence: a lone prompt (into a compressed cache, SDPA's attention
+# with its keys rotated in place by the RoPE + KV write: a specialization of its own), batches of
+# short prompts of 5, 16, 21 and 32 rows, and one whose longest query passes 64 tokens (65: the
+# shortest that does), its second sequence with cached context. Then decode steps run eagerly, as
+# they run where no graph holds them (a sliding-window model's KV groups, enforce_eager, a batch
+# past the graphs): block tables one, two and sixteen blocks wide, since the decode kernel
+# specializes on the width.
 SHAPES = (((0, 40),), ((0, 2), (0, 3)), ((0, 7), (0, 9)), ((0, 9), (0, 12)), ((0, 15), (0, 17)), ((0, 65), (16, 30)))
 DECODE_SHAPES = (((3, 1),), ((3, 1), (20, 1)), ((250, 1), (3, 1)))
 LOGIT_ROWS = (1, 2, 16, 17, 32)

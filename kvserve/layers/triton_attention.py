@@ -2,9 +2,10 @@
 (``ROUTES``) from the step's phase and the cache's kind:
 
     phase    decode: every sequence brings one token (paged flash-decoding)
-             prompt: one whole prompt with nothing cached (SDPA, cuDNN/flash, on its own K/V)
-             prefill: anything else: batched prompts, chunked prefill, prefix-cache hits, mixed
-                      prefill + decode (the paged varlen prefill kernel)
+             prompt: one whole prompt with nothing cached, into a compressed cache (SDPA,
+                     cuDNN/flash, on its own K/V in full precision)
+             prefill: anything else: prompts alone or batched, chunked prefill, prefix-cache
+                      hits, mixed prefill + decode (the paged varlen prefill kernel)
     cache    plain (the model's dtype), 8bit (fp8/int8), kivi (int4/int2 through the Triton
              kernels), kivi4 (KIVI int4 that the Gluon decode kernel takes)
 
@@ -17,9 +18,8 @@ A layer with a sliding window (Gemma 3's local layers) passes it to both Triton 
 prompt longer than its window takes the paged prefill kernel rather than SDPA's causal one, and
 a KIVI int4 decode the Triton kernel rather than the Gluon one (which has no window). Streaming
 KV eviction likewise: a step with a ``kv_budget`` hands each sequence's sink and recent span to
-both kernels (``kernels.common.Streaming``), which skip the evicted keys, and a lone prompt that
-some of its queries see only in part takes the paged prefill kernel. (Eviction keeps the cache
-uncompressed, so these steps take the plain routes.)
+both kernels (``kernels.common.Streaming``), which skip the evicted keys. (Eviction keeps the
+cache uncompressed, so these steps take the plain routes: every prompt the paged prefill kernel.)
 """
 from __future__ import annotations
 
@@ -149,6 +149,13 @@ ROUTES: dict[tuple[str, str], Route] = {
 }
 
 
+# The caches a lone prompt attends through SDPA, on its own K/V in full precision: the compressed
+# ones, which the paged kernel would read back quantized. Into a plain cache the paged kernel reads
+# the very K/V SDPA would, as fast from 2k to 16k tokens (an 8B model on an H100), and never
+# builds a plan per shape as cuDNN does (benchmarks/lone_prompt.py).
+SDPA_PROMPT_CACHES = ("8bit", "kivi")
+
+
 def step_phase(meta: AttentionMetadata) -> str:
     """The step's phase (module docstring). A lone whole prompt attends to its own keys in full
     precision (it computed them just now), whatever the cache stores."""
@@ -198,6 +205,8 @@ class TritonPagedAttention:
         if phase == "prompt" and window is not None and meta.max_query_len > window:
             phase = "prefill"
         kind = cache_kind(k_cache, q, phase, self.kernel)
+        if phase == "prompt" and kind not in SDPA_PROMPT_CACHES:
+            phase = "prefill"
         if kind == "kivi4" and window is not None:
             kind = "kivi"
         route = ROUTES[phase, kind]
@@ -214,16 +223,34 @@ def streaming_spans(kv_budgets: list[int | None], block_size: int, device: torch
     return Streaming(SINK_BLOCKS * block_size, torch.tensor(recent, dtype=torch.int32).to(device, non_blocking=True))
 
 
+def sdpa_padded_len(t: int) -> int:
+    """The length a lone prompt is padded to for SDPA: up to a multiple of an eighth of the
+    power of two at or below ``t``, and of 64 at least. At most 1/8 longer (64 tokens below
+    512), and eight lengths per doubling: 40 up to 8,192 tokens."""
+    step = max(64, (1 << (max(t, 1).bit_length() - 1)) // 8)
+    return -(-t // step) * step
+
+
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One prompt with no cached context: the library's fastest causal kernel on contiguous
     K/V. K/V heads are expanded for GQA (cuDNN takes no grouped heads); at prefill sizes that
-    copy is small against the attention's arithmetic."""
-    H, KVH = q.shape[1], k.shape[1]
-    # Dense [1, H, T, D] copies: q/k/v arrive as strided views of the packed qkv projection,
+    copy is small against the attention's arithmetic.
+
+    cuDNN builds an execution plan for each shape it meets: 41-67 ms each on an H200 for an 8B
+    model's heads, paid by the first prompt of each length. So the prompt is padded at its end to
+    ``sdpa_padded_len``: an engine meets at most eight shapes per doubling of length. Causal
+    attention keeps every real row exact: row i sees keys 0..i, none of the padding. (A prompt
+    into a plain cache takes the paged prefill kernel instead, which plans nothing.)"""
+    T, H, D = q.shape
+    KVH, P = k.shape[1], sdpa_padded_len(q.shape[0])
+    # Dense [1, H, P, D] copies: q/k/v arrive as strided views of the packed qkv projection,
     # and the fused kernels behind SDPA are only trusted on plain layouts.
-    qt = q.transpose(0, 1).unsqueeze(0).contiguous()
-    kt = k.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0).contiguous()
-    vt = v.transpose(0, 1).repeat_interleave(H // KVH, dim=0).unsqueeze(0).contiguous()
+    qt, kt, vt = (q.new_empty(1, H, P, D) for _ in range(3))
+    qt[0, :, :T] = q.transpose(0, 1)
+    for dst, src in ((kt, k), (vt, v)):
+        dst[0, :, :T].unflatten(0, (KVH, H // KVH)).copy_(src.transpose(0, 1).unsqueeze(1).expand(KVH, H // KVH, T, D))
+    for x in (qt, kt, vt):
+        x[0, :, T:].zero_()  # padded rows attend to real keys and zeros: finite, and dropped
     with sdpa_kernel(list(_SDPA_ORDER), set_priority=True):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    return o.squeeze(0).transpose(0, 1)
+    return o[0, :, :T].transpose(0, 1)

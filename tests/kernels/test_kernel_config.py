@@ -4,6 +4,7 @@ validated, the step's layers read the backend's, and the Triton backend's table 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -114,6 +115,30 @@ def test_route_table():
     phases, kinds = ("decode", "prompt", "prefill"), ("plain", "8bit", "kivi")
     assert {(p, c) for p in phases for c in kinds} | {("decode", "kivi4")} == set(ROUTES)
     assert {key for key, r in ROUTES.items() if r.fuses_write} == {("decode", "plain"), ("decode", "kivi4")}
+
+
+def test_lone_prompt_attends_through_sdpa_only_into_a_compressed_cache(monkeypatch):
+    """A lone whole prompt: the paged prefill kernel where the cache is plain; SDPA on its own
+    full-precision K/V where the cache is compressed (the prefill kernel would read it back
+    quantized)."""
+    from kvserve.layers import triton_attention as ta
+    called = []
+    monkeypatch.setattr(ta, "paged_prefill_attention", lambda q, *a, **k: called.append("prefill") or q)
+    monkeypatch.setattr(ta, "_sdpa_causal", lambda q, *a: called.append("sdpa") or q)
+    monkeypatch.setattr(ta, "rope_kv_write", lambda *a, **k: None)
+    monkeypatch.setattr(ta, "rope_kv_write_quant", lambda *a, **k: None)
+    backend = get_backend("triton")
+    T = 12
+    q, k = torch.zeros(T, 8, 128), torch.zeros(T, 2, 128)
+    plain = torch.zeros(4, 16, 2, 128)
+    f = kf.KVFormat("fp8", 2, 128, 16, torch.bfloat16)
+    fp8 = f.views(torch.zeros(4, f.block_bytes, dtype=torch.uint8), None)
+    for cache, want in ((plain, "prefill"), (fp8, "sdpa")):
+        meta = _meta([T], [T])
+        backend.prepare(meta, torch.device("cpu"))
+        rope = types.SimpleNamespace(cos=None, sin=None)
+        backend.forward(torch.arange(T), q, k, k, rope, cache, cache if cache is plain else None, meta, 0.1)
+        assert called.pop() == want and not called
 
 
 def test_backend_passes_fused_rope_down(device, paged_kv):

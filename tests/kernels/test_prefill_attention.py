@@ -171,25 +171,39 @@ def test_prefill_real_size_shapes(device, paged_kv, H, KVH, D, page):
     _check(out, ref, cu, 1e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's fused GPU backends: needs CUDA")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="SDPA's fused GPU backends: needs CUDA"))])
 @pytest.mark.parametrize("T", [1, 37, 300, 1000, 4096])
 @pytest.mark.parametrize("strided", [False, True])
-def test_sdpa_plain_prompt_path(T, strided):
-    """The backend's plain-prompt path (SDPA, cuDNN first) on the layouts the model hands it:
-    q/k/v as views of one packed qkv tensor. Reference: float64 causal attention."""
+def test_sdpa_plain_prompt_path(T, strided, device):
+    """The backend's plain-prompt path (SDPA, cuDNN first; padded to ``sdpa_padded_len``) on the
+    layouts the model hands it: q/k/v as views of one packed qkv tensor. Reference: float64
+    causal attention over the real tokens only. (The CPU checks the padding, at float32.)"""
     from kvserve.layers.triton_attention import _sdpa_causal
-    H, KVH, D = 32, 8, 128
-    gen = torch.Generator(device="cuda").manual_seed(T)
-    qkv = torch.randn(T, (H + 2 * KVH) * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    H, KVH, D = (32, 8, 128) if device == "cuda" else (6, 2, 32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(T)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, device=device, dtype=dtype, generator=gen)
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
     q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
     if not strided:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _sdpa_causal(q, k, v, D ** -0.5)
+    assert out.shape == (T, H, D)
     kk = k.double().repeat_interleave(H // KVH, dim=1)
     vv = v.double().repeat_interleave(H // KVH, dim=1)
     att = torch.einsum("qhd,khd->hqk", q.double(), kk) * D ** -0.5
-    att = att.masked_fill(torch.ones(T, T, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    att = att.masked_fill(torch.ones(T, T, device=device, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", att.softmax(-1), vv)
     err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, f"T={T} strided={strided}: rel err {err:.3e}"
+    assert err < (1e-2 if device == "cuda" else 1e-5), f"T={T} strided={strided}: rel err {err:.3e}"
+
+
+def test_sdpa_padded_lengths_are_few_and_close():
+    """At most 1/8 (or 64 tokens) longer than the prompt, never shorter, and eight lengths per
+    doubling: cuDNN builds a plan per length it meets."""
+    from kvserve.layers.triton_attention import sdpa_padded_len
+    lens = [sdpa_padded_len(t) for t in range(1, 8193)]
+    assert all(p >= t and p - t <= max(63, t // 8) for t, p in zip(range(1, 8193), lens))
+    assert len(set(lens)) <= 40 and max(lens) == 8192
+    assert len({sdpa_padded_len(t) for t in range(8193, 16385)}) == 8
