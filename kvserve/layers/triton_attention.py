@@ -140,7 +140,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("decode", "8bit"): Route(_write_quant, _decode, False),
     ("decode", "kivi"): Route(_write_quant, _decode, False),
     ("decode", "kivi4"): Route(_write_quant, _decode_kivi4, True),
-    ("prompt", "plain"): Route(_write_plain, _prompt, False),
+    ("prompt", "plain"): Route(_write_plain, _prompt, False),  # only where SDPA_PROMPT_CACHES adds "plain"
     ("prompt", "8bit"): Route(_write_quant, _prompt, False),
     ("prompt", "kivi"): Route(_write_quant, _prompt, False),
     ("prefill", "plain"): Route(_write_plain, _prefill, False),
@@ -157,8 +157,9 @@ SDPA_PROMPT_CACHES = ("8bit", "kivi")
 
 
 def step_phase(meta: AttentionMetadata) -> str:
-    """The step's phase (module docstring). A lone whole prompt attends to its own keys in full
-    precision (it computed them just now), whatever the cache stores."""
+    """The step's phase (module docstring). A lone whole prompt is "prompt" whatever the cache;
+    ``forward`` sends it to SDPA, on its own keys in full precision, only where the cache is
+    compressed (``SDPA_PROMPT_CACHES``)."""
     if meta.max_query_len == 1:
         return "decode"
     plain_prompt = len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1

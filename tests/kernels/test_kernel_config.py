@@ -131,9 +131,12 @@ def test_lone_prompt_attends_through_sdpa_only_into_a_compressed_cache(monkeypat
     T = 12
     q, k = torch.zeros(T, 8, 128), torch.zeros(T, 2, 128)
     plain = torch.zeros(4, 16, 2, 128)
-    f = kf.KVFormat("fp8", 2, 128, 16, torch.bfloat16)
-    fp8 = f.views(torch.zeros(4, f.block_bytes, dtype=torch.uint8), None)
-    for cache, want in ((plain, "prefill"), (fp8, "sdpa")):
+    compressed = []
+    for name in ("fp8", "int8", "int4", "int2"):
+        f = kf.KVFormat(name, 2, 128, 64, torch.bfloat16)
+        compressed.append(f.views(torch.zeros(4, f.block_bytes, dtype=torch.uint8),
+                                  torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)))
+    for cache, want in ((plain, "prefill"), *((c, "sdpa") for c in compressed)):
         meta = _meta([T], [T])
         backend.prepare(meta, torch.device("cpu"))
         rope = types.SimpleNamespace(cos=None, sin=None)
