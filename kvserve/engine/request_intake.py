@@ -94,4 +94,3 @@ class RequestIntake:
             raise InvalidRequestError(field, f"the request needs {need} KV blocks at its longest "
                                       f"(prompt {n} + max_tokens {mt} tokens, n={params.n}) but the KV pool "
                                       f"holds {self.num_kv_blocks}; lower max_tokens or n, or raise kv_cache_memory")
-

@@ -87,8 +87,8 @@ class DraftOrPlain:
     A look costs what its steps took beyond what the chosen side would have taken for the same
     tokens, and that can be far more than its median step says: a draft model's first drafted step
     after plain ones catches up on every token decoded since, and on the prompts of the requests
-    that came meanwhile (at batch 32 on an H100, a 1B draft's catch-up took 70-90 ms, ten plain
-    steps of an 8B target). So the gap after a look is also long enough for the look to cost at most
+    that came meanwhile (at batch 32 on an H100, a 1B draft's catch-up took 20-90 ms, up to
+    thirteen plain steps of an 8B target). So the gap after a look is also long enough for the look to cost at most
     ``LOOK_SHARE`` of the chosen side's time over it (up to ``PROBE_MAX`` steps). Only steps this
     class scheduled as a look are charged to it: a seeded request's drafted steps, which the rule
     decides, and a drafted step in which no request found a draft are not looks. A bucket met for
