@@ -127,6 +127,26 @@ def test_policy_turns_off_at_large_batches_and_shrinks_on_rejection():
     assert SpecPolicy.k_for_request(r, 8) == 8
 
 
+def test_a_step_no_request_can_draft_in_is_planned_plain():
+    """Every decoding request under a grammar or at its last token: the step is plain, so the
+    next can be launched ahead (async scheduling), and the drafting side is not warmed up on
+    steps that cannot draft."""
+    from kvserve.engine.request import Request
+    from kvserve.engine.spec.speculator import Speculator
+    from kvserve.sampling_params import SamplingParams
+
+    sp = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    reqs = [Request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=9)) for i in range(6)]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+        r.grammar = object()
+    reqs[5].grammar, reqs[5].max_tokens = None, 1  # its last token
+    assert [sp.plan(reqs) for _ in range(3)] == [False] * 3
+    assert sp.choice.decided == {}
+    reqs[0].grammar = None  # one request that can draft: the choice decides again
+    assert sp.plan(reqs) is True
+
+
 def test_requests_under_a_grammar_or_at_their_last_token_get_no_drafts():
     from kvserve.engine.request import Request
     from kvserve.engine.spec.speculator import Speculator

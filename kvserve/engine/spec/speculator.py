@@ -34,9 +34,15 @@ class Speculator:
     def _decoding(running: list[Request]) -> list[Request]:
         return [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
 
+    @staticmethod
+    def _can_draft(r: Request) -> bool:
+        return r.grammar is None and not r.pending_forks and r.max_tokens - r.num_output_tokens > 1
+
     def _decide(self, decoding: list[Request]) -> bool:
         if not decoding or self.policy.k_for_batch(len(decoding)) == 0:
             return False
+        if not any(self._can_draft(r) for r in decoding):
+            return False  # a step that cannot draft is a plain one: the next may be launched ahead
         if any(r.generators is not None and not r.params.greedy for r in decoding):
             return True  # a seeded draw: the rule alone decides, so the seed reproduces
         return self.choice.drafts(len(decoding))
@@ -60,10 +66,8 @@ class Speculator:
         k_batch = self.policy.k_for_batch(len(decoding))
         want: list[tuple[Request, int]] = []
         for r in decoding:
-            if r.grammar is not None or r.pending_forks:
-                continue
             k = min(self.policy.k_for_request(r, k_batch), r.max_tokens - r.num_output_tokens - 1)
-            if k > 0:
+            if self._can_draft(r) and k > 0:
                 want.append((r, k))
         if self.draft is not None:
             self.draft.propose(want, running)
