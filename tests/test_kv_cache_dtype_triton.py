@@ -42,10 +42,11 @@ def test_triton_backend_matches_reference_path(qwen, qwen_prompts, fmt):
     if fmt == "int2":  # the compression is real: 2-bit keys change this model's choices
         full = _run(LLM(qwen, attention_backend="torch", **{**kw, "kv_cache_dtype": "auto"}), qwen_prompts, params)
         assert greedy_agreement(got, full) < 1.0
-    # Each prompt alone: a lone prompt (the first chunk of the longer one too) attends through
-    # SDPA on its own K/V in full precision where the cache is compressed, through the paged
-    # prefill kernel where it is plain; the reference path attends to the fresh K/V as well.
-    for p in qwen_prompts[1:3]:
+    # A prompt alone attends through SDPA on its own K/V in full precision where the cache is
+    # compressed, as the reference path does. One format per route (8-bit, KIVI): each run is the
+    # interpreter's time.
+    if fmt in ("fp8", "int4"):
+        p = qwen_prompts[1]
         assert _run(llm, [p], params) == _run(ref, [p], params), f"a lone prompt of {len(p)} tokens"
     for e in (ref, llm):
         assert e.engine.kv.pool.num_used_blocks == 0
@@ -77,13 +78,13 @@ def test_kivi_16_token_blocks_in_float16_triton(qwen3, qwen_prompts):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8"])
 def test_lone_prompt_past_its_window_into_a_compressed_cache(tmp_path, fmt):
     """Gemma 3's local layers, a compressed cache. A lone prompt shorter than the window attends
     through SDPA to its own K/V in full precision, as the reference path's lone prompt does. One
     longer than the window takes the paged prefill kernel (SDPA's causal kernel knows no window),
     which reads the K/V back from the cache: the reference path's tokens for the same prompt in
-    a batch, where it reads its cache too (int8 keys move this random model's choices there)."""
+    a batch, where it reads its cache too (with int8 keys the two differ on this random model)."""
     from tests.test_parity_gemma3 import make_gemma3, prompts_of
     window = 12
     _, path = make_gemma3(tmp_path, window, 1)
