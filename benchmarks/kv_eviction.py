@@ -10,12 +10,20 @@ assembled from its PyPI packages, whose budget bounds its global layers), in the
               the policy holds when it is computed. Streaming's prefill applies its per-query
               mask, so it equals token-by-token decoding under the budget; H2O's prefill evicts
               block by block as decoding would; SnapKV holds the prompt whole until its end, so
-              its prompt perplexity is full KV's by construction (run as a check)
+              its prompt perplexity is full KV's by construction (run as a check). With
+              ``--recomputed``, also the StreamingLLM paper's reference at each budget: every
+              token predicted from only the budget's span of text before it, recomputed from
+              scratch (the text cut into overlapping windows of ``budget + stride`` tokens,
+              each scoring its last ``stride``; a token sees between ``budget - stride/2`` and
+              ``budget + stride/2`` tokens, ``budget`` on average, its positions from 0):
+              what any memory of the latest ``budget`` tokens costs, whatever the text holds
+              further back
   passkey     a five-digit number hidden at ``--depths`` of ~``--passkey-tokens`` tokens of
               filler (one or more lengths), then asked for: found (greedy output holds it) or
-              not, per policy at one budget: tokens, or a share of each prompt ("20%"). Full
-              KV runs once per prompt. Streaming loses a needle that left its window (its known
-              weakness); the scored policies keep what attention pointed at
+              not, per policy at one budget: tokens, or a share of each prompt ("20%"); one
+              set of keys per ``--seeds`` entry (seed 0: the first). Full KV runs once per
+              prompt. Streaming loses a needle that left its window (its known weakness); the
+              scored policies keep what attention pointed at
 
   capacity    (``--capacity``) sequences of ``--tokens`` tokens one GiB of KV holds under each
               lever, by the engine's own pool accounting (blocks in use at a request's last
@@ -47,7 +55,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.bench.quality import heldout_ids, token_nll  # noqa: E402
+from kvserve.bench.quality import heldout_ids, recomputed_nll, token_nll  # noqa: E402
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -174,9 +182,13 @@ def main():
     ap.add_argument("--passkey-tokens", default="1024", help="prompt lengths, comma-separated")
     ap.add_argument("--passkey-budget", default="256", help='tokens, or a share of each prompt: "20%%"')
     ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--seeds", default="0", help="passkey: one set of keys per seed, comma-separated")
     ap.add_argument("--policies", default="streaming,snapkv,h2o")
     ap.add_argument("--no-perplexity", action="store_true", help="passkey retrieval only")
     ap.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    ap.add_argument("--recomputed", action="store_true",
+                    help="perplexity: also each budget's span recomputed for every token (the reference)")
+    ap.add_argument("--stride", type=int, default=128, help="--recomputed: tokens scored per window")
     ap.add_argument("--capacity", action="store_true", help="also sequences per GiB under each lever")
     ap.add_argument("--capacity-budget", type=int, default=1024, help="capacity: the policies' kv_budget")
     ap.add_argument("--dtype", default=None, help="the engines' dtype (default: the engine's auto)")
@@ -185,6 +197,7 @@ def main():
     budgets = [int(b) for b in args.budgets.split(",")]
     lengths = [int(n) for n in args.passkey_tokens.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
     res = {"perplexity": {}, "passkey": [], "seconds": {}, "torch_threads": torch.get_num_threads(),
            "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "steal_jiffies_start": steal_jiffies(),
            "argv": sys.argv[1:]}
@@ -219,22 +232,34 @@ def main():
                     ppl_of[str(b)] = ppl
                 res["seconds"][f"perplexity/{policy if b else 'full'}/{b or len(ids)}"] = dt
                 print(f"  budget {'full' if b is None else b:>5}: {ppl:8.3f}   ({dt:.1f} s)", flush=True)
+            if args.recomputed and "recomputed" not in res["perplexity"]:
+                res["recomputed_stride"] = args.stride
+                for b in budgets:
+                    t0 = time.perf_counter()
+                    nll = recomputed_nll(llm, ids, b, args.stride, tok.bos_token_id)
+                    ppl = math.exp(sum(nll) / len(nll))
+                    res["perplexity"].setdefault("recomputed", {})[str(b)] = ppl
+                    res["segment_nll"][f"recomputed/{b}"] = [sum(nll[i:i + SEGMENT]) / len(nll[i:i + SEGMENT])
+                                                             for i in range(0, len(nll), SEGMENT)]
+                    res["seconds"][f"perplexity/recomputed/{b}"] = dt = time.perf_counter() - t0
+                    print(f"  budget {b:>5}, recomputed windows: {ppl:8.3f}   ({dt:.1f} s)", flush=True)
         for n_tokens in [] if args.no_passkey else lengths:
             print(f"{policy}: passkey, ~{n_tokens} tokens, budget {args.passkey_budget}")
-            for d, key, text in passkey_prompts(tok, n_tokens, depths):
+            for seed, (d, key, text) in [(sd, x) for sd in seeds for x in passkey_prompts(tok, n_tokens, depths, sd)]:
                 n = len(tok.encode(text))
                 for b in (None, budget_for(args.passkey_budget, n)):
                     if b is None and any(r["budget"] is None and r["depth"] == d and r["prompt_tokens"] == n
-                                         for r in res["passkey"]):
+                                         and r["seed"] == seed for r in res["passkey"]):
                         continue  # full KV: once
                     t0 = time.perf_counter()
                     out = llm.generate([text], SamplingParams(max_tokens=8, temperature=0, kv_budget=b),
                                        use_tqdm=False)[0]
                     got = out.outputs[0].text
-                    res["passkey"].append({"policy": None if b is None else policy, "depth": d, "context": n_tokens,
+                    res["passkey"].append({"policy": None if b is None else policy, "depth": d, "seed": seed,
+                                           "context": n_tokens,
                                            "prompt_tokens": n, "budget": b, "key": key, "output": got,
                                            "found": key in got, "seconds": time.perf_counter() - t0})
-                    print(f"  depth {d:.2f} ({n} tokens) budget {'full' if b is None else b:>5}: "
+                    print(f"  seed {seed} depth {d:.2f} ({n} tokens) budget {'full' if b is None else b:>5}: "
                           f"{'found' if key in got else 'lost '} {got!r}", flush=True)
         save(args, res, t_all, complete=False)  # what a cut-short run measured stays
     save(args, res, t_all, complete=True)

@@ -28,6 +28,33 @@ def token_nll(llm, token_ids: list[int], kv_budget: int | None = None) -> list[f
     return [-p[t].logprob for p, t in zip(lps, token_ids[1:])]  # {id: Logprob} per position
 
 
+def recomputed_nll(llm, ids: list[int], budget: int, stride: int, bos_token_id: int | None) -> list[float]:
+    """``token_nll``'s list with each token given only about ``budget`` tokens before it, their
+    KV recomputed (the StreamingLLM paper's sliding window with re-computation, its reference):
+    the tokens before ``budget + stride // 2`` see all the text before them; after them, each
+    window ``ids[a:end]`` scores its last ``stride`` tokens, which see from ``budget - stride //
+    2`` to ``budget + stride // 2 - 1`` tokens before them (``budget`` on average) at positions
+    from 0. A text that opens with ``bos_token_id`` has it put before every window too, as a
+    fresh document would."""
+    bos = ids[:1] if ids and bos_token_id is not None and ids[0] == bos_token_id else []
+    reach = budget - stride // 2  # the context of each later window's first scored token
+    jobs = [(0, 1, min(len(ids), budget + stride // 2))]
+    while jobs[-1][2] < len(ids):
+        first = jobs[-1][2]
+        jobs.append((first - reach, first, min(len(ids), first + stride)))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": (bos if a else []) + ids[a:end]} for a, _, end in jobs], params,
+                        use_tqdm=False)
+    nll = []
+    for (a, first, end), out in zip(jobs, outs):
+        lps = out.prompt_logprobs  # one per prompt position, None at the first
+        shift = len(bos) if a else 0
+        nll += [-lps[t - a + shift][ids[t]].logprob for t in range(first, end)]
+    if len(nll) != len(ids) - 1:
+        raise RuntimeError(f"scored {len(nll)} of {len(ids) - 1} tokens")
+    return nll
+
+
 def perplexity(llm, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ``token_ids[1:]`` (``token_nll``)."""
     nll = token_nll(llm, token_ids)

@@ -1,0 +1,40 @@
+"""The quality benchmarks' reference measures (``kvserve/bench/quality.py``)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM
+from kvserve.bench.quality import recomputed_nll, token_nll
+
+BUDGET, STRIDE = 40, 12
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("dummy:tiny", kv_cache_memory="4MiB", show_progress=False, enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("bos", [None, 7])
+def test_recomputed_windows_give_each_token_the_budget_span(llm, bos):
+    """Each token's log-likelihood equals a fresh forward over the text just before it: all of
+    it up to ``BUDGET + STRIDE // 2``, then ``BUDGET - STRIDE // 2 + (t - BUDGET - STRIDE // 2) %
+    STRIDE`` tokens (between ``BUDGET - 6`` and ``BUDGET + 5``), after the BOS when the text has
+    one."""
+    rng = random.Random(3)
+    ids = [rng.randrange(8, 512) for _ in range(130)]
+    if bos is not None:
+        ids[0] = bos
+    got = recomputed_nll(llm, ids, BUDGET, STRIDE, bos_token_id=7)
+    assert len(got) == len(ids) - 1
+    start = BUDGET + STRIDE // 2
+    windowed = set()
+    for t in range(1, len(ids)):
+        c = t if t < start else BUDGET - STRIDE // 2 + (t - start) % STRIDE
+        if t >= start:
+            windowed.add(c)
+        head = ids[:1] if bos is not None and c < t else []
+        want = token_nll(llm, head + ids[t - c:t + 1])[-1]
+        assert got[t - 1] == pytest.approx(want, abs=1e-5), t
+    assert windowed == set(range(BUDGET - STRIDE // 2, BUDGET + STRIDE // 2))  # the text covers every case
