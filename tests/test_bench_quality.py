@@ -23,7 +23,7 @@ def test_recomputed_windows_give_each_token_the_budget_span(llm, bos):
     STRIDE`` tokens (between ``BUDGET - 6`` and ``BUDGET + 5``), after the BOS when the text has
     one."""
     rng = random.Random(3)
-    ids = [rng.randrange(8, 512) for _ in range(130)]
+    ids = [rng.randrange(8, 512) for _ in range(135)]  # (the last window scores 5 tokens, not 12)
     if bos is not None:
         ids[0] = bos
     got = recomputed_nll(llm, ids, BUDGET, STRIDE, bos_token_id=7)
@@ -38,3 +38,6 @@ def test_recomputed_windows_give_each_token_the_budget_span(llm, bos):
         want = token_nll(llm, head + ids[t - c:t + 1])[-1]
         assert got[t - 1] == pytest.approx(want, abs=1e-5), t
     assert windowed == set(range(BUDGET - STRIDE // 2, BUDGET + STRIDE // 2))  # the text covers every case
+    # (and a token whose text is cut scores differently from one given it all: the model reads it)
+    full = token_nll(llm, ids)
+    assert sum(abs(got[t - 1] - full[t - 1]) > 1e-4 for t in range(start, len(ids))) > (len(ids) - start) // 2
