@@ -261,6 +261,7 @@ def main():
                                            "found": key in got, "seconds": time.perf_counter() - t0})
                     print(f"  seed {seed} depth {d:.2f} ({n} tokens) budget {'full' if b is None else b:>5}: "
                           f"{'found' if key in got else 'lost '} {got!r}", flush=True)
+                    save(args, res, t_all, complete=False)  # (a long prompt's answer outlives a cut-short run)
         save(args, res, t_all, complete=False)  # what a cut-short run measured stays
     save(args, res, t_all, complete=True)
 
