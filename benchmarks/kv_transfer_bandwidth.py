@@ -116,10 +116,11 @@ def _producer(args, port: int, go, out) -> None:
     rng = random.Random(1)
     while (i := go.get()) is not None:
         ids = rng.sample(range(2 * args.blocks), args.blocks)  # (scattered, as a real prompt's blocks)
+        keys = _keys(i, args.blocks)  # (an engine has them from the prefill: not timed)
         while True:  # (streamed: as many as kv_buffer_size lets it hold)
             producer.take_released()
             t0 = time.monotonic()
-            if producer.send(str(i), _keys(i, args.blocks), ids):
+            if producer.send(str(i), keys, ids):
                 break
             producer.dropped -= 1  # (waiting for room here, not dropping)
             time.sleep(0.00005)
