@@ -13,9 +13,9 @@ assembled from its PyPI packages, whose budget bounds its global layers), in the
               its prompt perplexity is full KV's by construction (run as a check). With
               ``--recomputed``, also the StreamingLLM paper's reference at each budget: every
               token predicted from only the budget's span of text before it, recomputed from
-              scratch (the text cut into overlapping windows of ``budget + stride`` tokens,
-              each scoring its last ``stride``; a token sees between ``budget - stride/2`` and
-              ``budget + stride/2`` tokens, ``budget`` on average, its positions from 0):
+              scratch (the text cut into overlapping windows of ``budget + stride/2`` tokens,
+              each scoring its last ``stride``; a token sees from ``budget - stride/2`` to
+              ``budget + stride/2 - 1`` tokens, ``budget`` on average, its positions from 0):
               what any memory of the latest ``budget`` tokens costs, whatever the text holds
               further back
   passkey     a five-digit number hidden at ``--depths`` of ~``--passkey-tokens`` tokens of
@@ -63,10 +63,9 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 SEGMENT = 1024  # tokens of each segment's mean negative log-likelihood in the JSON
 
 
-def perplexity(llm: LLM, ids: list[int], budget: int | None) -> tuple[float, list[float]]:
-    """Perplexity over ``ids``, and the mean negative log-likelihood of each ``SEGMENT`` tokens
-    (where in the text a budget costs)."""
-    nll = token_nll(llm, ids, budget)
+def perplexity(nll: list[float]) -> tuple[float, list[float]]:
+    """Perplexity from per-token negative log-likelihoods, and the mean of each ``SEGMENT``
+    tokens (where in the text a budget costs)."""
     return math.exp(sum(nll) / len(nll)), [sum(nll[i:i + SEGMENT]) / len(nll[i:i + SEGMENT])
                                            for i in range(0, len(nll), SEGMENT)]
 
@@ -223,7 +222,7 @@ def main():
             print(f"{policy}: perplexity over {len(ids)} tokens of pydoc_data.topics")
             for b in ([None] if "full" not in res else []) + budgets:
                 t0 = time.perf_counter()
-                ppl, segments = perplexity(llm, ids, b)
+                ppl, segments = perplexity(token_nll(llm, ids, b))
                 dt = time.perf_counter() - t0
                 res.setdefault("segment_nll", {})[f"{policy}/{b}" if b else "full"] = segments
                 if b is None:
@@ -236,11 +235,9 @@ def main():
                 res["recomputed_stride"] = args.stride
                 for b in budgets:
                     t0 = time.perf_counter()
-                    nll = recomputed_nll(llm, ids, b, args.stride, tok.bos_token_id)
-                    ppl = math.exp(sum(nll) / len(nll))
+                    ppl, res["segment_nll"][f"recomputed/{b}"] = perplexity(
+                        recomputed_nll(llm, ids, b, args.stride, tok.bos_token_id))
                     res["perplexity"].setdefault("recomputed", {})[str(b)] = ppl
-                    res["segment_nll"][f"recomputed/{b}"] = [sum(nll[i:i + SEGMENT]) / len(nll[i:i + SEGMENT])
-                                                             for i in range(0, len(nll), SEGMENT)]
                     res["seconds"][f"perplexity/recomputed/{b}"] = dt = time.perf_counter() - t0
                     print(f"  budget {b:>5}, recomputed windows: {ppl:8.3f}   ({dt:.1f} s)", flush=True)
         for n_tokens in [] if args.no_passkey else lengths:
