@@ -197,6 +197,8 @@ def main():
     lengths = [int(n) for n in args.passkey_tokens.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
+    if args.recomputed and not 1 <= args.stride <= min(budgets):
+        raise SystemExit(f"--stride must lie in [1, the smallest --budgets, {min(budgets)}], got {args.stride}")
     res = {"perplexity": {}, "passkey": [], "seconds": {}, "torch_threads": torch.get_num_threads(),
            "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "steal_jiffies_start": steal_jiffies(),
            "argv": sys.argv[1:]}

@@ -41,3 +41,9 @@ def test_recomputed_windows_give_each_token_the_budget_span(llm, bos):
     # (and a token whose text is cut scores differently from one given it all: the model reads it)
     full = token_nll(llm, ids)
     assert sum(abs(got[t - 1] - full[t - 1]) > 1e-4 for t in range(start, len(ids))) > (len(ids) - start) // 2
+
+
+@pytest.mark.parametrize("budget, stride", [(40, 0), (40, -3), (40, 41), (0, 1), (40, 2**63), (40, True)])
+def test_recomputed_windows_refuse_a_stride_outside_the_budget(budget, stride):
+    with pytest.raises(ValueError, match="stride"):
+        recomputed_nll(None, list(range(10)), budget, stride, None)

@@ -36,6 +36,8 @@ def recomputed_nll(llm, ids: list[int], budget: int, stride: int, bos_token_id: 
     2`` to ``budget + stride // 2 - 1`` tokens before them (``budget`` on average) at positions
     from 0. A text that opens with ``bos_token_id`` has it put before every window too, as a
     fresh document would."""
+    if not 1 <= stride <= budget or isinstance(stride, bool) or isinstance(budget, bool):
+        raise ValueError(f"stride must lie in [1, budget = {budget}], got {stride!r}")
     bos = ids[:1] if ids and bos_token_id is not None and ids[0] == bos_token_id else []
     reach = budget - stride // 2  # the context of each later window's first scored token
     jobs = [(0, 1, min(len(ids), budget + stride // 2))]
