@@ -373,9 +373,18 @@ def test_an_unknown_acknowledgement_keeps_the_holds(caplog):
     assert not producer.send("b", keys_of(1, 1), [2])
 
 
-def test_a_malformed_transfer_ends_the_connection_not_the_engine():
+@pytest.mark.parametrize("fields", [
+    {"blocks": [12]},  # a block beyond the producer's pool
+    {"blocks": [1, 2]},  # more blocks than keys
+    {"blocks": [1.0]},
+    {"blocks": [True]},
+    {"blocks": [2**70]},
+    {"blocks": [1], "keys": ["not hex"]},
+    {"blocks": 1},
+], ids=["beyond", "count", "float", "bool", "huge", "key", "not-a-list"])
+def test_a_malformed_transfer_ends_the_connection_not_the_engine(fields):
     producer, consumer, _, local = connect(12 * BLOCK_BYTES)
-    producer.channel.send_message({"id": "x", "keys": [keys_of(0, 1)[0].hex()], "blocks": [12]}, tag=DATA)
+    producer.channel.send_message({"id": "x", "keys": [keys_of(0, 1)[0].hex()], **fields}, tag=DATA)
     wait_for(lambda: consumer.dead)
     pool = BlockPool(10)
     consumer.land(pool, local)  # nothing lands, nothing breaks

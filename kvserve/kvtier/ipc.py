@@ -56,19 +56,20 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return buf.tensor.view(dtype).view(shape), buf
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, sources: list[int], dests: list[int]) -> None:
     """``dst[:, :, d] = src[:, :, s]`` for each pair, one read and one write per byte."""
     from kvserve import kernels
     if kernels.available(dst):
         from kvserve.kernels.block_copy import copy_blocks as kernel
-        kernel(src, dst, torch.tensor(pairs, dtype=torch.int64).to(dst.device, non_blocking=True))
+        ids = torch.tensor(sources + dests, dtype=torch.int64).view(2, -1)
+        kernel(src, dst, ids.to(dst.device, non_blocking=True))
         return
     i = 0
-    while i < len(pairs):  # runs of consecutive blocks on both sides, one strided copy each
+    while i < len(sources):  # runs of consecutive blocks on both sides, one strided copy each
         j = i + 1
-        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1 and pairs[j][1] == pairs[j - 1][1] + 1:
+        while j < len(sources) and sources[j] == sources[j - 1] + 1 and dests[j] == dests[j - 1] + 1:
             j += 1
-        (s, d), n = pairs[i], j - i
+        s, d, n = sources[i], dests[i], j - i
         dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
         i = j
 
@@ -268,11 +269,13 @@ class IpcConsumer(Consumer):
             self.remote = self.buffer = None  # (unmapped once no copy of ours reads it)
 
     def _land(self, pool, data: torch.Tensor, spill, tid: str, keys: list[bytes], src: list[int]) -> None:
-        cached = [b for k in keys if (b := pool.lookup(k)) is not None]
+        found = pool.lookup_many(keys)
+        cached = [b for b in found if b is not None]
+        todo = [k for k, b in zip(keys, found) if b is None]
+        srcs = [s for s, b in zip(src, found) if b is None]
         pool.touch(cached)  # (this landing's own allocation must not evict them)
         landed = 0
         try:
-            todo = [(k, s) for k, s in zip(keys, src) if pool.lookup(k) is None]
             n = min(len(todo), pool.num_free_blocks)
             mark = len(pool.evicted)
             dst = pool.allocate(n)
@@ -282,13 +285,11 @@ class IpcConsumer(Consumer):
                     del pool.evicted[mark:]
                     if spill is not None:
                         spill(evicted)
-                copy_blocks(self.remote, data, [(s, d) for (_, s), d in zip(todo, dst)])
+                copy_blocks(self.remote, data, srcs[:n], dst)
             except BaseException:
                 pool.free(dst[::-1])  # (no key registered: plain free blocks again)
                 raise
-            for (k, _), d in zip(todo, dst):
-                pool.cache_block(d, k)
-            pool.free(dst[::-1])  # (a prompt's first blocks, which more requests share, evicted last)
+            pool.cache_and_free(dst, todo[:n])  # (a request's prefix lookup revives them)
             landed = len(cached) + n
             self.partial_transfers += n < len(todo)
             self.received_blocks += n

@@ -1,7 +1,7 @@
 """Block copies between two KV pools (``kvserve/kernels/block_copy.py``) against its reference,
 PyTorch's own indexing one block at a time: every pair's block lands bit for bit, and no other
 block of the destination changes.
-The pools differ in size and the pairs are scattered (never contiguous runs), so a kernel that
+The pools differ in size and the blocks are scattered (never contiguous runs), so a kernel that
 mixed up the two pools' block strides, or copied a neighbour, fails."""
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def pools(gen, shape_src, shape_dst, dtype, device):
 def check(src, dst, n, gen):
     s = torch.randperm(src.shape[2], generator=gen)[:n]
     d = torch.randperm(dst.shape[2], generator=gen)[:n]
-    pairs = torch.stack([s, d], 1).to(src.device)
+    ids = torch.stack([s, d]).to(src.device)
     want = dst.clone()
-    copy_blocks_ref(src, want, pairs)
-    copy_blocks(src, dst, pairs)
+    copy_blocks_ref(src, want, ids)
+    copy_blocks(src, dst, ids)
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -48,7 +48,7 @@ def test_no_pairs_changes_nothing(device):
     gen = torch.Generator().manual_seed(1)
     src, dst = pools(gen, (2, 2, 4, 8), (2, 2, 3, 8), torch.float32, device)
     before = dst.clone()
-    copy_blocks(src, dst, torch.zeros(0, 2, dtype=torch.int64, device=device))
+    copy_blocks(src, dst, torch.zeros(2, 0, dtype=torch.int64, device=device))
     assert torch.equal(dst, before)
 
 
