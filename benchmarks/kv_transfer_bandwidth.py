@@ -11,16 +11,19 @@ scattered over the producer's pool as a real prompt's are, through the connector
     land     consumer: ``IpcConsumer.land`` (what the decode engine runs before each step)
              allocates blocks, copies them out of the producer's pool, mapped with CUDA IPC,
              into its own (kvserve/kernels/block_copy.py on a GPU) and registers them in the
-             prefix cache; the copy is synchronised before the time is taken
+             prefix cache
     release  producer: the acknowledgement frees the held blocks (not in the hand-over's time)
 
 ``handed over`` times the send call to the landed copy's completion (one clock: both processes
 read the same monotonic clock); ``message`` is the part before the consumer saw the transfer,
-``copy`` the landing itself. ``one at a time``: ``--transfers`` transfers, each sent once the
-previous one landed (one burst prompt's latency; GB/s over the sum of their own times);
-``streamed``: as many held at once as ``--kv-buffer-size`` allows (GB/s from the first send to
-the last one landed). ``--warmup`` transfers come first (the copy kernel compiles then). The
-consumer polls for transfers without pause; an engine lands them before its next step.
+``copy`` the landing itself, its copy synchronised. ``one at a time``: ``--transfers`` transfers,
+each sent once the previous one landed (one burst prompt's latency; GB/s over the sum of their
+own times); ``streamed``: all offered at once, the producer holding as many as
+``--kv-buffer-size`` allows, the consumer landing each as it arrives without waiting for its copy
+(as an engine does between steps; GB/s from the first send to the last copy complete, ``host in
+land`` the consumer's time in the landing calls). ``--warmup`` transfers come first (the copy
+kernel compiles then). The consumer polls for transfers without pause; an engine lands them
+before its next step.
 
 The ceiling, measured in the consumer's process on the same number of bytes: ``device copy`` (one
 contiguous tensor copied into another on the device; on the CPU a host memcpy); on CUDA also the
@@ -165,28 +168,32 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
     """``n`` transfers numbered from ``first``, one at a time or streamed."""
     from kvserve.engine.block_pool import BlockPool
     bp = BlockPool(data.shape[2])
-    rows, landed, copy = [], [], 0.0
-    for i in [first] if pattern == "one at a time" else range(first, first + n):
-        go.put(i)
-    for k in range(n):
-        i, t0, src = out.get(timeout=600)
-        tid = str(i)
-        assert i == first + k
-        while not consumer.inbox and tid not in consumer.done:  # (the message on its way)
-            if consumer.dead:
-                raise RuntimeError("the KV transfer stopped")
-            time.sleep(0.00005)  # (lets the receiver thread have the interpreter)
-        t1 = time.monotonic()
-        while tid not in consumer.done:
-            consumer.land(bp, data)
-        _sync(data.device)
-        t2 = time.monotonic()
-        copy += t2 - t1
-        rows.append((t0, t1, t2))
-        landed.append((i, src))
-        consumer.land(bp, data)  # (acknowledges: the copy is complete)
-        if pattern == "one at a time" and k + 1 < n:
-            go.put(first + k + 1)
+    host = None
+    if pattern == "streamed":
+        rows, landed, host = _streamed(first, n, go, out, consumer, bp, data)
+        copy = None
+    else:
+        rows, landed, copy = [], [], 0.0
+        go.put(first)
+        for k in range(n):
+            i, t0, src = out.get(timeout=600)
+            tid = str(i)
+            assert i == first + k
+            while not consumer.inbox and tid not in consumer.done:  # (the message on its way)
+                if consumer.dead:
+                    raise RuntimeError("the KV transfer stopped")
+                time.sleep(0.00005)  # (lets the receiver thread have the interpreter)
+            t1 = time.monotonic()
+            while tid not in consumer.done:
+                consumer.land(bp, data)
+            _sync(data.device)
+            t2 = time.monotonic()
+            copy += t2 - t1
+            rows.append((t0, t1, t2))
+            landed.append((i, src))
+            consumer.land(bp, data)  # (acknowledges: the copy is complete)
+            if k + 1 < n:
+                go.put(first + k + 1)
     bad = 0
     for i, src in landed:  # (the producer's blocks, read through the mapping, against the copies)
         dst = [bp.lookup(key) for key in _keys(i, args.blocks)]
@@ -195,36 +202,70 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
     if pattern == "one at a time":  # (each transfer's own time: not the gaps between them)
         span = sum(r[2] - r[0] for r in rows)
         message = sum(r[1] - r[0] for r in rows)
-    else:  # (the first send to the last one landed)
+    else:  # (the first send to the last copy complete)
         span, message = max(r[2] for r in rows) - min(r[0] for r in rows), None
     return {"transfers": n, "transfers_wrong": bad, "handed_over_gbps": n * nbytes / span / 1e9,
             "handed_over_ms": [round((r[2] - r[0]) * 1e3, 3) for r in rows],
             "message_ms": [round((r[1] - r[0]) * 1e3, 3) for r in rows],
-            "stage_seconds": {"message": None if message is None else round(message, 6), "copy": round(copy, 6)}}
+            "stage_seconds": {"message": None if message is None else round(message, 6),
+                              "copy": None if copy is None else round(copy, 6),
+                              "landing_host": None if host is None else round(host, 6)}}
+
+
+def _streamed(first: int, n: int, go, out, consumer, bp, data) -> tuple[list, list, float]:
+    """Every transfer offered at once (the producer holds what ``kv_buffer_size`` allows); the
+    consumer lands each as it arrives, as an engine between its steps, without waiting for the
+    copies (acknowledged as each completes): (send, seen, copy complete) times per transfer, the
+    transfers, and the host's time in ``land``. A copy's completion is the time the poll saw it
+    acknowledged."""
+    for i in range(first, first + n):
+        go.put(i)
+    sent, seen, done, landed, host = {}, {}, {}, [], 0.0
+    while len(done) < n:
+        if consumer.dead:
+            raise RuntimeError("the KV transfer stopped")
+        while not out.empty():
+            i, t0, src = out.get()
+            sent[str(i)] = t0
+            landed.append((i, src))
+        now = time.monotonic()
+        for tid, *_ in consumer.inbox:
+            seen.setdefault(tid, now)
+        t = time.monotonic()
+        consumer.land(bp, data)
+        host += time.monotonic() - t
+        acked = set(sent).intersection(consumer.done) - {tid for _, tid in consumer.unacked}
+        for tid in acked:  # (acknowledged: its copy completed)
+            done.setdefault(tid, time.monotonic())
+        if len(done) < n:
+            time.sleep(0.00005)
+    _sync(data.device)
+    rows = [(sent[t], seen.get(t, sent[t]), done[t]) for t in sorted(sent, key=int)]
+    return rows, landed, host
 
 
 def ipc_copy(remote, local, n: int, block_bytes: int, reps: int = 10) -> dict:
     """The data path alone: ``n`` scattered blocks copied out of the producer's pool (mapped here)
     into this process's, as ``land`` does; the median of ``reps`` after a warm-up, as wall time
-    (the call, synchronised: what ``land`` pays, the block pairs' tensor built and sent to the
-    device included) and on CUDA as device time (CUDA events around the kernel alone, its pairs
-    already on the device: events around the whole call would also count the host's work before
+    (the call, synchronised: what ``land`` pays, the block numbers' tensor built and sent to the
+    device included) and on CUDA as device time (CUDA events around the kernel alone, its block
+    numbers already on the device: events around the whole call would also count the host's work before
     the launch, while the device waits)."""
     import torch
 
     from kvserve.kvtier.ipc import copy_blocks
     rng = random.Random(2)
-    pairs = list(zip(rng.sample(range(remote.shape[2]), n), rng.sample(range(local.shape[2]), n)))
+    sources, dests = rng.sample(range(remote.shape[2]), n), rng.sample(range(local.shape[2]), n)
     wall, dev = [], []
     for _ in range(reps + 1):
         _sync(local.device)
         t = time.perf_counter()
-        copy_blocks(remote, local, pairs)
+        copy_blocks(remote, local, sources, dests)
         _sync(local.device)
         wall.append(time.perf_counter() - t)
     if local.is_cuda:
         from kvserve.kernels.block_copy import copy_blocks as kernel
-        on_device = torch.tensor(pairs, dtype=torch.int64, device=local.device)
+        on_device = torch.tensor([sources, dests], dtype=torch.int64, device=local.device)
         for _ in range(reps + 1):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -329,7 +370,8 @@ def report(res: dict) -> None:
         st = r["stage_seconds"]
         med = sorted(r["handed_over_ms"])[len(r["handed_over_ms"]) // 2]
         print(f"| {name.replace('_', ' ')} | {r['handed_over_gbps']:.2f} | {100 * r['handed_over_gbps'] / ceil:.1f} | "
-              f"{med:.2f} | {' / '.join('-' if st[k] is None else f'{st[k]:.4f}' for k in ('message', 'copy'))} |")
+              f"{med:.2f} | {' / '.join('-' if st.get(k) is None else f'{st[k]:.4f}' for k in ('message', 'copy'))}"
+              f"{'' if st.get('landing_host') is None else ' (host in land {:.4f})'.format(st['landing_host'])} |")
     c = res["ipc_copy"]
     print(f"| the copy alone (scattered blocks, producer's pool -> this one's) | {c['gbps']:.2f} | "
           f"{100 * c['gbps'] / ceil:.1f} | {c['seconds'] * 1e3:.2f} | - |")
