@@ -29,7 +29,8 @@ On one GPU the two processes share it with ``--connector CudaIpcConnector`` (the
 NCCL cannot pair two processes on one device), the memory split by ``--kv-cache-memory`` per
 engine; on two GPUs of one host either connector works (``--prefill-device cuda:1``). Two
 processes on one GPU take turns on it (time slices) unless CUDA MPS runs them side by side:
-``--prefill-sm-percent`` then caps the prefill process's share of the SMs.
+``--prefill-sm-percent`` then caps the prefill process's share of the SMs, and
+``--prefill-priority below_normal`` has MPS give the decode process's kernels the SMs first.
 
 One H200 (141 GB), Llama-3-8B shape (bf16: 15 GiB of weights per engine, 128 KiB of KV a token,
 1 GiB per 8k prompt): 24 GiB of KV cache per engine holds 196k tokens (the decode engine needs
@@ -99,6 +100,8 @@ def kv_config(args, role: str, port: int) -> dict:
 def _prefill_worker(args, port: int, threads: int, jobs, results) -> None:
     if args.prefill_sm_percent:  # (read when this process's CUDA context starts: before any CUDA call)
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.prefill_sm_percent)
+    if args.prefill_priority == "below_normal":  # (likewise; MPS schedules the decode process's work first)
+        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = "1"
     import torch
 
     from kvserve import LLM, SamplingParams
@@ -335,6 +338,9 @@ def main() -> None:
     p.add_argument("--prefill-sm-percent", type=int, default=None, help="under CUDA MPS (a running "
                    "nvidia-cuda-mps-control daemon): the share of the GPU's SMs the prefill process may use, "
                    "so that the decode process's kernels run beside its prefills instead of taking turns")
+    p.add_argument("--prefill-priority", choices=["normal", "below_normal"], default="normal",
+                   help="under CUDA MPS: the prefill process's scheduling priority (below_normal: the decode "
+                   "process's kernels are given SMs first, the prefill's fill what is left)")
     p.add_argument("--out", default=None, help="directory for disagg.json")
     args = p.parse_args()
     import torch
