@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from kvserve.config import QUANT_METHODS
+from kvserve.config import QUALITY_FLOORS, QUANT_METHODS
 from kvserve.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 
@@ -72,6 +72,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-policy", default="manual", choices=["manual", "auto"],
                    help="auto: free sliding-window blocks and pick the KV format (model dtype, int8, int4) "
                    "whose pool holds 8 full-length sequences; logs the choice and why")
+    g.add_argument("--kv-quality-floor", default="int4", choices=QUALITY_FLOORS, help="the lossiest lever "
+                   "--kv-policy auto may use; eviction: a long request may get a kv_budget (its share)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA (streaming eviction too), the PyTorch reference "
@@ -118,14 +120,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling", "The CLI decodes greedily unless given --temperature; the server and "
                              "SamplingParams default to temperature 1.0, as OpenAI's API does.")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default: 0 here; the server's and SamplingParams' default is 1.0)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    for flag, kind, default in (("--max-tokens", int, max_tokens), ("--min-tokens", int, 0), ("--top-p", float, 1.0),
+                                ("--top-k", int, -1), ("--min-p", float, 0.0), ("--repetition-penalty", float, 1.0)):
+        g.add_argument(flag, type=kind, default=default)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--sample-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
@@ -165,7 +164,7 @@ def _make_llm(args):
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                swap_space=args.swap_space, window_kv=args.window_kv, kv_eviction=args.kv_eviction,
-               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
+               kv_policy=args.kv_policy, kv_quality_floor=args.kv_quality_floor, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_chunked_prefill=not args.no_chunked_prefill,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

@@ -8,6 +8,8 @@ from kvserve.errors import ConfigError
 from kvserve.kv_transfer_config import KVTransferConfig
 from kvserve.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig  # noqa: F401 - re-exported
 
+QUALITY_FLOORS = ("lossless", "int8", "int4", "eviction")  # kv_quality_floor, least lossy first
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
@@ -63,6 +65,10 @@ class CacheConfig:
     # "auto": the engine picks the KV format and window freeing from the model and the pool
     # (``engine/kv_policy.py``); "manual": as set here.
     kv_policy: str = "manual"
+    # The lossiest lever ``kv_policy`` "auto" may use: "lossless" (the model dtype; window freeing
+    # and tiers are exact), "int8", "int4", or "eviction" (then also a KV budget for a request
+    # that would not fit its share of the pool).
+    kv_quality_floor: str = "int4"
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV
     # Fraction of the pool kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
@@ -98,6 +104,9 @@ class CacheConfig:
             raise ConfigError("kv_eviction", f"must be one of none, streaming, snapkv, h2o; got {self.kv_eviction!r}")
         if self.kv_policy not in ("manual", "auto"):
             raise ConfigError("kv_policy", f"must be 'manual' or 'auto', got {self.kv_policy!r}")
+        if self.kv_quality_floor not in QUALITY_FLOORS:
+            raise ConfigError("kv_quality_floor", f"must be one of {', '.join(QUALITY_FLOORS)}; "
+                              f"got {self.kv_quality_floor!r}")
         if self.kv_eviction != "none":
             for name, off, why in (("kv_cache_dtype", self.kv_cache_dtype == "auto", "the model dtype ('auto')"),
                                    ("preemption_mode", self.preemption_mode == "recompute", "'recompute'"),

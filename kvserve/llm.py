@@ -33,7 +33,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.90,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", window_kv: str = "free",
                  kv_eviction: str = "none", kv_policy: str = "manual", swap_space: int | str = "4GiB",
-                 max_num_seqs: int = 256,
+                 kv_quality_floor: str = "int4", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, show_progress: bool = True,
                  attention_backend: str = "auto", enforce_eager: bool = False,
@@ -56,7 +56,7 @@ class LLM:
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode, window_kv=window_kv, kv_eviction=kv_eviction,
-            kv_policy=kv_policy,
+            kv_policy=kv_policy, kv_quality_floor=kv_quality_floor,
             swap_space=parse_size(swap_space, "swap_space"),
             cpu_kv_memory=(0 if str(cpu_kv_memory).strip().lower() in ("0", "", "0b", "none", "off")
                            else parse_size(cpu_kv_memory, "cpu_kv_memory")),

@@ -21,6 +21,7 @@ class RequestKVPolicy:
     kv_format: str  # what the pool stores: the model dtype ("float32", "bfloat16"), or int8/int4/fp8
     eviction: str  # the engine's --kv-eviction when the request set kv_budget, else "none" (full KV)
     kv_budget: int | None = None  # tokens of KV held at most, None: no bound
+    reason: str | None = None  # why a budget: the request's own, or kv_policy auto's share
 
 
 @dataclass

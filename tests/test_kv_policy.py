@@ -4,7 +4,9 @@ pool that holds them keeps the model dtype, a smaller one goes to int8, a much s
 (for long sequences; for short ones int4's key residual, a block per running sequence, leaves it
 no more sequences than int8) and says it is short; short everywhere, the format holding the most
 wins (on a sliding-window model that can be int8); what the user fixed stays; the engine runs on
-what was chosen."""
+what was chosen. ``kv_quality_floor`` bounds the ladder; at "eviction" a pool short of the target
+keeps the model dtype and a request that may pass its share of the pool runs under that budget,
+exactly as a manual engine given the same budget does."""
 from __future__ import annotations
 
 import pytest
@@ -83,3 +85,69 @@ def test_short_everywhere_takes_the_format_that_holds_most(tmp_path):
             assert manual == choice.fits_sequences
         else:
             assert manual < choice.fits_sequences
+
+
+# -- kv_quality_floor: the lossiest lever auto may use ------------------------------------------
+@pytest.mark.parametrize("floor,dtype", [("lossless", "auto"), ("int8", "int8"), ("int4", "int4")])
+def test_the_floor_bounds_the_ladder(floor, dtype):
+    """The pool where the default ladder goes down to int4 (above): each floor stops where it says."""
+    choice = auto("512KiB", 1024, kv_quality_floor=floor).engine.kv_policy
+    assert choice.kv_cache_dtype == dtype and choice.quality_floor == floor
+    assert choice.share is None and choice.kv_eviction == "none"
+
+
+LONG = {"prompt_token_ids": [(7 * i) % 500 + 3 for i in range(40)]}  # 40 tokens, 160 more asked
+
+
+def test_eviction_floor_gives_a_long_request_its_share():
+    """Short of the target in every format: the model dtype, and a request that may pass its share
+    of the pool runs under a kv_budget of that share (streaming, the default policy); a short one
+    keeps full KV; the caller's SamplingParams are left alone. The long request decodes exactly
+    what a manual engine with the same budget decodes."""
+    llm = auto("256KiB", kv_quality_floor="eviction")
+    choice = llm.engine.kv_policy
+    pool_tokens = llm.engine.kv.pool.num_blocks * llm.config.cache.block_size
+    assert choice.kv_cache_dtype == "auto" and choice.kv_eviction == "streaming"
+    assert choice.fits_sequences < choice.target_sequences
+    assert choice.share == pool_tokens // choice.target_sequences and 0 < choice.share < 256
+    assert "streaming eviction" in choice.reason and str(choice.share) in choice.reason
+    long_params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate([LONG, {"prompt_token_ids": [5, 6, 7]}], [long_params, short], use_tqdm=False)
+    assert long_params.kv_budget is None
+    got = outs[0].metrics.kv_policy
+    assert (got.eviction, got.kv_budget) == ("streaming", choice.share) and "share" in got.reason
+    assert outs[1].metrics.kv_policy.eviction == "none" and outs[1].metrics.kv_policy.kv_budget is None
+    assert len(outs[0].outputs[0].token_ids) == 160
+    llm.engine.check_invariants()
+    manual = LLM("dummy:tiny", kv_cache_memory="256KiB", max_model_len=256, show_progress=False,
+                 kv_eviction="streaming")
+    want = manual.generate([LONG], SamplingParams(max_tokens=160, temperature=0, ignore_eos=True,
+                                                  kv_budget=choice.share), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_eviction_floor_is_not_used_where_the_target_fits_or_eviction_cannot_run(tmp_path):
+    assert auto("4MiB", kv_quality_floor="eviction").engine.kv_policy.share is None
+    choice = auto("256KiB", kv_quality_floor="eviction", cpu_kv_memory="1MiB").engine.kv_policy
+    assert choice.share is None and choice.kv_eviction == "none"
+    assert "eviction cannot run beside KV tiers" in choice.reason
+    choice = auto("128KiB", kv_quality_floor="eviction").engine.kv_policy  # 32 tokens a sequence: too few
+    assert choice.share is None and "below the smallest kv_budget" in choice.reason
+    llm = auto("256KiB", kv_quality_floor="eviction", kv_eviction="h2o")  # the user's policy is the one used
+    assert (llm.engine.kv_policy.kv_eviction, llm.config.cache.kv_eviction) == ("h2o", "h2o")
+    assert llm.engine.kv_policy.share is not None
+
+
+def test_a_request_of_its_own_budget_keeps_it():
+    llm = auto("256KiB", kv_quality_floor="eviction")
+    out = llm.generate([LONG], SamplingParams(max_tokens=160, temperature=0, ignore_eos=True, kv_budget=48),
+                       use_tqdm=False)[0]
+    assert out.metrics.kv_policy.kv_budget == 48 and out.metrics.kv_policy.reason == "the request's kv_budget"
+
+
+@pytest.mark.parametrize("floor", ["fp8", "", None, 3, "EVICTION"])
+def test_bad_quality_floor_names_the_field(floor):
+    with pytest.raises(ConfigError) as ei:
+        auto("1MiB", kv_quality_floor=floor)
+    assert ei.value.option == "kv_quality_floor"

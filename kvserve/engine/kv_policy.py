@@ -10,15 +10,25 @@ The levers, cheapest in quality first:
                               holds the most; lossy, but slightly
   3. tiers                    used as configured (``cpu_kv_memory``, ``disk_kv_dir``,
                               ``redis_url``): a block leaving the pool is offloaded, not lost
-  4. eviction                 never chosen here: it drops context, so it needs the user's
-                              consent (``--kv-eviction`` and a request's ``kv_budget``)
+  4. eviction                 it drops context, so only with the user's consent: a request's
+                              own ``kv_budget`` (under ``--kv-eviction``), or
+                              ``kv_quality_floor="eviction"``, the declared floor that allows it:
+                              when no allowed format reaches the target, the model dtype is kept
+                              and a request that may grow past its share of the pool (below) is
+                              given that share as its ``kv_budget`` (``--kv-eviction``'s policy,
+                              else streaming, which runs on every backend); shorter ones keep
+                              full KV
 
 The target: ``min(max_num_seqs, 8)`` sequences of ``max_model_len`` tokens at once, counting
-per sequence every KV group's blocks (a sliding-window group's window only). The format the user
-set (``kv_cache_dtype`` other than ``auto``) is kept, and so is the model dtype where a lever
-that needs it is on (KV eviction, speculative decoding). The choice and its reason are logged
-and kept in ``KVPolicyChoice``; with ``kv_policy="manual"`` it holds the configured levers, with
-the reason "configured" (``/metrics`` shows it either way, as ``kvserve_kv_policy_info``).
+per sequence every KV group's blocks (a sliding-window group's window only). The share: the
+most tokens of KV a sequence may hold for the target's sequences to fit at once. The quality
+floor (``kv_quality_floor``: lossless, int8, int4 (the default), eviction) bounds the ladder: the
+lossiest lever allowed. The format the user set (``kv_cache_dtype`` other than ``auto``) is kept,
+and so is the model dtype where a lever that needs it is on (KV eviction, speculative decoding).
+The choice and its reason are logged and kept in ``KVPolicyChoice``; with ``kv_policy="manual"``
+it holds the configured levers, with the reason "configured" (``/metrics`` shows it either way,
+as ``kvserve_kv_policy_info``); each request's output names the lever it ran under and why
+(``RequestKVPolicy``).
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ from math import ceil
 
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_plan
+from kvserve.kv_eviction import kv_budget_min
 from kvserve.kv_format import default_block_size
 from kvserve.outputs import RequestKVPolicy
 
@@ -49,6 +60,8 @@ class KVPolicyChoice:
     kv_eviction: str = "none"  # as configured: never chosen here (module docstring)
     tiers: bool = False  # CPU/disk/Redis KV tiers configured
     policy: str = "auto"  # kv_policy: "auto" or "manual"
+    quality_floor: str = "int4"  # kv_quality_floor: the lossiest lever "auto" may use
+    share: int | None = None  # kv_quality_floor "eviction": the kv_budget a request too long for it gets
 
 
 def format_name(kv_cache_dtype: str, model_dtype) -> str:
@@ -56,11 +69,37 @@ def format_name(kv_cache_dtype: str, model_dtype) -> str:
     return str(model_dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
-def for_request(choice: KVPolicyChoice, kv_budget: int | None) -> RequestKVPolicy:
-    """The policy a request with ``kv_budget`` runs under: without a budget nothing is evicted."""
+def budget_for(choice: KVPolicyChoice, params, prompt_tokens: int, max_model_len: int):
+    """``params`` as the request runs under the policy: with a share (``kv_quality_floor``
+    "eviction") and no ``kv_budget`` of its own, a request whose prompt and output may pass the
+    share gets it as its budget (a copy of ``params``; the caller's may serve other requests)."""
+    if choice.share is None or params.kv_budget is not None:
+        return params
+    longest = prompt_tokens + (params.max_tokens if params.max_tokens is not None else max_model_len - prompt_tokens)
+    return params if longest <= choice.share else dataclasses.replace(params, kv_budget=choice.share)
+
+
+def for_request(choice: KVPolicyChoice, kv_budget: int | None, chosen: bool = False) -> RequestKVPolicy:
+    """The policy a request with ``kv_budget`` runs under: without a budget nothing is evicted.
+    ``chosen``: the budget is the policy's share, not the request's own."""
     if kv_budget is None or choice.kv_eviction == "none":
         return RequestKVPolicy(choice.kv_format, "none")
-    return RequestKVPolicy(choice.kv_format, choice.kv_eviction, kv_budget)
+    why = (f"kv_policy auto: the request may pass its share of the pool ({choice.share} tokens, "
+           f"{choice.target_sequences} sequences at once)" if chosen else "the request's kv_budget")
+    return RequestKVPolicy(choice.kv_format, choice.kv_eviction, kv_budget, why)
+
+
+def share_tokens(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int, target: int) -> int:
+    """The most tokens a sequence may hold (under eviction: a sliding-window group keeps its
+    window, the global ones the budget) for ``target`` sequences to fit the pool at once."""
+    cache = config.cache
+    fmt = kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
+    groups = kv_plan.groups_for(config, arch, fmt)
+    p = kv_plan.plan(fmt, None, groups.page_layers, kv_bytes, cache, config.scheduler.max_num_seqs)
+    bs = cache.block_size
+    local = sum(ceil(min(w, max_model_len) / bs) + 1 for w in groups.windows if w is not None)
+    glob = sum(w is None for w in groups.windows)
+    return bs * max(0, (p.num_blocks // target - local) // max(glob, 1))
 
 
 def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int, fmt=None, scales=None) -> int:
@@ -87,7 +126,7 @@ def choose(config: EngineConfig, arch, runner, kv_bytes: int,
         n = _fits(config, arch, runner, kv_bytes, max_model_len, runner.kv_format, runner.kv_scales)
         return config, KVPolicyChoice(cache.kv_cache_dtype, cache.window_kv, n, target, "configured",
                                       format_name(cache.kv_cache_dtype, runner.dtype), cache.kv_eviction,
-                                      cache.tiers_enabled, cache.kv_policy)
+                                      cache.tiers_enabled, cache.kv_policy, cache.kv_quality_floor)
     windowed = any(w is not None for w in arch.layer_windows)
     fixed = None
     if cache.kv_cache_dtype != "auto":
@@ -96,7 +135,8 @@ def choose(config: EngineConfig, arch, runner, kv_bytes: int,
         fixed = f"kv_eviction {cache.kv_eviction} needs the model dtype"
     elif config.speculative is not None:
         fixed = "speculative decoding needs the model dtype"
-    ladder = (cache.kv_cache_dtype,) if fixed else LADDER
+    floor = cache.kv_quality_floor
+    ladder = (cache.kv_cache_dtype,) if fixed else LADDER[:{"lossless": 1, "int8": 2}.get(floor, 3)]
     window_kv = cache.window_kv if cache.tiers_enabled or cache.preemption_mode == "swap" else "free"
     best = None
     for dtype in ladder:
@@ -112,6 +152,10 @@ def choose(config: EngineConfig, arch, runner, kv_bytes: int,
         if n >= target:
             break
     cand, dtype, n = best
+    share, evict_note = None, None
+    if floor == "eviction" and n < target:
+        cand, dtype, n, share, evict_note = _with_eviction(config, cand, dtype, n, arch, runner, kv_bytes,
+                                                           max_model_len, target)
     parts = [("sliding-window blocks freed" if window_kv == "free" else f"window_kv {window_kv} (swap or tiers)")
              if windowed else "no sliding-window layers"]
     name = "the model dtype" if dtype == "auto" else dtype
@@ -122,12 +166,36 @@ def choose(config: EngineConfig, arch, runner, kv_bytes: int,
                      f"(target {target})")
     else:
         parts.append(f"KV in {dtype}: the pool holds {n} sequences of {max_model_len} tokens (target {target})")
-    if n < target:
-        parts.append("short of the target: raise kv_cache_memory, add a KV tier, or allow eviction "
-                     "(--kv-eviction with a per-request kv_budget)")
+    if share is not None:
+        parts.append(f"{cand.cache.kv_eviction} eviction for a request that may pass {share} tokens, the share "
+                     f"that fits {target} sequences (kv_quality_floor eviction)")
+    elif n < target:
+        parts.append(evict_note or "short of the target: raise kv_cache_memory, add a KV tier, or allow eviction "
+                     "(kv_quality_floor eviction, or --kv-eviction with a per-request kv_budget)")
     if cache.tiers_enabled:
         parts.append("KV tiers as configured")
     choice = KVPolicyChoice(dtype, window_kv, n, target, "; ".join(parts), format_name(dtype, runner.dtype),
-                            cache.kv_eviction, cache.tiers_enabled)
+                            cand.cache.kv_eviction, cache.tiers_enabled, quality_floor=floor, share=share)
     log.info("kv_policy auto: %s", choice.reason)
     return cand, choice
+
+
+def _with_eviction(config, cand, dtype, n, arch, runner, kv_bytes, max_model_len, target):
+    """``kv_quality_floor`` "eviction", no allowed format reaching the target: the model dtype
+    and a share per request, where eviction can run; else the choice as it was and why not."""
+    cache = cand.cache
+    blocked = ("KV tiers" if cache.tiers_enabled else "preemption_mode swap" if cache.preemption_mode == "swap"
+               else "speculative decoding" if config.speculative is not None
+               else f"kv_cache_dtype {cache.kv_cache_dtype}" if config.cache.kv_cache_dtype != "auto" else None)
+    if blocked is None and arch.layer_windows and all(w is not None for w in arch.layer_windows):
+        blocked = "every layer's sliding window (it bounds the KV already)"
+    if blocked is not None:
+        return cand, dtype, n, None, f"short of the target; eviction cannot run beside {blocked}"
+    c = dataclasses.replace(cache, kv_cache_dtype="auto", block_size=config.cache.block_size,
+                            kv_eviction=cache.kv_eviction if cache.kv_eviction != "none" else "streaming")
+    ev = dataclasses.replace(config, cache=c)
+    share = min(share_tokens(ev, arch, runner, kv_bytes, max_model_len, target), max_model_len)
+    if share < kv_budget_min(c.block_size):
+        return cand, dtype, n, None, (f"short of the target; the pool's share per sequence ({share} tokens) is "
+                                      f"below the smallest kv_budget ({kv_budget_min(c.block_size)})")
+    return ev, "auto", _fits(ev, arch, runner, kv_bytes, max_model_len), share, None

@@ -167,13 +167,15 @@ class LLMEngine(MemoryControls, RequestIntake):
             cache_salt = prompt.get("cache_salt")
         check_cache_salt(cache_salt)
         text, ids = self.tokenize_prompt(prompt)
+        own = params.kv_budget
+        params = kv_policy.budget_for(self.kv_policy, params, len(ids), self.max_model_len)
         self.validate(ids, params)
         self._wake_for_work()
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)
         req.session_id = session_id
         req.cache_salt = cache_salt
-        req.metrics.kv_policy = kv_policy.for_request(self.kv_policy, params.kv_budget)
+        req.metrics.kv_policy = kv_policy.for_request(self.kv_policy, params.kv_budget, own != params.kv_budget)
         if params.structured_outputs is not None:
             req.grammar = self.structured.matcher(params.structured_outputs)
         if session_id is not None:

@@ -68,12 +68,15 @@ def _kv_policy_metrics(c):
     auto, or as configured (reason "configured")."""
     info = InfoMetricFamily("kvserve_kv_policy", "KV cache levers in use: chosen by kv_policy auto, or configured")
     info.add_metric([], {"kv_policy": c.policy, "kv_cache_dtype": c.kv_format, "window_kv": c.window_kv,
-                         "kv_eviction": c.kv_eviction, "kv_tiers": "on" if c.tiers else "off", "reason": c.reason})
+                         "kv_eviction": c.kv_eviction, "kv_tiers": "on" if c.tiers else "off",
+                         "kv_quality_floor": c.quality_floor, "reason": c.reason})
     yield info
     for name, doc, v in (("kv_policy_fits_sequences", "max_model_len sequences the KV pool holds at once",
                           c.fits_sequences),
                          ("kv_policy_target_sequences", "max_model_len sequences kv_policy auto aims to hold",
-                          c.target_sequences)):
+                          c.target_sequences),
+                         ("kv_policy_share_tokens", "kv_budget kv_policy auto gives a request that may pass it "
+                          "(kv_quality_floor eviction; 0: none)", c.share or 0)):
         g = GaugeMetricFamily(f"kvserve_{name}", doc)
         g.add_metric([], v)
         yield g

@@ -1,5 +1,5 @@
 """What the KV policy is, where an operator and a client can see it: ``/metrics`` carries
-``kvserve_kv_policy_info`` (format, window freeing, eviction, tiers, reason) for an engine whose
+``kvserve_kv_policy_info`` (format, window freeing, eviction, tiers, quality floor, reason) for an engine whose
 levers ``kv_policy="auto"`` chose and for one run as configured; each ``RequestOutput.metrics``
 names the format, eviction and budget its request ran under. On dummy:tiny (512 bytes of fp32 KV
 per token), max_model_len 256: 512KiB of KV holds 8 sequences only in int8
@@ -73,7 +73,7 @@ def test_metrics_show_configured_levers():
     llm = tiny("512KiB", kv_cache_dtype="int4", kv_eviction="none")
     labels = policy_labels(scrape(llm.engine))
     assert labels == {"kv_policy": "manual", "kv_cache_dtype": "int4", "window_kv": llm.config.cache.window_kv,
-                      "kv_eviction": "none", "kv_tiers": "off", "reason": "configured"}
+                      "kv_eviction": "none", "kv_tiers": "off", "kv_quality_floor": "int4", "reason": "configured"}
     labels = policy_labels(scrape(tiny("1MiB", kv_eviction="h2o").engine))
     assert (labels["kv_cache_dtype"], labels["kv_eviction"], labels["reason"]) == ("float32", "h2o", "configured")
 
@@ -82,8 +82,23 @@ def test_request_metrics_name_the_policy_it_ran_under():
     llm = tiny("1MiB", kv_eviction="streaming")
     params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, kv_budget=b) for b in (48, None)]
     budgeted, plain = llm.generate([{"prompt_token_ids": list(range(1, 101))}] * 2, params, use_tqdm=False)
-    assert budgeted.metrics.kv_policy == RequestKVPolicy("float32", "streaming", 48)
+    assert budgeted.metrics.kv_policy == RequestKVPolicy("float32", "streaming", 48, "the request's kv_budget")
     assert plain.metrics.kv_policy == RequestKVPolicy("float32", "none", None)
     out = tiny("512KiB", kv_policy="auto").generate([{"prompt_token_ids": [5, 6, 7]}],
                                                     SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.metrics.kv_policy == RequestKVPolicy("int8", "none", None)
+
+
+def test_metrics_show_the_quality_floor_and_the_share():
+    """At kv_quality_floor eviction, a pool short of the target: /metrics names the floor, the
+    eviction chosen, and the share a long request is given as its budget."""
+    llm = tiny("256KiB", kv_policy="auto", kv_quality_floor="eviction")
+    samples = scrape(llm.engine)
+    labels = policy_labels(samples)
+    assert (labels["kv_quality_floor"], labels["kv_eviction"], labels["kv_cache_dtype"]) == (
+        "eviction", "streaming", "float32")
+    [(_, share)] = samples["kvserve_kv_policy_share_tokens"]
+    assert share == llm.engine.kv_policy.share == llm.engine.kv.pool.num_blocks * llm.config.cache.block_size // 8
+    [(_, share)] = scrape(tiny("4MiB", kv_policy="auto", kv_quality_floor="eviction").engine)[
+        "kvserve_kv_policy_share_tokens"]
+    assert share == 0  # the target fits: no request is given a budget
