@@ -107,6 +107,9 @@ class CacheConfig:
         if self.kv_quality_floor not in QUALITY_FLOORS:
             raise ConfigError("kv_quality_floor", f"must be one of {', '.join(QUALITY_FLOORS)}; "
                               f"got {self.kv_quality_floor!r}")
+        if self.kv_quality_floor != "int4" and self.kv_policy != "auto":
+            raise ConfigError("kv_quality_floor", f"bounds what kv_policy 'auto' chooses; kv_policy is "
+                              f"{self.kv_policy!r} (got kv_quality_floor {self.kv_quality_floor!r})")
         if self.kv_eviction != "none":
             for name, off, why in (("kv_cache_dtype", self.kv_cache_dtype == "auto", "the model dtype ('auto')"),
                                    ("preemption_mode", self.preemption_mode == "recompute", "'recompute'"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, InvalidRequestError
 
 
 def auto(memory: str, max_len: int = 256, **kw) -> LLM:
@@ -139,6 +139,19 @@ def test_eviction_floor_is_not_used_where_the_target_fits_or_eviction_cannot_run
     assert llm.engine.kv_policy.share is not None
 
 
+def test_a_request_too_long_for_the_pool_at_full_length_runs_on_its_share():
+    """LLM.generate checks every request before it enters the engine: the share counts there, so
+    a request whose full length the pool cannot hold (600 tokens; the pool holds 512) is run, not
+    refused; without the floor it is refused, naming max_tokens."""
+    kw = dict(kv_cache_memory="256KiB", max_model_len=2048, show_progress=False, kv_policy="auto")
+    params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+    out = LLM("dummy:tiny", kv_quality_floor="eviction", **kw).generate([LONG], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 600 and out.metrics.kv_policy.kv_budget == 64
+    with pytest.raises(InvalidRequestError) as ei:
+        LLM("dummy:tiny", kv_quality_floor="lossless", **kw).generate([LONG], params, use_tqdm=False)
+    assert ei.value.field == "max_tokens"
+
+
 def test_a_request_of_its_own_budget_keeps_it():
     llm = auto("256KiB", kv_quality_floor="eviction")
     out = llm.generate([LONG], SamplingParams(max_tokens=160, temperature=0, ignore_eos=True, kv_budget=48),
@@ -150,4 +163,10 @@ def test_a_request_of_its_own_budget_keeps_it():
 def test_bad_quality_floor_names_the_field(floor):
     with pytest.raises(ConfigError) as ei:
         auto("1MiB", kv_quality_floor=floor)
+    assert ei.value.option == "kv_quality_floor"
+
+
+def test_a_quality_floor_without_kv_policy_auto_is_refused():
+    with pytest.raises(ConfigError, match="kv_policy 'auto'") as ei:
+        LLM("dummy:tiny", kv_cache_memory="1MiB", show_progress=False, kv_quality_floor="eviction")
     assert ei.value.option == "kv_quality_floor"

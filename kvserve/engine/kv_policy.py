@@ -57,7 +57,7 @@ class KVPolicyChoice:
     target_sequences: int
     reason: str  # "configured" with kv_policy "manual"
     kv_format: str = ""  # what the pool stores: the model dtype's name for "auto", else kv_cache_dtype
-    kv_eviction: str = "none"  # as configured: never chosen here (module docstring)
+    kv_eviction: str = "none"  # as configured, or streaming for the share (module docstring)
     tiers: bool = False  # CPU/disk/Redis KV tiers configured
     policy: str = "auto"  # kv_policy: "auto" or "manual"
     quality_floor: str = "int4"  # kv_quality_floor: the lossiest lever "auto" may use
@@ -186,6 +186,8 @@ def _with_eviction(config, cand, dtype, n, arch, runner, kv_bytes, max_model_len
     cache = cand.cache
     blocked = ("KV tiers" if cache.tiers_enabled else "preemption_mode swap" if cache.preemption_mode == "swap"
                else "speculative decoding" if config.speculative is not None
+               # (a budget would cap the prompt blocks a decode instance takes from its producer)
+               else "disaggregated prefill/decode (kv_transfer_config)" if config.kv_transfer_config is not None
                else f"kv_cache_dtype {cache.kv_cache_dtype}" if config.cache.kv_cache_dtype != "auto" else None)
     if blocked is None and arch.layer_windows and all(w is not None for w in arch.layer_windows):
         blocked = "every layer's sliding window (it bounds the KV already)"

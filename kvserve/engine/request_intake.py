@@ -3,6 +3,7 @@ against the model, the context and the KV pool, each failure an error naming the
 allowed range. Also the embeddings endpoint's forward, which takes a prompt the same way."""
 from __future__ import annotations
 
+from kvserve.engine import kv_policy
 from kvserve.engine.pooling import POOLINGS, pool
 from kvserve.errors import InvalidRequestError
 from kvserve.kv_eviction import kv_budget_min
@@ -66,6 +67,9 @@ class RequestIntake:
                                       f"max_model_len {self.max_model_len}; "
                                       f"allowed max_tokens <= {self.max_model_len - n}",
                                       code="context_length_exceeded")
+        # The budget kv_policy auto gives a request too long for its share (kv_quality_floor
+        # eviction) counts here as the request's own would.
+        params = kv_policy.budget_for(self.kv_policy, params, n, self.max_model_len)
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         if params.kv_budget is not None:
