@@ -7,6 +7,9 @@ out) against the float32 model, in one run. Also the time each quantizer took an
 size.
 
     PYTHONPATH=$PWD python benchmarks/quantizers.py --out benchmarks/results/quantizers_cpu
+
+``--model`` takes another unquantized (or dequantized-at-load GGUF) Llama-family model, e.g.
+Qwen2.5-Coder-0.5B (benchmarks/fetch_qwen_pair.py), whose 896-wide projections take groups of 128.
 """
 from __future__ import annotations
 
@@ -32,13 +35,14 @@ METHODS = {"rtn": {"method": "rtn"}, "awq": {"method": "awq"}, "gptq": {"method"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the default model)")
     ap.add_argument("--out", default="benchmarks/results/quantizers_cpu")
     ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
     ap.add_argument("--calibration-tokens", type=int, default=16384)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--methods", default=",".join(METHODS))
     a = ap.parse_args()
-    model = default_model_path()
+    model = a.model or default_model_path()
     res = {"model": os.path.basename(model), "group_size": a.group_size, "calibration_tokens": a.calibration_tokens,
            "rows": {}}
     ref = LLM(model, dtype="float32", quantization="none", show_progress=False, max_model_len=4096)
