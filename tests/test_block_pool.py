@@ -104,23 +104,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.hash[b] = h
             self.cached[h] = b
 
-    @precondition(lambda self: any(r > 0 for r in self.ref))
-    @rule(data=st.data())
-    def cache_and_free(self, data):
-        # Landed KV: each block registered under its hash, then all freed tail-first (the model
-        # does exactly that, one step at a time).
-        in_use = self._in_use()
-        bids = data.draw(st.lists(st.sampled_from(in_use), min_size=1, max_size=len(in_use), unique=True),
-                         label="bids")
-        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=len(bids), max_size=len(bids)), label="hashes")
-        self.pool.cache_and_free(bids, hashes)
-        for b, h in zip(bids, hashes):
-            if self.pool.enable_caching and self.hash[b] is None and h not in self.cached:
-                self.hash[b] = h
-                self.cached[h] = b
-        for b in reversed(bids):
-            self._model_free(b)
-
     @rule(h=st.sampled_from(HASHES))
     def lookup(self, h):
         got = self.pool.lookup(h)

@@ -64,12 +64,6 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
-    def lookup_many(self, hashes: list[bytes]) -> list[int | None]:
-        if not self.enable_caching:
-            return [None] * len(hashes)
-        get = self.cached.get
-        return [get(h) for h in hashes]
-
     # -- operations ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the free queue (evicting their cached hashes), ref_cnt = 1."""
@@ -119,22 +113,6 @@ class BlockPool:
         self.cached[block_hash] = block_id
         if self.record_sealed:
             self.sealed.append((block_id, block_hash))
-
-    def cache_and_free(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        """``cache_block(b, h)`` for each pair, then ``free(block_ids[::-1])``, without a call
-        per block: blocks whose KV was just written (copied in from elsewhere) left free and
-        cached, the first one evicted last."""
-        if len(block_ids) != len(hashes):
-            raise ValueError(f"{len(block_ids)} blocks for {len(hashes)} hashes")
-        blocks, cached = self.blocks, self.cached
-        for bid, h in zip(block_ids, hashes):
-            blk = blocks[bid]
-            if self.enable_caching and blk.block_hash is None and h not in cached:
-                blk.block_hash = h
-                cached[h] = bid
-                if self.record_sealed:
-                    self.sealed.append((bid, h))
-        self.free(block_ids[::-1])
 
     def uncache(self, block_id: int) -> None:
         """Forget a free block's hash (its KV moved to a tier); it stays free."""

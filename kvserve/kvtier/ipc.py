@@ -269,7 +269,7 @@ class IpcConsumer(Consumer):
             self.remote = self.buffer = None  # (unmapped once no copy of ours reads it)
 
     def _land(self, pool, data: torch.Tensor, spill, tid: str, keys: list[bytes], src: list[int]) -> None:
-        found = pool.lookup_many(keys)
+        found = [pool.lookup(k) for k in keys]
         cached = [b for b in found if b is not None]
         todo = [k for k, b in zip(keys, found) if b is None]
         srcs = [s for s, b in zip(src, found) if b is None]
@@ -289,7 +289,9 @@ class IpcConsumer(Consumer):
             except BaseException:
                 pool.free(dst[::-1])  # (no key registered: plain free blocks again)
                 raise
-            pool.cache_and_free(dst, todo[:n])  # (a request's prefix lookup revives them)
+            for d, k in zip(dst, todo):
+                pool.cache_block(d, k)
+            pool.free(dst[::-1])  # (a prompt's first blocks, which more requests share, evicted last)
             landed = len(cached) + n
             self.partial_transfers += n < len(todo)
             self.received_blocks += n
