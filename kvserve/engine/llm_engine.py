@@ -168,8 +168,7 @@ class LLMEngine(MemoryControls, RequestIntake):
         check_cache_salt(cache_salt)
         text, ids = self.tokenize_prompt(prompt)
         own = params.kv_budget
-        params = kv_policy.budget_for(self.kv_policy, params, len(ids), self.max_model_len)
-        self.validate(ids, params)
+        params = self.validate(ids, params)
         self._wake_for_work()
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len, prompt=text, arrival_time=arrival_time)

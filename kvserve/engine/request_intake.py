@@ -48,7 +48,9 @@ class RequestIntake:
         self._wake_for_work()
         return pool(self.runner.hidden_states(ids), pooling).tolist(), len(ids)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Every check a request must pass before it enters the engine; returns ``params`` as the
+        request runs (with the budget ``kv_policy`` auto gives it, if any)."""
         n = len(prompt_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -98,3 +100,4 @@ class RequestIntake:
             raise InvalidRequestError(field, f"the request needs {need} KV blocks at its longest "
                                       f"(prompt {n} + max_tokens {mt} tokens, n={params.n}) but the KV pool "
                                       f"holds {self.num_kv_blocks}; lower max_tokens or n, or raise kv_cache_memory")
+        return params
