@@ -89,14 +89,19 @@ def for_request(choice: KVPolicyChoice, kv_budget: int | None, chosen: bool = Fa
     return RequestKVPolicy(choice.kv_format, choice.kv_eviction, kv_budget, why)
 
 
+def _pool(config: EngineConfig, arch, runner, kv_bytes: int, fmt=None, scales=None):
+    """The KV groups and the pool's plan under ``config.cache`` (in ``fmt`` if given)."""
+    fmt = fmt or kv_plan.make_format(config.cache, arch, runner.dtype, runner.device, None)
+    groups = kv_plan.groups_for(config, arch, fmt)
+    return groups, kv_plan.plan(fmt, scales, groups.page_layers, kv_bytes, config.cache,
+                                config.scheduler.max_num_seqs)
+
+
 def share_tokens(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int, target: int) -> int:
     """The most tokens a sequence may hold (under eviction: a sliding-window group keeps its
     window, the global ones the budget) for ``target`` sequences to fit the pool at once."""
-    cache = config.cache
-    fmt = kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
-    groups = kv_plan.groups_for(config, arch, fmt)
-    p = kv_plan.plan(fmt, None, groups.page_layers, kv_bytes, cache, config.scheduler.max_num_seqs)
-    bs = cache.block_size
+    groups, p = _pool(config, arch, runner, kv_bytes)
+    bs = config.cache.block_size
     local = sum(ceil(min(w, max_model_len) / bs) + 1 for w in groups.windows if w is not None)
     glob = sum(w is None for w in groups.windows)
     return bs * max(0, (p.num_blocks // target - local) // max(glob, 1))
@@ -106,11 +111,8 @@ def _fits(config: EngineConfig, arch, runner, kv_bytes: int, max_model_len: int,
     """Full-length sequences the pool holds under ``config.cache`` (in ``fmt`` if given), and the
     scheduler can run at once: a KIVI format's key residual may lower ``max_num_seqs`` below
     what its blocks hold."""
-    cache = config.cache
-    fmt = fmt or kv_plan.make_format(cache, arch, runner.dtype, runner.device, None)
-    groups = kv_plan.groups_for(config, arch, fmt)
-    p = kv_plan.plan(fmt, scales, groups.page_layers, kv_bytes, cache, config.scheduler.max_num_seqs)
-    bs = cache.block_size
+    groups, p = _pool(config, arch, runner, kv_bytes, fmt, scales)
+    bs = config.cache.block_size
     per_seq = sum(ceil(max_model_len / bs) if w is None else ceil(min(w, max_model_len) / bs) + 1
                   for w in groups.windows)
     return min(p.num_blocks // per_seq, p.max_num_seqs)
