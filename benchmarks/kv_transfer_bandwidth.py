@@ -6,13 +6,14 @@ is, filled with random values) and the consumer (this process) a pool of its own
 ``BlockPool``. Each transfer hands over ``--blocks`` blocks (default: one 8,192-token prompt),
 scattered over the producer's pool as a real prompt's are, through the connector's own classes:
 
-    send     producer: ``IpcProducer.send`` holds the blocks and its sender thread sends their
-             numbers and keys over gloo (no bytes move)
+    send     producer: ``IpcProducer.send`` holds the blocks and puts their numbers and keys
+             into the message ring both processes map (no bytes move)
     land     consumer: ``IpcConsumer.land`` (what the decode engine runs before each step)
-             allocates blocks, copies them out of the producer's pool, mapped with CUDA IPC,
-             into its own (kvserve/kernels/block_copy.py on a GPU) and registers them in the
-             prefix cache
-    release  producer: the acknowledgement frees the held blocks (not in the hand-over's time)
+             takes the message, allocates blocks, copies them out of the producer's pool,
+             mapped with CUDA IPC, into its own (kvserve/kernels/block_copy.py on a GPU) and
+             registers them in the prefix cache
+    release  producer: ``take_released`` reads the acknowledgement and frees the held blocks
+             (not in the hand-over's time)
 
 ``handed over`` times the send call to the landed copy's completion (one clock: both processes
 read the same monotonic clock); ``message`` is the part before the consumer saw the transfer,
@@ -129,6 +130,7 @@ def _producer(args, port: int, go, out) -> None:
             time.sleep(0.00005)
         out.put((i, t0, ids))
     while producer.held:
+        producer.take_released()
         time.sleep(0.001)
     out.put(("done", producer.dropped))
     out.close()
@@ -176,18 +178,19 @@ def _run(args, pattern: str, first: int, n: int, go, out, consumer, data) -> dic
         rows, landed, copy = [], [], 0.0
         go.put(first)
         for k in range(n):
-            i, t0, src = out.get(timeout=600)
-            tid = str(i)
-            assert i == first + k
-            while not consumer.inbox and tid not in consumer.done:  # (the message on its way)
-                if consumer.dead:
+            # The ring is watched at once: the producer's note of its send time comes through a
+            # multiprocessing queue, later than its message does.
+            tid = str(first + k)
+            while not consumer.receive() and not consumer.inbox and tid not in consumer.done:
+                if consumer.dead:  # (the message on its way)
                     raise RuntimeError("the KV transfer stopped")
-                time.sleep(0.00005)  # (lets the receiver thread have the interpreter)
             t1 = time.monotonic()
             while tid not in consumer.done:
                 consumer.land(bp, data)
             _sync(data.device)
             t2 = time.monotonic()
+            i, t0, src = out.get(timeout=600)
+            assert i == first + k
             copy += t2 - t1
             rows.append((t0, t1, t2))
             landed.append((i, src))
@@ -228,6 +231,7 @@ def _streamed(first: int, n: int, go, out, consumer, bp, data) -> tuple[list, li
             i, t0, src = out.get()
             sent[str(i)] = t0
             landed.append((i, src))
+        consumer.receive()
         now = time.monotonic()
         for tid, *_ in consumer.inbox:
             seen.setdefault(tid, now)

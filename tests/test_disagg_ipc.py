@@ -14,10 +14,10 @@ import json
 import logging
 import os
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,8 +26,9 @@ from kvserve.config import KVTransferConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.errors import ConfigError
 from kvserve.kvtier import TieredStore
-from kvserve.kvtier.ipc import ACK, DATA, IpcConsumer, IpcProducer, shared_zeros
+from kvserve.kvtier.ipc import IpcConsumer, IpcProducer, encode_transfer, shared_zeros
 from kvserve.kvtier.ipc_buffer import PREFIX, SharedBuffer
+from kvserve.kvtier.mailbox import Ring, ring_bytes
 from kvserve.kvtier.transfer import Channel
 from tests.server.server_proc import free_port
 from tests.test_disagg import TINY, TINY_PROMPTS, Producer, decode, full_blocks, greedy, make_llm
@@ -194,6 +195,21 @@ def wait_for(cond, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def released(producer: IpcProducer, timeout: float = 30.0) -> list[list[int]]:
+    """The producer engine's housekeeping until nothing is held: the blocks it released."""
+    out: list[list[int]] = []
+
+    def empty():
+        out.extend(producer.take_released())
+        return not producer.held
+    wait_for(empty, timeout)
+    return out
+
+
+def arrived(consumer: IpcConsumer) -> bool:
+    return consumer.receive() > 0 or bool(consumer.inbox)
+
+
 def land_until(consumer: IpcConsumer, pool: BlockPool, local: torch.Tensor, tids: list[str]) -> None:
     """The consumer engine's step loop, reduced to its landing."""
     def landed():
@@ -227,8 +243,7 @@ def test_held_blocks_land_byte_exact_and_are_released():
             assert torch.equal(local[:, :, dst], remote[:, :, src])
     pool.check_invariants()
     assert pool.num_free_blocks == 10
-    wait_for(lambda: not producer.held)  # every transfer acknowledged
-    assert sorted(map(tuple, producer.take_released())) == sorted(tuple(ids) for _, ids in sent.values())
+    assert sorted(map(tuple, released(producer))) == sorted(tuple(ids) for _, ids in sent.values())
     assert producer.held_blocks == [] and producer.sent_blocks == consumer.received_blocks == 6
 
 
@@ -240,8 +255,7 @@ def test_holds_beyond_kv_buffer_size_are_not_sent():
     assert producer.send("c", keys_of(2, 1), [4])
     assert sorted(producer.held_blocks) == [0, 1, 4]
     land_until(consumer, pool, local, ["a", "c"])
-    wait_for(lambda: not producer.held)
-    assert sorted(b for ids in producer.take_released() for b in ids) == [0, 1, 4]
+    assert sorted(b for ids in released(producer) for b in ids) == [0, 1, 4]
     assert producer.send("d", keys_of(3, 3), [5, 6, 7])  # room again
 
 
@@ -277,7 +291,7 @@ def test_cached_blocks_a_landing_evicts_are_spilled_before_being_overwritten():
         pool.free([b])
     spilled = []
     assert producer.send("a", keys_of(0, 2), [3, 7])
-    wait_for(lambda: consumer.inbox)
+    wait_for(lambda: arrived(consumer))
     consumer.land(pool, local, lambda ev: spilled.extend((b, k, local[:, :, b].clone()) for b, k in ev))
     assert [k for _, k, _ in spilled] == old[:2]  # the two least recently freed
     for b, _, kv in spilled:  # what the tiers got: the old bytes, not the landed ones
@@ -288,21 +302,26 @@ def test_cached_blocks_a_landing_evicts_are_spilled_before_being_overwritten():
     pool.check_invariants()
 
 
-def test_an_acknowledgement_never_waits_in_the_engine_thread():
-    """A producer that does not take its acknowledgements (paused, or its ack thread gone) must
-    not stall the consumer's steps: the ack waits in the ack thread, landing goes on."""
+def test_acknowledgements_a_full_ring_refuses_wait_and_landing_goes_on():
+    """A producer that does not take its acknowledgements (a long step, paused) must not stall
+    the consumer's steps: acknowledgements the ring has no room for wait on the consumer's side,
+    landings go on, and the waiting ones go out once the producer made room."""
     producer, consumer, remote, local = connect(12 * BLOCK_BYTES)
-    gate, send = threading.Event(), consumer.channel.send_message
-    consumer.channel.send_message = lambda *a, **kw: (gate.wait(), send(*a, **kw))[1]
+    room, put = [0], consumer.acks.put
+    consumer.acks.put = lambda m: room[0] > 0 and (room.__setitem__(0, room[0] - 1) or put(m))
     pool = BlockPool(10)
     assert producer.send("a", keys_of(0, 2), [0, 1]) and producer.send("b", keys_of(1, 2), [2, 3])
     t0 = time.monotonic()
     land_until(consumer, pool, local, ["a", "b"])
     consumer.land(pool, local)
-    assert time.monotonic() - t0 < 10 and producer.held.keys() == {"a", "b"}  # landed, acks held up
-    gate.set()
-    wait_for(lambda: not producer.held)
-    assert sorted(b for ids in producer.take_released() for b in ids) == [0, 1, 2, 3]
+    assert time.monotonic() - t0 < 10 and list(consumer.acks_waiting) == [b"a", b"b"]
+    assert producer.take_released() == [] and producer.held.keys() == {"a", "b"}
+    room[0] = 1  # room for one: the oldest goes first
+    consumer.land(pool, local)
+    assert producer.take_released() == [[0, 1]] and list(consumer.acks_waiting) == [b"b"]
+    room[0] = 9
+    consumer.land(pool, local)
+    assert released(producer) == [[2, 3]]
 
 
 def test_a_failed_landing_leaks_nothing_and_is_acknowledged(caplog):
@@ -316,15 +335,14 @@ def test_a_failed_landing_leaks_nothing_and_is_acknowledged(caplog):
     def spill(evicted):
         raise OSError("the disk tier is full")
     assert producer.send("a", keys_of(0, 2), [3, 7])
-    wait_for(lambda: consumer.inbox)
+    wait_for(lambda: arrived(consumer))
     with caplog.at_level(logging.ERROR, logger="kvserve.kvtier.ipc"):
         consumer.land(pool, local, spill)
     assert "could not be landed" in caplog.text
     assert consumer.done["a"] == 0 and consumer.failed_transfers == 1  # its request computes its prompt
     assert pool.num_free_blocks == 4 and all(pool.lookup(k) is None for k in keys_of(0, 2))
     pool.check_invariants()
-    wait_for(lambda: not producer.held)  # the hold is released all the same
-    assert producer.take_released() == [[3, 7]]
+    assert released(producer) == [[3, 7]]  # the hold is released all the same
 
 
 def test_a_landing_keeps_the_cached_blocks_it_skips():
@@ -350,7 +368,7 @@ def test_asleep_transfers_wait_and_land_in_the_pool_of_the_wake():
     producer, consumer, remote, local = connect(12 * BLOCK_BYTES)
     pool = BlockPool(10)
     assert producer.send("a", keys_of(0, 2), [4, 5])
-    wait_for(lambda: consumer.inbox)
+    wait_for(lambda: arrived(consumer))
     consumer.land(pool, None)
     assert "a" not in consumer.done and len(consumer.inbox) == 1
     woken = torch.zeros_like(local)
@@ -364,31 +382,103 @@ def test_an_unknown_acknowledgement_keeps_the_holds(caplog):
     releases nothing it holds (a bounded loss, where releasing could hand reused blocks over)."""
     producer, consumer, _, _ = connect(12 * BLOCK_BYTES)
     assert producer.send("a", keys_of(0, 2), [0, 1])
-    wait_for(lambda: consumer.inbox)
+    wait_for(lambda: arrived(consumer))
+    assert consumer.acks.put(b"never-sent")
     with caplog.at_level(logging.ERROR, logger="kvserve.kvtier.ipc"):
-        consumer.channel.send_message({"ack": "never-sent"}, tag=ACK)
-        wait_for(lambda: producer.dead)
-    assert "unknown transfer" in caplog.text and "stay held" in caplog.text
-    assert producer.held == {"a": [0, 1]} and producer.take_released() == []
+        assert producer.take_released() == []
+    assert producer.dead and "unknown transfer" in caplog.text and "stay held" in caplog.text
+    assert producer.held.keys() == {"a"} and producer.held_blocks == [0, 1] and producer.take_released() == []
     assert not producer.send("b", keys_of(1, 1), [2])
 
 
-@pytest.mark.parametrize("fields", [
-    {"blocks": [12]},  # a block beyond the producer's pool
-    {"blocks": [1, 2]},  # more blocks than keys
-    {"blocks": [1.0]},
-    {"blocks": [True]},
-    {"blocks": [2**70]},
-    {"blocks": [1], "keys": ["not hex"]},
-    {"blocks": 1},
-], ids=["beyond", "count", "float", "bool", "huge", "key", "not-a-list"])
-def test_a_malformed_transfer_ends_the_connection_not_the_engine(fields):
+def _raw(tid: bytes, slot: int, n: int, width: int, tail: bytes) -> bytes:
+    import struct
+    return struct.pack("<HhII", len(tid), slot, n, width) + tid + tail
+
+
+@pytest.mark.parametrize("message", [
+    encode_transfer("x", keys_of(0, 1), [12]),  # a block beyond the producer's pool
+    encode_transfer("x", keys_of(0, 1), [-1]),
+    encode_transfer("x", keys_of(0, 1), [2**31 - 1]),
+    encode_transfer("x", keys_of(0, 1), [1], slot=0),  # an event the CPU producer never shared
+    encode_transfer("x", keys_of(0, 1), [1])[:-1],  # a byte short
+    encode_transfer("x", keys_of(0, 1), [1]) + b"!",
+    _raw(b"x", -1, 2**32 - 1, 32, b"\0" * 36),  # more blocks than the message holds
+    _raw(b"x", -1, 1, 0, b"\0" * 4),  # keys of no bytes
+    _raw(b"x" * 65, -1, 0, 32, b""),  # an id over 64 bytes
+    _raw(b"x", -2, 0, 32, b""),
+    b"\1\2",
+], ids=["beyond", "negative", "huge", "slot", "short", "long", "count", "keyless", "id", "slot-2", "tiny"])
+def test_a_malformed_transfer_ends_the_connection_not_the_engine(message):
     producer, consumer, _, local = connect(12 * BLOCK_BYTES)
-    producer.channel.send_message({"id": "x", "keys": [keys_of(0, 1)[0].hex()], **fields}, tag=DATA)
-    wait_for(lambda: consumer.dead)
+    assert producer.data.put(message)
     pool = BlockPool(10)
     consumer.land(pool, local)  # nothing lands, nothing breaks
-    assert pool.num_cached_blocks == 0 and "x" not in consumer.done
+    assert consumer.dead and pool.num_cached_blocks == 0 and not consumer.done and not consumer.inbox
+    pool.check_invariants()
+
+
+def test_a_corrupt_ring_ends_the_connection_not_the_engine():
+    producer, consumer, _, local = connect(12 * BLOCK_BYTES)
+    assert producer.send("a", keys_of(0, 1), [3])
+    producer.data._ring[0:4] = 0xEE  # the frame's length: beyond what the ring holds
+    pool = BlockPool(10)
+    consumer.land(pool, local)
+    assert consumer.dead and "a" not in consumer.done and pool.num_cached_blocks == 0
+
+
+# -- the message rings ----------------------------------------------------------------------
+def _ring(capacity: int = 256, max_payload: int = 100) -> tuple[Ring, Ring, np.ndarray]:
+    """A writer's and a reader's view of one ring (as the two processes have)."""
+    mem = np.zeros(ring_bytes(capacity), dtype=np.uint8)
+    return Ring(mem, capacity, max_payload), Ring(mem, capacity, max_payload), mem
+
+
+@pytest.mark.unit
+def test_ring_carries_messages_in_order_across_its_end():
+    writer, reader, _ = _ring()
+    rng = random.Random(3)
+    sent, got = [], []
+    for _ in range(400):  # many times round the ring, in bursts the reader takes at random
+        while True:
+            m = rng.randbytes(rng.randrange(0, 101))
+            if not writer.put(m):
+                break
+            sent.append(m)
+        got += reader.take()
+        if rng.random() < 0.3:
+            got += reader.take()
+    got += reader.take()
+    assert got == sent and len(sent) > 400
+
+
+@pytest.mark.unit
+def test_ring_refuses_what_does_not_fit_and_keeps_what_it_holds():
+    writer, reader, _ = _ring(capacity=256, max_payload=100)
+    assert writer.put(b"a" * 100) and writer.put(b"b" * 100)
+    assert not writer.put(b"c" * 40)  # 2 x 112 bytes taken of 256: 48 do not fit
+    assert reader.take() == [b"a" * 100, b"b" * 100]
+    assert writer.put(b"c" * 40) and reader.take() == [b"c" * 40]
+    with pytest.raises(ValueError, match="over"):
+        writer.put(b"d" * 101)
+
+
+@pytest.mark.unit
+def test_ring_waits_for_a_frame_not_yet_visible_then_refuses_a_bad_one(monkeypatch):
+    from kvserve.kvtier import mailbox
+    writer, reader, mem = _ring()
+    assert writer.put(b"hello")
+    mem[mailbox.HEADER + 8] ^= 1  # a payload byte not yet what the checksum covers
+    assert reader.take() == []
+    mem[mailbox.HEADER + 8] ^= 1
+    assert reader.take() == [b"hello"]
+    assert writer.put(b"again")
+    mem[mailbox.HEADER + 24] ^= 1
+    assert reader.take() == []
+    monkeypatch.setattr(mailbox, "STALE_S", 0.0)
+    time.sleep(0.01)
+    with pytest.raises(mailbox.RingError, match="checksum"):
+        reader.take()
 
 
 @pytest.mark.unit

@@ -2,50 +2,65 @@
 consumer maps the producer's whole KV pool and copies a prompt's blocks straight out of it into
 its own: one device-to-device copy per byte, no buffer in between, no trip through host memory.
 
-    connect   the gloo channel of kvserve/kvtier/transfer.py (control messages only) checks the
-              layouts; the producer's pool was allocated shareable (``SharedBuffer``: device
-              memory with CUDA IPC, or a host file); it sends the handle and the pool's shape,
-              the consumer maps it and answers whether it could
+    connect   the gloo channel of kvserve/kvtier/transfer.py checks the layouts; the producer's
+              pool was allocated shareable (``SharedBuffer``: device memory with CUDA IPC, or a
+              host file); it sends the pool's handle and shape, the handle of two message rings
+              in host memory (kvserve/kvtier/mailbox.py) and, on a GPU, of a set of CUDA events
+              both processes share; the consumer maps them and answers whether it could. The
+              channel then carries nothing more: a thread on each side waits on it only to learn
+              that the peer's process is gone.
     producer  engine thread, a request finished: its prompt's blocks are *held* (one more
               reference each in the producer's pool, so they are neither reused nor evicted),
-              at most ``kv_buffer_size`` bytes at a time; sender thread: once the device wrote
-              them, {id, keys, blocks} (tag 0); ack thread: an acknowledgement {ack: id} (tag 1)
-              queues the transfer's blocks for release, which the engine thread does at its next
-              step (``take_released``)
-    consumer  receiver thread: checks each message and queues it; engine thread (``land``, at
-              each step and when idle, not while asleep): for the keys not cached here it
-              allocates blocks, copies producer -> consumer (kvserve/kernels/block_copy.py on a
-              GPU), registers them in the prefix cache under their keys (free and cached: the
-              request's prefix lookup revives them); ack thread: the acknowledgement of each
-              transfer whose copy is complete (network I/O never waits in the engine thread)
+              at most ``kv_buffer_size`` bytes at a time; a shared event is recorded behind the
+              step that wrote them and {id, event, blocks, keys} goes into the data ring at once.
+              Each ``take_released`` (the engine's housekeeping) reads the acknowledgements ring
+              and releases the blocks of every acknowledged transfer.
+    consumer  engine thread (``land``, at each step and when idle, not while asleep): takes what
+              the data ring holds; for the keys not cached here it allocates blocks, has the
+              device wait for the producer's event, copies producer -> consumer (the block-copy
+              kernel on a GPU), registers them in the prefix cache under their keys (free and
+              cached: the request's prefix lookup revives them), and puts the id of each transfer
+              whose copy completed into the acknowledgements ring.
+
+No thread sits on the hand-over's path: a message is a few stores into shared memory, read by
+the other engine thread between its steps, so neither the interpreter lock nor a thread's
+wake-up stands between the producer's step and the consumer's copy.
 
 Invariants: a held block is referenced by the producer's pool until its acknowledgement, or the
 end of the consumer's process, releases it, so the consumer never reads a block the producer
 reuses (a consumer that breaks the protocol but may still be copying leaves its blocks held for
-good); the consumer acknowledges only after its copy finished. Landing takes free blocks of the
-consumer's pool and gives them back as cached ones, so it never takes room from a running
-request, and it holds the transfer's blocks that were cached here already while it allocates;
-when the pool has fewer free blocks than a transfer, the first ones land (keys are chained: a
-prefix of them is still a prefix hit) and the rest is computed.
+good); the consumer acknowledges only after its copy finished, and a transfer's event slot is
+recorded again only after its acknowledgement (the consumer's wait on it has passed). Landing
+takes free blocks of the consumer's pool and gives them back as cached ones, so it never takes
+room from a running request, and it holds the transfer's blocks that were cached here already
+while it allocates; when the pool has fewer free blocks than a transfer, the first ones land
+(keys are chained: a prefix of them is still a prefix hit) and the rest is computed.
 """
 from __future__ import annotations
 
 import logging
 import math
-import queue
+import struct
 import threading
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from kvserve.errors import ConfigError
 from kvserve.kvtier.ipc_buffer import SharedBuffer
+from kvserve.kvtier.mailbox import Ring, RingError, ring_bytes
 from kvserve.kvtier.transfer import Channel, Consumer, ProtocolError
 
 log = logging.getLogger(__name__)
 
-DATA, ACK = 0, 1  # channel tags: producer -> consumer messages, consumer -> producer acknowledgements
+DATA, ACK = 0, 1  # channel tags: producer -> consumer, consumer -> producer (after connect: none)
+MAX_ID, MAX_KEY = 64, 64  # bytes of a transfer id, of a block key
+EVENT_SLOTS = 64  # shared CUDA events: transfers whose readiness the consumer's device awaits
+_HEAD = struct.Struct("<HhII")  # id bytes, event slot (-1: none), blocks, bytes per key
+_MAX_MESSAGE = 4 << 20
+_ACK_RING = 64 << 10
 
 
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, SharedBuffer]:
@@ -61,7 +76,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, sources: list[int], dests:
     from kvserve import kernels
     if kernels.available(dst):
         from kvserve.kernels.block_copy import copy_blocks as kernel
-        ids = torch.tensor(sources + dests, dtype=torch.int64).view(2, -1)
+        ids = torch.from_numpy(np.array((sources, dests), dtype=np.int64))
         kernel(src, dst, ids.to(dst.device, non_blocking=True))
         return
     i = 0
@@ -74,6 +89,49 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, sources: list[int], dests:
         i = j
 
 
+def encode_transfer(tid: str, keys: list[bytes], blocks: list[int], slot: int = -1) -> bytes:
+    """One data-ring message: the transfer's id, its event slot, its block numbers in the
+    producer's pool and their keys (all of one length)."""
+    t = tid.encode()
+    width = len(keys[0]) if keys else 0
+    if len(t) > MAX_ID or width > MAX_KEY or any(len(k) != width for k in keys) or len(keys) != len(blocks):
+        raise ValueError(f"transfer {tid[:40]!r}: {len(keys)} keys for {len(blocks)} blocks, "
+                         f"ids up to {MAX_ID} bytes, keys of one length up to {MAX_KEY}")
+    return _HEAD.pack(len(t), slot, len(blocks), width) + t + np.asarray(blocks, dtype="<i4").tobytes() + b"".join(keys)
+
+
+def decode_transfer(msg: bytes, pool_blocks: int, slots: int) -> tuple[str, int, list[int], list[bytes]]:
+    """(id, event slot, blocks, keys) of a data-ring message; ProtocolError where it is not one
+    this producer's pool and events allow."""
+    if len(msg) < _HEAD.size:
+        raise ProtocolError(f"a transfer message of {len(msg)} bytes")
+    nt, slot, n, width = _HEAD.unpack_from(msg)
+    body = _HEAD.size + nt
+    if (nt > MAX_ID or not 0 < width <= MAX_KEY or not -1 <= slot < slots
+            or len(msg) != body + n * (4 + width)):
+        raise ProtocolError(f"a transfer message of {len(msg)} bytes: id {nt}, slot {slot}, {n} blocks of "
+                            f"{width}-byte keys")
+    tid = msg[_HEAD.size:body].decode("utf-8", "replace")
+    ids = np.frombuffer(msg, dtype="<i4", count=n, offset=body)
+    if n and (ids.min() < 0 or ids.max() >= pool_blocks):
+        raise ProtocolError(f"transfer {tid!r:.40}: a block outside the producer's pool of {pool_blocks}")
+    keys = msg[body + 4 * n:]
+    return tid, slot, ids.tolist(), [keys[j:j + width] for j in range(0, n * width, width)]
+
+
+def _rings(max_blocks: int) -> tuple[int, int, int]:
+    """(data ring bytes, largest message, acknowledgements ring bytes) for a producer holding
+    ``max_blocks`` at most: the data ring holds four of the largest messages."""
+    largest = min(_HEAD.size + MAX_ID + max_blocks * (4 + MAX_KEY), _MAX_MESSAGE)
+    return 4 * ((largest + 23) & ~7), largest, _ACK_RING
+
+
+def _ring_views(buf: SharedBuffer, data_bytes: int, largest: int, ack_bytes: int) -> tuple[Ring, Ring]:
+    mem = buf.tensor.numpy()
+    a = ring_bytes(data_bytes)
+    return Ring(mem[:a], data_bytes, largest), Ring(mem[a:a + ring_bytes(ack_bytes)], ack_bytes, MAX_ID)
+
+
 class IpcProducer:
     """The producer's half: holds blocks for the consumer and releases them when told."""
 
@@ -81,11 +139,23 @@ class IpcProducer:
                  block_bytes: int, buffer_bytes: float):
         self.channel, self.block_bytes, self.device = channel, block_bytes, pool.tensor.device
         self.max_blocks = int(buffer_bytes) // block_bytes
+        mailbox = None
         try:
             if self.max_blocks < 1:
                 raise ConfigError("kv_transfer_config.kv_buffer_size", f"{int(buffer_bytes)} bytes cannot hold one "
                                   f"KV block ({block_bytes} bytes) for the consumer")
-            channel.send_message({"pool": pool.handle, "shape": list(shape), "dtype": str(dtype)})
+            sizes = _rings(self.max_blocks)
+            mailbox = SharedBuffer.create(torch.device("cpu"), ring_bytes(sizes[0]) + ring_bytes(sizes[2]))
+            self.data, self.acks = _ring_views(mailbox, *sizes)
+            self.events: list = []
+            if self.device.type == "cuda":  # (recorded once: CUDA creates an event at its first record)
+                with torch.cuda.device(self.device):
+                    self.events = [torch.cuda.Event(interprocess=True) for _ in range(EVENT_SLOTS)]
+                    for e in self.events:
+                        e.record()
+            channel.send_message({"pool": pool.handle, "shape": list(shape), "dtype": str(dtype),
+                                  "mailbox": mailbox.handle, "rings": list(sizes),
+                                  "events": [e.ipc_handle().hex() for e in self.events]})
             reply, _ = channel.recv_message(0)
         except ConfigError:
             channel.send_message({"pool": None})  # (the consumer must not wait for it)
@@ -96,77 +166,89 @@ class IpcProducer:
             raise ConfigError("kv_transfer_config", f"the consumer left while connecting: {e}"[:500]) from None
         finally:
             pool.unlink()
+            if mailbox is not None:
+                mailbox.unlink()
         if not reply.get("attached"):
             channel.close()
             raise ConfigError("kv_transfer_config", f"the consumer could not map this producer's KV pool "
                               f"(CudaIpcConnector links two processes of one host): {reply.get('error')}"[:500])
-        self.held: dict[str, list[int]] = {}  # transfer id -> its blocks, until acknowledged
+        self.mailbox = mailbox
+        self.held: dict[str, tuple[list[int], int]] = {}  # transfer id -> (its blocks, its event slot)
         self.released: list[list[int]] = []
+        self.free_slots = list(range(len(self.events)))[::-1]
         self.sent_blocks = self.dropped = 0
         self.dead = False
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._sender, daemon=True, name="kv-transfer-send").start()
-        threading.Thread(target=self._acks, daemon=True, name="kv-transfer-acks").start()
+        threading.Thread(target=self._watch, daemon=True, name="kv-transfer-watch").start()
 
     @property
     def held_blocks(self) -> list[int]:
         """Every block this side still references: held, or released and not yet taken."""
         with self._lock:
-            return [b for ids in (*self.held.values(), *self.released) for b in ids]
+            return [b for ids in (*(h[0] for h in self.held.values()), *self.released) for b in ids]
 
     def send(self, tid: str, keys: list[bytes], blocks: list[int]) -> bool:
         """Offer ``blocks`` (the caller took a reference on each) under ``keys``; False: not sent
         (the consumer is gone, or more would be held than ``kv_buffer_size``), the caller drops
         its references again."""
         with self._lock:
-            if self.dead or sum(map(len, self.held.values())) + len(blocks) > self.max_blocks:
+            if (self.dead or tid in self.held
+                    or sum(len(h[0]) for h in self.held.values()) + len(blocks) > self.max_blocks):
                 self.dropped += 1
                 return False
-            self.held[tid] = blocks
-        ready = None  # the sender waits until the device finished writing them
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        self._queue.put((tid, keys, blocks, ready))
+        slot = -1
+        if self.device.type == "cuda":  # the consumer's device waits for the step that wrote them
+            if self.free_slots:
+                slot = self.free_slots.pop()
+                self.events[slot].record(torch.cuda.current_stream(self.device))
+            else:  # (every shared event awaits an acknowledgement: wait here instead)
+                torch.cuda.current_stream(self.device).synchronize()
+        try:
+            msg = encode_transfer(tid, keys, blocks, slot)
+        except ValueError:
+            msg = None
+        with self._lock:
+            if msg is None or len(msg) > self.data.max_payload or self.dead or not self.data.put(msg):
+                self.dropped += 1
+                if slot >= 0:
+                    self.free_slots.append(slot)
+                return False
+            self.held[tid] = (blocks, slot)
+        self.sent_blocks += len(blocks)
         return True
 
     def take_released(self) -> list[list[int]]:
         """Blocks whose transfers ended (engine thread: it drops the references)."""
+        try:
+            acks = [] if self.dead else self.acks.take()
+        except RingError as e:
+            acks = []
+            self._end(f"KV transfer to the consumer ended ({e}); prompts are no longer sent, and the "
+                      f"blocks it may still read stay held", release=False)
         with self._lock:
+            for a in acks:
+                h = self.held.pop(a.decode("utf-8", "replace"), None)
+                if h is None:  # the consumer is there, maybe still copying: keep the holds
+                    break
+                self.released.append(h[0])
+                if h[1] >= 0:
+                    self.free_slots.append(h[1])
             out, self.released = self.released, []
+        if acks and h is None:
+            self._end(f"KV transfer to the consumer ended (acknowledgement of an unknown transfer "
+                      f"{a[:40]!r}); prompts are no longer sent, and the blocks it may still read stay held",
+                      release=False)
         return out
 
-    def _sender(self) -> None:
-        while True:
-            tid, keys, blocks, ready = self._queue.get()
-            try:
-                if self.dead:
-                    continue
-                if ready is not None:
-                    ready.synchronize()
-                self.channel.send_message({"id": tid, "keys": [k.hex() for k in keys], "blocks": blocks}, tag=DATA)
-                self.sent_blocks += len(blocks)
-            except Exception as e:  # the consumer is gone: nothing more can be sent
-                self._end(f"KV transfer to the consumer failed; prompts are no longer sent: {e}")
-
-    def _acks(self) -> None:
-        while True:
-            try:
-                meta, _ = self.channel.recv_message(0, tag=ACK)
-                with self._lock:
-                    ids = self.held.pop(str(meta.get("ack")), None)
-                    if ids is not None:
-                        self.released.append(ids)
-                if ids is None:
-                    raise ProtocolError(f"acknowledgement of an unknown transfer {str(meta.get('ack'))[:40]!r}")
-            except ProtocolError as e:  # the consumer is there, maybe still copying: keep the holds
-                self._end(f"KV transfer to the consumer ended ({e}); prompts are no longer sent, and the "
-                          f"blocks it may still read stay held", release=False)
-                return
-            except Exception as e:  # the channel failed: the consumer's process is gone
-                self._end(f"KV transfer to the consumer ended; prompts are no longer sent: {e!r}")
-                return
+    def _watch(self) -> None:
+        """Waits on the channel, which carries nothing after connect, to learn the consumer's end."""
+        try:
+            self.channel.recv_message(0, tag=ACK)
+        except Exception as e:  # the channel failed: the consumer's process is gone
+            self._end(f"KV transfer to the consumer ended; prompts are no longer sent: {e!r}")
+            return
+        self._end("KV transfer to the consumer ended (a message on the closed channel); prompts are no longer "
+                  "sent, and the blocks it may still read stay held", release=False)
 
     def _end(self, why: str, release: bool = True) -> None:
         """No acknowledgement will come. ``release``: the consumer can no longer read the held
@@ -177,7 +259,7 @@ class IpcProducer:
                 log.error("%s", why)
             self.dead = True
             if release:
-                self.released.extend(self.held.values())
+                self.released.extend(h[0] for h in self.held.values())
                 self.held.clear()
 
 
@@ -207,6 +289,8 @@ class IpcConsumer(Consumer):
             remote = buffer.tensor.view(pool.dtype).view(shape)  # (another GPU of the host: read as peer memory)
             if remote.device.type != pool.device.type:
                 raise ValueError(f"the producer's pool is on {remote.device.type}, this one on {pool.device.type}")
+            self.data, self.acks = self._open_rings(meta)
+            self.events = self._open_events(meta.get("events"), pool.device)
         except Exception as e:  # (not the same host, GPUs or user; another torch)
             channel.send_message({"attached": False, "error": f"{type(e).__name__}: {e}"[:400]})
             channel.close()
@@ -215,41 +299,53 @@ class IpcConsumer(Consumer):
         channel.send_message({"attached": True})
         self.buffer: SharedBuffer | None = buffer
         self.remote: torch.Tensor | None = remote
-        self.inbox: deque[tuple[str, list[bytes], list[int]]] = deque()
+        self.inbox: deque[tuple[str, int, list[int], list[bytes]]] = deque()
         self.unacked: deque[tuple[object, str]] = deque()  # (copy finished event, transfer id)
+        self.acks_waiting: deque[bytes] = deque()  # (the ring was full: sent at the next landing)
         self.partial_transfers = 0
-        self._acks_out: queue.SimpleQueue = queue.SimpleQueue()
         super().__init__(channel, store, timeout_s, clock)
-        threading.Thread(target=self._ack_sender, daemon=True, name="kv-transfer-acks").start()
+
+    def _open_rings(self, meta: dict) -> tuple[Ring, Ring]:
+        sizes = meta.get("rings")
+        if not isinstance(sizes, list) or len(sizes) != 3 or not all(type(s) is int and s > 0 for s in sizes):
+            raise ValueError(f"bad message rings {str(sizes)[:100]}")
+        self.mailbox = SharedBuffer.open(meta.get("mailbox") if isinstance(meta.get("mailbox"), dict) else {})
+        if self.mailbox.nbytes != ring_bytes(sizes[0]) + ring_bytes(sizes[2]):
+            raise ValueError(f"the message rings are {self.mailbox.nbytes} bytes, not {sizes}")
+        return _ring_views(self.mailbox, *sizes)
+
+    @staticmethod
+    def _open_events(handles, device: torch.device) -> list:
+        if not isinstance(handles, list) or len(handles) > 1024 or not all(isinstance(h, str) for h in handles):
+            raise ValueError("bad CUDA event handles")
+        if handles and device.type != "cuda":
+            raise ValueError("the producer shares CUDA events and this pool is not on a GPU")
+        return [torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(h)) for h in handles]
 
     def _receiver(self) -> None:
-        n = self.remote.shape[2]
-        while True:
-            try:
-                meta, _ = self.channel.recv_message(0, tag=DATA)
-                tid, keys, blocks = str(meta["id"])[:200], [bytes.fromhex(k) for k in meta["keys"]], meta["blocks"]
-                if (not isinstance(blocks, list) or len(blocks) != len(keys)
-                        or not all(type(b) is int and 0 <= b < n for b in blocks)):
-                    raise RuntimeError(f"transfer {tid!r:.40}: {len(keys)} keys, blocks {str(blocks)[:100]}")
-            except Exception as e:
-                if not self.dead:
-                    log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
-                self.dead = True
-                return
-            self.inbox.append((tid, keys, blocks))
+        """Waits on the channel, which carries nothing after connect, to learn the producer's end
+        (the transfers come through the data ring)."""
+        try:
+            self.channel.recv_message(0, tag=DATA)
+            why = "a message on the closed channel"
+        except Exception as e:  # noqa: BLE001 - the producer is gone
+            why = str(e)
+        if not self.dead:
+            log.warning("KV transfer from the producer stopped; prompts are computed here: %s", why)
+        self.dead = True
 
-    def _ack_sender(self) -> None:
-        """Acknowledgements leave from here, never from the engine thread: a send waits for the
-        producer to take it, and a paused producer must not stall the steps."""
-        while True:
-            tid = self._acks_out.get()
-            try:
-                self.channel.send_message({"ack": tid}, tag=ACK)
-            except Exception as e:  # noqa: BLE001 - the producer is gone; its requests compute here
-                if not self.dead:
-                    log.warning("KV transfer acknowledgement failed; prompts are computed here: %s", e)
-                self.dead = True
-                return
+    def receive(self) -> int:
+        """Engine thread: move what the data ring holds into ``inbox``; the number of transfers."""
+        if self.dead or self.remote is None:
+            return 0
+        try:
+            got = [decode_transfer(m, self.remote.shape[2], len(self.events)) for m in self.data.take()]
+        except (RingError, ProtocolError) as e:
+            log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
+            self.dead = True
+            return 0
+        self.inbox.extend(got)
+        return len(got)
 
     def land(self, pool, data: torch.Tensor | None, spill=None) -> None:
         """Engine thread: copy what arrived into this engine's pool (``pool``: its BlockPool,
@@ -258,21 +354,28 @@ class IpcConsumer(Consumer):
         the (block, key) pairs whose cached KV the allocation evicted, before they are overwritten
         (the tiers copy them out then: recorded for the next step, they would be copied after the
         landing wrote over them, a wrong block under its key)."""
+        self.receive()
         while self.inbox and data is not None:
             if self.dead:  # (the producer's memory may be gone: nothing more is read from it)
                 self.inbox.clear()
                 break
             self._land(pool, data, spill, *self.inbox.popleft())
         while self.unacked and (self.unacked[0][0] is None or self.unacked[0][0].query()):
-            self._acks_out.put(self.unacked.popleft()[1])
+            self.acks_waiting.append(self.unacked.popleft()[1].encode())
+        while self.acks_waiting and not self.dead and self.acks.put(self.acks_waiting[0]):
+            self.acks_waiting.popleft()
         if self.dead and not self.unacked and self.remote is not None:
             self.remote = self.buffer = None  # (unmapped once no copy of ours reads it)
+            self.events = []
 
-    def _land(self, pool, data: torch.Tensor, spill, tid: str, keys: list[bytes], src: list[int]) -> None:
+    def _land(self, pool, data: torch.Tensor, spill, tid: str, slot: int, src: list[int], keys: list[bytes]) -> None:
         found = [pool.lookup(k) for k in keys]
         cached = [b for b in found if b is not None]
-        todo = [k for k, b in zip(keys, found) if b is None]
-        srcs = [s for s, b in zip(src, found) if b is None]
+        if cached:
+            todo = [k for k, b in zip(keys, found) if b is None]
+            srcs = [s for s, b in zip(src, found) if b is None]
+        else:
+            todo, srcs = keys, src
         pool.touch(cached)  # (this landing's own allocation must not evict them)
         landed = 0
         try:
@@ -285,6 +388,8 @@ class IpcConsumer(Consumer):
                     del pool.evicted[mark:]
                     if spill is not None:
                         spill(evicted)
+                if n and slot >= 0:  # (the device waits for the producer's step: the host does not)
+                    torch.cuda.current_stream(data.device).wait_event(self.events[slot])
                 copy_blocks(self.remote, data, srcs[:n], dst)
             except BaseException:
                 pool.free(dst[::-1])  # (no key registered: plain free blocks again)
