@@ -418,13 +418,95 @@ def test_a_malformed_transfer_ends_the_connection_not_the_engine(message):
     pool.check_invariants()
 
 
-def test_a_corrupt_ring_ends_the_connection_not_the_engine():
+def test_a_corrupt_ring_ends_the_connection_not_the_engine(monkeypatch):
+    """A frame that does not check out may still be on its way (a CPU that reorders stores): it
+    is retried, and only after ``STALE_S`` the connection ends, on both sides: the producer is
+    told and releases what it held."""
+    from kvserve.kvtier import mailbox
     producer, consumer, _, local = connect(12 * BLOCK_BYTES)
-    assert producer.send("a", keys_of(0, 1), [3])
-    producer.data._ring[0:4] = 0xEE  # the frame's length: beyond what the ring holds
+    assert producer.send("a", keys_of(0, 1), [3]) and producer.send("b", keys_of(1, 1), [4])
+    producer.data._ring[0:4] = 0xEE  # the first frame's length: beyond what the ring holds
     pool = BlockPool(10)
     consumer.land(pool, local)
-    assert consumer.dead and "a" not in consumer.done and pool.num_cached_blocks == 0
+    assert not consumer.dead and not consumer.done  # (not taken: tried again at the next landing)
+    monkeypatch.setattr(mailbox, "STALE_S", 0.0)
+    time.sleep(0.01)
+    consumer.land(pool, local)
+    assert consumer.dead and not consumer.done and pool.num_cached_blocks == 0
+    pool.check_invariants()
+    wait_for(lambda: producer.dead)
+    assert sorted(b for ids in released(producer) for b in ids) == [3, 4]
+    assert not producer.send("c", keys_of(2, 1), [5])
+
+
+def test_a_consumer_that_ends_the_transfer_tells_the_producer_after_its_copies():
+    """A bad message after good ones: the good ones that landed are acknowledged, then the
+    producer hears the consumer ended and releases the rest; nothing stays held."""
+    producer, consumer, _, local = connect(12 * BLOCK_BYTES)
+    pool = BlockPool(10)
+    assert producer.send("a", keys_of(0, 2), [0, 1])
+    land_until(consumer, pool, local, ["a"])
+    assert producer.send("b", keys_of(1, 1), [2])
+    assert producer.data.put(encode_transfer("x", keys_of(2, 1), [99]))  # beyond the producer's pool
+    consumer.land(pool, local)
+    assert consumer.dead and "b" not in consumer.done
+    wait_for(lambda: producer.dead)
+    assert sorted(b for ids in released(producer) for b in ids) == [0, 1, 2] and producer.held_blocks == []
+
+
+@pytest.mark.parametrize("ring", ["data", "acks"])
+@pytest.mark.parametrize("pos, value", [("_wpos", "misaligned"), ("_wpos", "behind"), ("_wpos", "ahead"),
+                                        ("_rpos", "misaligned"), ("_rpos", "ahead")])
+def test_positions_a_peer_wrote_wrong_end_the_connection_not_the_engine(ring, pos, value):
+    """Each side reads the other's position from shared memory (the reader the write position,
+    the writer the read position): out of line, it is a broken peer, not an exception in an
+    engine step, and the producer ends up knowing."""
+    producer, consumer, _, local = connect(12 * BLOCK_BYTES)
+    pool = BlockPool(10)
+    assert producer.send("a", keys_of(0, 1), [3])
+    land_until(consumer, pool, local, ["a"])
+    released(producer)
+    r = getattr(producer, ring)
+    view = r._wpos if pos == "_wpos" else r._rpos
+
+    def corrupt():
+        now = int(view[0])
+        view[0] = {"misaligned": now + 4, "behind": now - 8, "ahead": now + 8 * r.capacity}[value]
+    if (ring, pos) == ("data", "_rpos"):  # what the producer reads before it writes a transfer
+        corrupt()
+    sent = producer.send("b", keys_of(1, 1), [4])
+    if (ring, pos) == ("data", "_wpos"):  # what the consumer reads before it takes one
+        corrupt()
+    if (ring, pos) == ("acks", "_rpos"):  # what the consumer reads before it writes an acknowledgement
+        corrupt()
+    consumer.land(pool, local)
+    if (ring, pos) == ("acks", "_wpos"):  # what the producer reads before it takes one
+        corrupt()
+    got = []
+
+    def steps():  # the consumer's steps, the producer's housekeeping (a frame that only looks
+        consumer.land(pool, local)  # wrong is retried for STALE_S first)
+        got.extend(producer.take_released())
+        return producer.dead and not consumer.unacked
+    wait_for(steps)
+    assert sent == ((ring, pos) != ("data", "_rpos"))
+    # The producer releases what a consumer that ended can no longer read; a consumer that broke
+    # the protocol may still be reading: what it held stays held.
+    kept = [4] if (ring, pos) == ("acks", "_wpos") else []
+    got += producer.take_released()
+    assert sorted(b for ids in got for b in ids) == ([4] if sent and not kept else [])
+    assert producer.held_blocks == kept
+    pool.check_invariants()
+
+
+def test_an_empty_or_non_utf8_transfer_is_refused():
+    producer, consumer, _, local = connect(12 * BLOCK_BYTES)
+    assert not producer.send("e", [], []) and producer.dropped == 1 and not producer.held
+    assert producer.data.put(_raw(b"\xff" * 64, -1, 1, 32, b"\0" * 36))  # would ack as 192 bytes
+    pool = BlockPool(10)
+    consumer.land(pool, local)
+    consumer.land(pool, local)  # (the next step runs too)
+    assert consumer.dead and not consumer.done
 
 
 # -- the message rings ----------------------------------------------------------------------
@@ -477,8 +559,62 @@ def test_ring_waits_for_a_frame_not_yet_visible_then_refuses_a_bad_one(monkeypat
     assert reader.take() == []
     monkeypatch.setattr(mailbox, "STALE_S", 0.0)
     time.sleep(0.01)
-    with pytest.raises(mailbox.RingError, match="checksum"):
+    with pytest.raises(mailbox.RingError, match="not one this protocol writes"):
         reader.take()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stale", ["length", "skip"])
+def test_ring_never_takes_or_skips_on_a_header_of_an_earlier_lap(stale):
+    """A reader that sees the new write position before the frame's header (a CPU that reorders
+    stores) may read the header an earlier lap left there: a length, or a skip to the ring's
+    start. Neither is taken for the new frame; once the header is visible, the frame is read."""
+    writer, reader, mem = _ring(capacity=256, max_payload=100)
+    ring = mem[128:]
+    if stale == "skip":  # lap 1 ends with a skip marker at offset 240
+        for m in (b"a" * 100, b"b" * 100):
+            assert writer.put(m)
+        assert reader.take() == [b"a" * 100, b"b" * 100]
+        assert writer.put(b"c" * 40)  # 224 + 48 > 256: a skip at 224, the frame at 0
+        assert reader.take() == [b"c" * 40]
+        for m in (b"d" * 100, b"e" * 56):  # lap 2: 48..160, 160..224 (up to the old skip)
+            assert writer.put(m)
+        assert reader.take() == [b"d" * 100, b"e" * 56]
+        old = ring[224:232].copy()
+        assert old[:4].view(np.uint32)[0] == 0xFFFFFFFF
+    else:
+        for m in (b"a" * 8, b"b" * 8):
+            assert writer.put(m)
+        assert reader.take() == [b"a" * 8, b"b" * 8]
+        old = ring[32:40].copy()  # nothing there yet: zeros, a frame of no bytes
+    at = 224 if stale == "skip" else 32
+    assert writer.put(b"f" * 8)
+    new = ring[at:at + 8].copy()
+    ring[at:at + 8] = old  # the new position is visible, the frame's header not yet
+    assert reader.take() == []
+    ring[at:at + 8] = new
+    assert reader.take() == [b"f" * 8]
+
+
+@pytest.mark.unit
+def test_ring_refuses_a_skip_at_its_start_and_positions_out_of_line(monkeypatch):
+    from kvserve.kvtier import mailbox
+    monkeypatch.setattr(mailbox, "STALE_S", 0.0)
+    writer, reader, mem = _ring()
+    assert writer.put(b"x")
+    mem[128:136] = np.frombuffer(mailbox._FRAME.pack(mailbox.SKIP, mailbox._crc(0, mailbox.SKIP)), np.uint8)
+    assert reader.take() == []  # (a whole lap skipped: never)
+    time.sleep(0.01)
+    with pytest.raises(mailbox.RingError):
+        reader.take()
+    writer, reader, mem = _ring()
+    reader._wpos[0] = 12
+    with pytest.raises(mailbox.RingError, match="write position"):
+        reader.take()
+    writer, reader, mem = _ring()
+    writer._rpos[0] = 8  # read ahead of what was written
+    with pytest.raises(mailbox.RingError, match="read position"):
+        writer.put(b"y")
 
 
 @pytest.mark.unit

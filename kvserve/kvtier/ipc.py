@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 import threading
 import time
 from collections import deque
@@ -50,19 +49,21 @@ import torch
 
 from kvserve.errors import ConfigError
 from kvserve.kvtier.ipc_buffer import SharedBuffer
-from kvserve.kvtier.mailbox import Ring, RingError, ring_bytes
-from kvserve.kvtier.transfer import Channel, Consumer, ProtocolError
+from kvserve.kvtier.mailbox import (
+    EVENT_SLOTS,
+    MAX_ID,
+    Ring,
+    RingError,
+    decode_transfer,
+    encode_transfer,
+    ring_bytes,
+    rings,
+)
+from kvserve.kvtier.transfer import Channel, Consumer
 
 log = logging.getLogger(__name__)
 
 DATA, ACK = 0, 1  # channel tags: producer -> consumer, consumer -> producer (after connect: none)
-MAX_ID, MAX_KEY = 64, 64  # bytes of a transfer id, of a block key
-EVENT_SLOTS = 64  # shared CUDA events: transfers whose readiness the consumer's device awaits
-_HEAD = struct.Struct("<HhII")  # id bytes, event slot (-1: none), blocks, bytes per key
-_MAX_MESSAGE = 4 << 20
-_ACK_RING = 64 << 10
-
-
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, SharedBuffer]:
     """A zero-filled tensor in memory another process of this host can map, and its buffer."""
     buf = SharedBuffer.create(device, math.prod(shape) * dtype.itemsize)
@@ -89,43 +90,6 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, sources: list[int], dests:
         i = j
 
 
-def encode_transfer(tid: str, keys: list[bytes], blocks: list[int], slot: int = -1) -> bytes:
-    """One data-ring message: the transfer's id, its event slot, its block numbers in the
-    producer's pool and their keys (all of one length)."""
-    t = tid.encode()
-    width = len(keys[0]) if keys else 0
-    if len(t) > MAX_ID or width > MAX_KEY or any(len(k) != width for k in keys) or len(keys) != len(blocks):
-        raise ValueError(f"transfer {tid[:40]!r}: {len(keys)} keys for {len(blocks)} blocks, "
-                         f"ids up to {MAX_ID} bytes, keys of one length up to {MAX_KEY}")
-    return _HEAD.pack(len(t), slot, len(blocks), width) + t + np.asarray(blocks, dtype="<i4").tobytes() + b"".join(keys)
-
-
-def decode_transfer(msg: bytes, pool_blocks: int, slots: int) -> tuple[str, int, list[int], list[bytes]]:
-    """(id, event slot, blocks, keys) of a data-ring message; ProtocolError where it is not one
-    this producer's pool and events allow."""
-    if len(msg) < _HEAD.size:
-        raise ProtocolError(f"a transfer message of {len(msg)} bytes")
-    nt, slot, n, width = _HEAD.unpack_from(msg)
-    body = _HEAD.size + nt
-    if (nt > MAX_ID or not 0 < width <= MAX_KEY or not -1 <= slot < slots
-            or len(msg) != body + n * (4 + width)):
-        raise ProtocolError(f"a transfer message of {len(msg)} bytes: id {nt}, slot {slot}, {n} blocks of "
-                            f"{width}-byte keys")
-    tid = msg[_HEAD.size:body].decode("utf-8", "replace")
-    ids = np.frombuffer(msg, dtype="<i4", count=n, offset=body)
-    if n and (ids.min() < 0 or ids.max() >= pool_blocks):
-        raise ProtocolError(f"transfer {tid!r:.40}: a block outside the producer's pool of {pool_blocks}")
-    keys = msg[body + 4 * n:]
-    return tid, slot, ids.tolist(), [keys[j:j + width] for j in range(0, n * width, width)]
-
-
-def _rings(max_blocks: int) -> tuple[int, int, int]:
-    """(data ring bytes, largest message, acknowledgements ring bytes) for a producer holding
-    ``max_blocks`` at most: the data ring holds four of the largest messages."""
-    largest = min(_HEAD.size + MAX_ID + max_blocks * (4 + MAX_KEY), _MAX_MESSAGE)
-    return 4 * ((largest + 23) & ~7), largest, _ACK_RING
-
-
 def _ring_views(buf: SharedBuffer, data_bytes: int, largest: int, ack_bytes: int) -> tuple[Ring, Ring]:
     mem = buf.tensor.numpy()
     a = ring_bytes(data_bytes)
@@ -144,7 +108,7 @@ class IpcProducer:
             if self.max_blocks < 1:
                 raise ConfigError("kv_transfer_config.kv_buffer_size", f"{int(buffer_bytes)} bytes cannot hold one "
                                   f"KV block ({block_bytes} bytes) for the consumer")
-            sizes = _rings(self.max_blocks)
+            sizes = rings(self.max_blocks)
             mailbox = SharedBuffer.create(torch.device("cpu"), ring_bytes(sizes[0]) + ring_bytes(sizes[2]))
             self.data, self.acks = _ring_views(mailbox, *sizes)
             self.events: list = []
@@ -189,10 +153,11 @@ class IpcProducer:
 
     def send(self, tid: str, keys: list[bytes], blocks: list[int]) -> bool:
         """Offer ``blocks`` (the caller took a reference on each) under ``keys``; False: not sent
-        (the consumer is gone, or more would be held than ``kv_buffer_size``), the caller drops
-        its references again."""
+        (the connection ended; more would be held than ``kv_buffer_size``; the data ring has no
+        room until the consumer's next landing; no blocks, an id held already, or a message over
+        the ring's largest), the caller drops its references again."""
         with self._lock:
-            if (self.dead or tid in self.held
+            if (self.dead or not blocks or tid in self.held
                     or sum(len(h[0]) for h in self.held.values()) + len(blocks) > self.max_blocks):
                 self.dropped += 1
                 return False
@@ -205,10 +170,19 @@ class IpcProducer:
                 torch.cuda.current_stream(self.device).synchronize()
         try:
             msg = encode_transfer(tid, keys, blocks, slot)
-        except ValueError:
+            if len(msg) > self.data.max_payload:
+                raise ValueError(f"{len(blocks)} blocks are more than one message carries")
+        except ValueError as e:
+            log.warning("KV transfer %s not sent, its consumer computes its prompt: %s", tid[:40], e)
             msg = None
         with self._lock:
-            if msg is None or len(msg) > self.data.max_payload or self.dead or not self.data.put(msg):
+            try:
+                sent = msg is not None and not self.dead and self.data.put(msg)
+            except RingError as e:
+                sent = False
+                self._end(f"KV transfer to the consumer ended ({e}); prompts are no longer sent, and the blocks "
+                          f"it may still read stay held", release=False, locked=True)
+            if not sent:
                 self.dropped += 1
                 if slot >= 0:
                     self.free_slots.append(slot)
@@ -221,7 +195,7 @@ class IpcProducer:
         """Blocks whose transfers ended (engine thread: it drops the references)."""
         try:
             acks = [] if self.dead else self.acks.take()
-        except RingError as e:
+        except Exception as e:  # noqa: BLE001 - (RingError: what the consumer wrote is broken)
             acks = []
             self._end(f"KV transfer to the consumer ended ({e}); prompts are no longer sent, and the "
                       f"blocks it may still read stay held", release=False)
@@ -241,26 +215,33 @@ class IpcProducer:
         return out
 
     def _watch(self) -> None:
-        """Waits on the channel, which carries nothing after connect, to learn the consumer's end."""
+        """Waits on the channel, which carries nothing after connect but the consumer's word that
+        it ended the transfer and reads no more, to learn the consumer's end."""
         try:
-            self.channel.recv_message(0, tag=ACK)
+            meta, _ = self.channel.recv_message(0, tag=ACK)
         except Exception as e:  # the channel failed: the consumer's process is gone
             self._end(f"KV transfer to the consumer ended; prompts are no longer sent: {e!r}")
             return
-        self._end("KV transfer to the consumer ended (a message on the closed channel); prompts are no longer "
-                  "sent, and the blocks it may still read stay held", release=False)
+        if isinstance(meta.get("end"), str):  # (sent once its last copy completed)
+            self._end(f"the consumer ended the KV transfer ({meta['end'][:300]}); prompts are no longer sent")
+        else:
+            self._end("KV transfer to the consumer ended (an unexpected message); prompts are no longer sent, "
+                      "and the blocks it may still read stay held", release=False)
 
-    def _end(self, why: str, release: bool = True) -> None:
+    def _end(self, why: str, release: bool = True, locked: bool = False) -> None:
         """No acknowledgement will come. ``release``: the consumer can no longer read the held
-        blocks (its process is gone), so they are released; else they stay held for good (a
-        bounded loss of pool space, where releasing could hand the consumer reused blocks)."""
-        with self._lock:
-            if not self.dead:
-                log.error("%s", why)
-            self.dead = True
-            if release:
-                self.released.extend(h[0] for h in self.held.values())
-                self.held.clear()
+        blocks (its process is gone, or it said so), so they are released; else they stay held
+        for good (a bounded loss of pool space, where releasing could hand the consumer reused
+        blocks). ``locked``: the caller holds the lock."""
+        if not locked:
+            with self._lock:
+                return self._end(why, release, locked=True)
+        if not self.dead:
+            log.error("%s", why)
+        self.dead = True
+        if release:
+            self.released.extend(h[0] for h in self.held.values())
+            self.held.clear()
 
 
 class IpcConsumer(Consumer):
@@ -303,6 +284,7 @@ class IpcConsumer(Consumer):
         self.unacked: deque[tuple[object, str]] = deque()  # (copy finished event, transfer id)
         self.acks_waiting: deque[bytes] = deque()  # (the ring was full: sent at the next landing)
         self.partial_transfers = 0
+        self.ended: str | None = None  # why this side ended the transfer (the producer is told)
         super().__init__(channel, store, timeout_s, clock)
 
     def _open_rings(self, meta: dict) -> tuple[Ring, Ring]:
@@ -340,12 +322,20 @@ class IpcConsumer(Consumer):
             return 0
         try:
             got = [decode_transfer(m, self.remote.shape[2], len(self.events)) for m in self.data.take()]
-        except (RingError, ProtocolError) as e:
-            log.warning("KV transfer from the producer stopped; prompts are computed here: %s", e)
-            self.dead = True
+        except Exception as e:  # noqa: BLE001 - (RingError: the producer broke the protocol)
+            self._stop(str(e))
             return 0
         self.inbox.extend(got)
         return len(got)
+
+    def _stop(self, why: str) -> None:
+        """End the transfer from this side: nothing more is taken or read from the producer; the
+        copies in flight are acknowledged as they complete, then the producer is told (``land``),
+        and releases what it held (its transfers not landed here are computed here)."""
+        if not self.dead:
+            log.warning("KV transfer from the producer stopped; prompts are computed here: %s", why)
+        self.ended, self.dead = why[:300], True
+        self.inbox.clear()
 
     def land(self, pool, data: torch.Tensor | None, spill=None) -> None:
         """Engine thread: copy what arrived into this engine's pool (``pool``: its BlockPool,
@@ -362,11 +352,23 @@ class IpcConsumer(Consumer):
             self._land(pool, data, spill, *self.inbox.popleft())
         while self.unacked and (self.unacked[0][0] is None or self.unacked[0][0].query()):
             self.acks_waiting.append(self.unacked.popleft()[1].encode())
-        while self.acks_waiting and not self.dead and self.acks.put(self.acks_waiting[0]):
-            self.acks_waiting.popleft()
+        try:
+            while self.acks_waiting and self.acks.put(self.acks_waiting[0]):
+                self.acks_waiting.popleft()
+        except Exception as e:  # noqa: BLE001 - (RingError: the producer broke the protocol)
+            self.acks_waiting.clear()
+            self._stop(str(e))
         if self.dead and not self.unacked and self.remote is not None:
             self.remote = self.buffer = None  # (unmapped once no copy of ours reads it)
             self.events = []
+            if self.ended is not None:  # (from a thread: a send may wait for the producer)
+                threading.Thread(target=self._tell_end, daemon=True, name="kv-transfer-end").start()
+
+    def _tell_end(self) -> None:
+        try:
+            self.channel.send_message({"end": self.ended}, tag=ACK)
+        except Exception:  # noqa: BLE001 - the producer is gone: nothing to tell
+            pass
 
     def _land(self, pool, data: torch.Tensor, spill, tid: str, slot: int, src: list[int], keys: list[bytes]) -> None:
         found = [pool.lookup(k) for k in keys]
