@@ -1,10 +1,11 @@
 """Quantizers against each other on the CPU: the default model (SmolLM2-135M) quantized to int4
 by ``kvserve quantize`` (RTN, AWQ, GPTQ, GPTQ with act-order; symmetric groups of 64, the largest
-size that divides its 576-wide projections) and by round-to-nearest at load (``--quantization
-int4``, asymmetric), each loaded by kvserve and scored by perplexity over a held-out text
-(Python's reference documentation, ``pydoc_data.topics``, which the calibration text leaves
-out) against the float32 model, in one run. Also the time each quantizer took and the checkpoint
-size.
+size that divides its 576-wide projections; ``--methods`` adds the asymmetric variants, and
+``--observer`` chooses how each group's range is picked) and by round-to-nearest at load
+(``--quantization int4``, asymmetric), each loaded by kvserve in float32 and scored by perplexity
+over a held-out text (Python's reference documentation, ``pydoc_data.topics``, which the
+calibration text leaves out) against the float32 model, in one run. Also the time each quantizer
+took and the checkpoint size.
 
     PYTHONPATH=$PWD python benchmarks/quantizers.py --out benchmarks/results/quantizers_cpu
 
@@ -31,6 +32,7 @@ from kvserve.quantize import quantize  # noqa: E402
 
 METHODS = {"rtn": {"method": "rtn"}, "awq": {"method": "awq"}, "gptq": {"method": "gptq"},
            "gptq act-order": {"method": "gptq", "act_order": True}}
+METHODS.update({f"{k} asymmetric": {**v, "symmetric": False} for k, v in list(METHODS.items())})
 
 
 def main() -> None:
@@ -40,11 +42,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
     ap.add_argument("--calibration-tokens", type=int, default=16384)
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--observer", default="mse", help="how kvserve quantize picks each group's range: minmax, mse")
+    ap.add_argument("--methods", default="rtn,awq,gptq,gptq act-order",
+                    help=f"comma-separated, of: {', '.join(METHODS)}")
     a = ap.parse_args()
     model = a.model or default_model_path()
     res = {"model": os.path.basename(model), "group_size": a.group_size, "calibration_tokens": a.calibration_tokens,
-           "rows": {}}
+           "observer": a.observer, "rows": {}}
     ref = LLM(model, dtype="float32", quantization="none", show_progress=False, max_model_len=4096)
     ids = heldout_ids(ref.get_tokenizer(), a.tokens)
     res["heldout_tokens"] = len(ids)
@@ -61,9 +65,10 @@ def main() -> None:
         for name in a.methods.split(","):
             out = os.path.join(work, name.replace(" ", "-"))
             t0 = time.perf_counter()
-            quantize(model, out, group_size=a.group_size, num_tokens=a.calibration_tokens, **METHODS[name])
+            quantize(model, out, group_size=a.group_size, num_tokens=a.calibration_tokens, observer=a.observer,
+                     **METHODS[name])
             seconds = time.perf_counter() - t0
-            llm = LLM(out, show_progress=False, max_model_len=4096)
+            llm = LLM(out, dtype="float32", show_progress=False, max_model_len=4096)  # (as the fp32 row)
             res["rows"][f"kvserve quantize {name}"] = {
                 "perplexity": perplexity(llm, ids), "quantize_s": seconds,
                 "checkpoint_bytes": sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))}

@@ -111,6 +111,25 @@ def test_gptq_and_awq_beat_round_to_nearest_on_their_inputs(symmetric):
                        * ordered.scales.float().repeat_interleave(32, 1))
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_mse_observer_never_rounds_a_group_worse_than_its_extremes(symmetric):
+    """Heavy-tailed rows (as trained weights are): a group's range shrunk to clip its extremes
+    rounds the group closer, and the unshrunk range is among those tried."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g) * torch.rand(64, 256, generator=g).pow(4) * 3  # heavy tails
+    wg = w.view(64, -1, 32)
+
+    def err(grid):
+        s, z = A.group_params(wg, grid)
+        q = torch.round(wg / s[..., None] + z[..., None]).clamp(A.QMIN, A.QMAX)
+        assert q.min() >= A.QMIN and q.max() <= A.QMAX
+        return ((q - z[..., None]) * s[..., None] - wg).pow(2).sum(dim=-1)
+    minmax = err(A.Grid(32, symmetric, torch.float32))
+    mse = err(A.Grid(32, symmetric, torch.float32, "mse"))
+    assert (mse <= minmax * (1 + 1e-6)).all()
+    assert mse.sum() < 0.97 * minmax.sum()
+
+
 def test_awq_folding_keeps_the_model_equivalent(tmp_path):
     """Scales folded into the norms, up_proj and (multi-head) v_proj: without rounding, the
     model computes the same logits."""
@@ -183,6 +202,7 @@ def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path,
     ({"calibration_memory": float("nan")}, "calibration_memory"), ({"calibration_memory": 2**63}, "calibration_memory"),
     ({"calibration_memory": "8GiB"}, "calibration_memory"), ({"calibration_memory": None}, "calibration_memory"),
     ({"method": "awq", "act_order": True}, "act_order"), ({"text": "a b"}, "text"),
+    ({"observer": "max"}, "observer"), ({"observer": None}, "observer"),
 ])
 def test_bad_arguments_name_the_field(gqa_model, tmp_path, kwargs, field):
     args = {"method": "rtn", "group_size": 32, "text": TEXT, "num_tokens": 64} | kwargs

@@ -41,9 +41,11 @@ _PROJ = tuple(PARTS)  # our projections, in a layer's order
 
 
 def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512,
-               calibration_memory: int = 1 << 30) -> None:
+               calibration_memory: int = 1 << 30, observer: str = "mse") -> None:
     if method not in METHODS:
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
+    if observer not in algorithms.OBSERVERS:
+        raise ConfigError("observer", f"must be one of {', '.join(algorithms.OBSERVERS)}; got {observer!r}")
     if type(bits) is not int or bits != 4:
         raise ConfigError("bits", f"must be 4 (the int4 kernels' width); got {bits!r}")
     if type(group_size) is not int or group_size not in INT4_GROUP_SIZES:
@@ -151,15 +153,17 @@ def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gra
 
 def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_size: int = 128,
              symmetric: bool = True, act_order: bool = False, text: str | None = None, num_tokens: int = 16384,
-             chunk: int = 512, device: str = "cpu", calibration_memory: int = CALIBRATION_MEMORY) -> dict:
+             chunk: int = 512, device: str = "cpu", calibration_memory: int = CALIBRATION_MEMORY,
+             observer: str = "mse") -> dict:
     """Quantize ``model`` (a GGUF file or an unquantized Hugging Face directory of a Llama-family
     model) and write the checkpoint to ``out`` (new or empty); returns its quantization_config.
     ``calibration_memory``: bytes the calibration statistics may hold at once (at least one
-    layer's are held, whatever the bound)."""
+    layer's are held, whatever the bound). ``observer``: how each group's range is chosen
+    (``algorithms.group_params``)."""
     from kvserve.layers.linear import dense_parameters
     from kvserve.llm import LLM
     from kvserve.models import loader
-    check_args(method, bits, group_size, num_tokens, chunk, calibration_memory)
+    check_args(method, bits, group_size, num_tokens, chunk, calibration_memory, observer)
     if act_order and method != "gptq":
         raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -187,7 +191,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     chunk = min(chunk, eng.max_model_len - 1)  # each prompt leaves room for the token it generates
     # RTN needs no calibration; AWQ searches on input rows, GPTQ on X^T X.
     params = {k: v.detach().float().cpu() for k, v in dense_parameters(eng.runner.model)}
-    grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path))
+    grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path), observer)
     packed: dict[str, Quantized] = {}
     per_layer = max(1, _calibration_bytes(a, method))
     run = a.num_layers if method == "rtn" else max(1, min(a.num_layers, calibration_memory // per_layer))
@@ -206,7 +210,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
                 else:
                     packed[pre + p] = algorithms.rtn(w, grid)
         del inputs
-    config = _ct_config(group_size, symmetric, act_order)
+    config = _ct_config(group_size, symmetric, act_order, observer)
     _write(out, src, eng, a, params, packed, config,
            {"method": method, "calibration_tokens": len(ids), "kvserve_version": kvserve_version()})
     return config
@@ -239,9 +243,9 @@ def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
         params[f"{pre}{norm}.weight"] /= s
 
 
-def _ct_config(group_size: int, symmetric: bool, act_order: bool) -> dict:
+def _ct_config(group_size: int, symmetric: bool, act_order: bool, observer: str = "minmax") -> dict:
     weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size,
-               "dynamic": False, "actorder": "weight" if act_order else None, "observer": "minmax"}
+               "dynamic": False, "actorder": "weight" if act_order else None, "observer": observer}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": "pack-quantized"}},

@@ -5,8 +5,11 @@ runs the model and writes the checkpoint is in ``__init__.py``.
 The grid is the one compressed-tensors stores (``int``, ``num_bits`` 4, ``strategy`` group):
 signed codes q in [-8, 7] per group of ``g`` input columns, ``w ~ (q - z) * s``. Symmetric:
 z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetric: the range
-[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. Scales are rounded to the
-checkpoint's dtype before the codes are chosen, so codes fit the scales a reader will use.
+[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. With the ``mse`` observer (the
+default of ``kvserve quantize``, llm-compressor's name) each group's range is also tried shrunk
+by up to 20%, clipping its extremes, and the one whose rounded weights are nearest the group's
+is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
+the scales a reader will use.
 
 References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (scales
 s = mean|x|^a, a searched on a grid, folded into the op before the layer); GPTQ, Frantar et al.
@@ -22,11 +25,16 @@ import torch
 QMIN, QMAX = -8, 7
 
 
+OBSERVERS = ("minmax", "mse")
+_SHRINK_STEPS, _MAX_SHRINK = 40, 0.2
+
+
 @dataclass(frozen=True)
 class Grid:
     group_size: int
     symmetric: bool
     dtype: torch.dtype  # of the stored scales
+    observer: str = "minmax"  # how a group's range is chosen: its extremes, or the least squared error
 
 
 @dataclass
@@ -50,15 +58,32 @@ class Quantized:
 def group_params(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, G, g] (or [N, g]) -> (scale, zero) per group, scale rounded to the stored dtype."""
     if grid.symmetric:
-        scale = w.abs().amax(dim=-1) / ((QMAX - QMIN) / 2)
-        zero = torch.zeros_like(scale)
+        lo, hi = None, w.abs().amax(dim=-1)
     else:
         lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
-        scale = (hi - lo) / (QMAX - QMIN)
-    scale = scale.to(grid.dtype).float().clamp(min=torch.finfo(grid.dtype).tiny)
-    if not grid.symmetric:
-        zero = torch.round(QMIN - lo / scale).clamp(QMIN, QMAX)
+    scale, zero = _range_params(lo, hi, grid)
+    if grid.observer == "mse":
+        best = _error(w, scale, zero)
+        for i in range(1, _SHRINK_STEPS + 1):
+            p = 1 - _MAX_SHRINK * i / _SHRINK_STEPS
+            s, z = _range_params(None if lo is None else lo * p, hi * p, grid)
+            err = _error(w, s, z)
+            better = err < best
+            best = torch.where(better, err, best)
+            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
     return scale, zero
+
+
+def _range_params(lo: torch.Tensor | None, hi: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) spanning [lo, hi] (``lo`` None: symmetric, [-hi, hi])."""
+    scale = hi / ((QMAX - QMIN) / 2) if lo is None else (hi - lo) / (QMAX - QMIN)
+    scale = scale.to(grid.dtype).float().clamp(min=torch.finfo(grid.dtype).tiny)
+    zero = torch.zeros_like(scale) if lo is None else torch.round(QMIN - lo / scale).clamp(QMIN, QMAX)
+    return scale, zero
+
+
+def _error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return ((_codes(w, scale, zero) - zero[..., None]) * scale[..., None] - w).pow(2).sum(dim=-1)
 
 
 def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
