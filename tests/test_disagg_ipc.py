@@ -499,6 +499,20 @@ def test_positions_a_peer_wrote_wrong_end_the_connection_not_the_engine(ring, po
     pool.check_invariants()
 
 
+def test_garbage_on_the_channel_from_a_live_consumer_keeps_the_holds(caplog):
+    """Only a channel that failed (the consumer's process gone) or the consumer's word that it
+    ended releases held blocks: bytes on the channel that are not a message may come from a
+    consumer still copying them."""
+    producer, consumer, _, _ = connect(12 * BLOCK_BYTES)
+    assert producer.send("a", keys_of(0, 2), [0, 1])
+    assert consumer.receive() == 1  # (taken, not copied yet)
+    with caplog.at_level(logging.ERROR, logger="kvserve.kvtier.ipc"):
+        consumer.channel.send(torch.tensor([0x1234, 0, 1]), tag=1)
+        wait_for(lambda: producer.dead)
+    assert "stay held" in caplog.text
+    assert producer.take_released() == [] and producer.held_blocks == [0, 1]
+
+
 def test_an_empty_or_non_utf8_transfer_is_refused():
     producer, consumer, _, local = connect(12 * BLOCK_BYTES)
     assert not producer.send("e", [], []) and producer.dropped == 1 and not producer.held

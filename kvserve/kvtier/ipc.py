@@ -6,9 +6,10 @@ its own: one device-to-device copy per byte, no buffer in between, no trip throu
               pool was allocated shareable (``SharedBuffer``: device memory with CUDA IPC, or a
               host file); it sends the pool's handle and shape, the handle of two message rings
               in host memory (kvserve/kvtier/mailbox.py) and, on a GPU, of a set of CUDA events
-              both processes share; the consumer maps them and answers whether it could. The
-              channel then carries nothing more: a thread on each side waits on it only to learn
-              that the peer's process is gone.
+              both processes share; the consumer maps them and answers whether it could. After
+              that the channel carries one message at most, the consumer's word that it ended
+              the transfer (a peer that broke the protocol) once its copies completed; a thread
+              on each side waits on it for that, or to learn that the peer's process is gone.
     producer  engine thread, a request finished: its prompt's blocks are *held* (one more
               reference each in the producer's pool, so they are neither reused nor evicted),
               at most ``kv_buffer_size`` bytes at a time; a shared event is recorded behind the
@@ -26,8 +27,9 @@ No thread sits on the hand-over's path: a message is a few stores into shared me
 the other engine thread between its steps, so neither the interpreter lock nor a thread's
 wake-up stands between the producer's step and the consumer's copy.
 
-Invariants: a held block is referenced by the producer's pool until its acknowledgement, or the
-end of the consumer's process, releases it, so the consumer never reads a block the producer
+Invariants: a held block is referenced by the producer's pool until its acknowledgement, the
+consumer's word that it ended, or the end of the consumer's process releases it, so the
+consumer never reads a block the producer
 reuses (a consumer that breaks the protocol but may still be copying leaves its blocks held for
 good); the consumer acknowledges only after its copy finished, and a transfer's event slot is
 recorded again only after its acknowledgement (the consumer's wait on it has passed). Landing
@@ -59,11 +61,11 @@ from kvserve.kvtier.mailbox import (
     ring_bytes,
     rings,
 )
-from kvserve.kvtier.transfer import Channel, Consumer
+from kvserve.kvtier.transfer import Channel, Consumer, ProtocolError
 
 log = logging.getLogger(__name__)
 
-DATA, ACK = 0, 1  # channel tags: producer -> consumer, consumer -> producer (after connect: none)
+DATA, ACK = 0, 1  # channel tags: producer -> consumer, consumer -> producer (after connect: its end)
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, SharedBuffer]:
     """A zero-filled tensor in memory another process of this host can map, and its buffer."""
     buf = SharedBuffer.create(device, math.prod(shape) * dtype.itemsize)
@@ -108,7 +110,7 @@ class IpcProducer:
             if self.max_blocks < 1:
                 raise ConfigError("kv_transfer_config.kv_buffer_size", f"{int(buffer_bytes)} bytes cannot hold one "
                                   f"KV block ({block_bytes} bytes) for the consumer")
-            sizes = rings(self.max_blocks)
+            sizes = rings(min(self.max_blocks, shape[2]))
             mailbox = SharedBuffer.create(torch.device("cpu"), ring_bytes(sizes[0]) + ring_bytes(sizes[2]))
             self.data, self.acks = _ring_views(mailbox, *sizes)
             self.events: list = []
@@ -219,6 +221,10 @@ class IpcProducer:
         it ended the transfer and reads no more, to learn the consumer's end."""
         try:
             meta, _ = self.channel.recv_message(0, tag=ACK)
+        except ProtocolError as e:  # the consumer is there and wrote garbage: it may still be copying
+            self._end(f"KV transfer to the consumer ended ({e}); prompts are no longer sent, and the blocks it "
+                      f"may still read stay held", release=False)
+            return
         except Exception as e:  # the channel failed: the consumer's process is gone
             self._end(f"KV transfer to the consumer ended; prompts are no longer sent: {e!r}")
             return

@@ -90,10 +90,14 @@ class SharedBuffer:
             raise ConfigError("kv_cache_memory", f"{nbytes} bytes do not fit the free space of "
                               f"{' or '.join(_dirs())} (the shared KV pool of a CudaIpcConnector producer on the CPU)")
         fd, path = tempfile.mkstemp(prefix=PREFIX, dir=room[0])  # (mode 0600: this user's processes only)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
+        try:  # (every page reserved now: a tmpfs that fills later cannot fault a write into it)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
             os.close(fd)
+            os.unlink(path)
+            raise ConfigError("kv_cache_memory", f"cannot reserve {nbytes} bytes in {room[0]} (the shared KV pool "
+                              f"of a CudaIpcConnector producer on the CPU): {e.strerror}") from None
+        os.close(fd)
         t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         return cls(t, {"kind": "file", "path": path, "nbytes": nbytes}, path)
 

@@ -40,7 +40,7 @@ _POS = struct.Struct("<QI")
 MAX_ID, MAX_KEY = 64, 32  # bytes of a transfer id, of a block key (the prefix cache's: 16)
 EVENT_SLOTS = 64  # shared CUDA events: transfers whose readiness the consumer's device awaits
 _HEAD = struct.Struct("<HhII")  # id bytes, event slot (-1: none), blocks, bytes per key
-_MAX_MESSAGE = 16 << 20  # (about 340k blocks a transfer)
+_MAX_MESSAGE = 16 << 20  # (about 800k blocks a transfer, with the prefix cache's keys)
 _ACK_RING = 64 << 10
 
 
@@ -162,6 +162,7 @@ def decode_transfer(msg: bytes, pool_blocks: int, slots: int) -> tuple[str, int,
 
 def rings(max_blocks: int) -> tuple[int, int, int]:
     """(data ring bytes, largest message, acknowledgements ring bytes) for a producer holding
-    ``max_blocks`` at most: the data ring holds four of the largest messages."""
+    ``max_blocks`` at most: the data ring takes three of the largest messages wherever its write
+    position stands (a producer holds one such transfer at a time)."""
     largest = min(_HEAD.size + MAX_ID + max_blocks * (4 + MAX_KEY), _MAX_MESSAGE)
     return 4 * ((largest + 23) & ~7), largest, _ACK_RING
