@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
     ap.add_argument("--calibration-tokens", type=int, default=16384)
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--observer", default="mse", help="how kvserve quantize picks each group's range: minmax, mse")
+    ap.add_argument("--observer", default=None, help="how kvserve quantize picks each group's range: minmax, mse "
+                    "(default: kvserve quantize's, mse for GPTQ and minmax for RTN and AWQ)")
     ap.add_argument("--methods", default="rtn,awq,gptq,gptq act-order",
                     help=f"comma-separated, of: {', '.join(METHODS)}")
     a = ap.parse_args()
@@ -71,10 +72,12 @@ def main() -> None:
             llm = LLM(out, dtype="float32", show_progress=False, max_model_len=4096)  # (as the fp32 row)
             res["rows"][f"kvserve quantize {name}"] = {
                 "perplexity": perplexity(llm, ids), "quantize_s": seconds,
+                "observer": a.observer or ("mse" if METHODS[name]["method"] == "gptq" else "minmax"),
                 "checkpoint_bytes": sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))}
             del llm
             gc.collect()
             print(name, res["rows"][f"kvserve quantize {name}"], flush=True)
+            save(a.out, res)  # (each row as it comes: a long run stopped keeps what it measured)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = res["rows"]["fp32"]["perplexity"]
@@ -82,8 +85,12 @@ def main() -> None:
     for name, r in res["rows"].items():
         extra = f"  quantized in {r['quantize_s']:.0f} s" if "quantize_s" in r else ""
         print(f"  {name:36s} {r['perplexity']:8.3f} ({r['perplexity'] / base - 1:+.1%}){extra}")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "quantizers.json"), "w") as f:
+    save(a.out, res)
+
+
+def save(out: str, res: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "quantizers.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

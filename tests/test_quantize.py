@@ -202,13 +202,22 @@ def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path,
     ({"calibration_memory": float("nan")}, "calibration_memory"), ({"calibration_memory": 2**63}, "calibration_memory"),
     ({"calibration_memory": "8GiB"}, "calibration_memory"), ({"calibration_memory": None}, "calibration_memory"),
     ({"method": "awq", "act_order": True}, "act_order"), ({"text": "a b"}, "text"),
-    ({"observer": "max"}, "observer"), ({"observer": None}, "observer"),
+    ({"observer": "max"}, "observer"), ({"observer": ""}, "observer"), ({"observer": 3}, "observer"),
 ])
 def test_bad_arguments_name_the_field(gqa_model, tmp_path, kwargs, field):
     args = {"method": "rtn", "group_size": 32, "text": TEXT, "num_tokens": 64} | kwargs
     with pytest.raises(ConfigError, match=field):
         quantize(gqa_model, str(tmp_path / "q"), **args)
     assert not os.path.exists(tmp_path / "q")
+
+
+@pytest.mark.parametrize("method, observer, want", [("gptq", None, "mse"), ("rtn", None, "minmax"),
+                                                     ("awq", None, "minmax"), ("gptq", "minmax", "minmax")])
+def test_the_checkpoint_names_the_observer_its_groups_came_from(gqa_model, tmp_path, method, observer, want):
+    out = str(tmp_path / "q")
+    config = quantize(gqa_model, out, method, group_size=32, text=TEXT, num_tokens=64, chunk=64, observer=observer)
+    written = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert written == config and config["config_groups"]["group_0"]["weights"]["observer"] == want
 
 
 def test_refused_sources_and_destinations(gqa_model, tmp_path):

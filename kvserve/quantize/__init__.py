@@ -41,7 +41,7 @@ _PROJ = tuple(PARTS)  # our projections, in a layer's order
 
 
 def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: int = 512,
-               calibration_memory: int = 1 << 30, observer: str = "mse") -> None:
+               calibration_memory: int = 1 << 30, observer: str = "minmax") -> None:
     if method not in METHODS:
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
     if observer not in algorithms.OBSERVERS:
@@ -154,15 +154,20 @@ def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gra
 def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_size: int = 128,
              symmetric: bool = True, act_order: bool = False, text: str | None = None, num_tokens: int = 16384,
              chunk: int = 512, device: str = "cpu", calibration_memory: int = CALIBRATION_MEMORY,
-             observer: str = "mse") -> dict:
+             observer: str | None = None) -> dict:
     """Quantize ``model`` (a GGUF file or an unquantized Hugging Face directory of a Llama-family
     model) and write the checkpoint to ``out`` (new or empty); returns its quantization_config.
     ``calibration_memory``: bytes the calibration statistics may hold at once (at least one
     layer's are held, whatever the bound). ``observer``: how each group's range is chosen
-    (``algorithms.group_params``)."""
+    (``algorithms.group_params``); None: ``mse`` for GPTQ, whose error feedback makes up for the
+    weights it clips, ``minmax`` for RTN and AWQ, which have none (on Qwen2.5-Coder-0.5B at
+    groups of 128, asymmetric, mse cut GPTQ's perplexity loss from +4.5% to +3.6% and raised
+    RTN's from +5.4% to +10.8%)."""
     from kvserve.layers.linear import dense_parameters
     from kvserve.llm import LLM
     from kvserve.models import loader
+    if observer is None:
+        observer = "mse" if method == "gptq" else "minmax"
     check_args(method, bits, group_size, num_tokens, chunk, calibration_memory, observer)
     if act_order and method != "gptq":
         raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")

@@ -5,10 +5,10 @@ runs the model and writes the checkpoint is in ``__init__.py``.
 The grid is the one compressed-tensors stores (``int``, ``num_bits`` 4, ``strategy`` group):
 signed codes q in [-8, 7] per group of ``g`` input columns, ``w ~ (q - z) * s``. Symmetric:
 z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetric: the range
-[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. With the ``mse`` observer (the
-default of ``kvserve quantize``, llm-compressor's name) each group's range is also tried shrunk
-by up to 20%, clipping its extremes, and the one whose rounded weights are nearest the group's
-is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
+[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. With the ``mse`` observer
+(llm-compressor's name; ``kvserve quantize``'s default for GPTQ) each group's range is also tried
+shrunk by up to 20%, clipping its extremes, and the one whose rounded weights are nearest the
+group's is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
 the scales a reader will use.
 
 References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (scales
