@@ -66,13 +66,13 @@ def main() -> None:
         for name in a.methods.split(","):
             out = os.path.join(work, name.replace(" ", "-"))
             t0 = time.perf_counter()
-            quantize(model, out, group_size=a.group_size, num_tokens=a.calibration_tokens, observer=a.observer,
-                     **METHODS[name])
+            config = quantize(model, out, group_size=a.group_size, num_tokens=a.calibration_tokens,
+                              observer=a.observer, **METHODS[name])
             seconds = time.perf_counter() - t0
             llm = LLM(out, dtype="float32", show_progress=False, max_model_len=4096)  # (as the fp32 row)
             res["rows"][f"kvserve quantize {name}"] = {
                 "perplexity": perplexity(llm, ids), "quantize_s": seconds,
-                "observer": a.observer or ("mse" if METHODS[name]["method"] == "gptq" else "minmax"),
+                "observer": config["config_groups"]["group_0"]["weights"]["observer"],
                 "checkpoint_bytes": sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))}
             del llm
             gc.collect()

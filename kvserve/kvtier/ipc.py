@@ -28,15 +28,15 @@ the other engine thread between its steps, so neither the interpreter lock nor a
 wake-up stands between the producer's step and the consumer's copy.
 
 Invariants: a held block is referenced by the producer's pool until its acknowledgement, the
-consumer's word that it ended, or the end of the consumer's process releases it, so the
-consumer never reads a block the producer
-reuses (a consumer that breaks the protocol but may still be copying leaves its blocks held for
-good); the consumer acknowledges only after its copy finished, and a transfer's event slot is
-recorded again only after its acknowledgement (the consumer's wait on it has passed). Landing
-takes free blocks of the consumer's pool and gives them back as cached ones, so it never takes
-room from a running request, and it holds the transfer's blocks that were cached here already
-while it allocates; when the pool has fewer free blocks than a transfer, the first ones land
-(keys are chained: a prefix of them is still a prefix hit) and the rest is computed.
+consumer's word that it ended, or the end of the consumer's process releases it, so the consumer
+never reads a block the producer reuses (a consumer that breaks the protocol but may still be
+copying leaves its blocks held for good); the consumer acknowledges only after its copy
+finished, and a transfer's event slot is recorded again only after its acknowledgement (the
+consumer's wait on it has passed). Landing takes free blocks of the consumer's pool and gives
+them back as cached ones, so it never takes room from a running request, and it holds the
+transfer's blocks that were cached here already while it allocates; when the pool has fewer free
+blocks than a transfer, the first ones land (keys are chained: a prefix of them is still a prefix
+hit) and the rest is computed.
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ from kvserve.kvtier.transfer import Channel, Consumer, ProtocolError
 log = logging.getLogger(__name__)
 
 DATA, ACK = 0, 1  # channel tags: producer -> consumer, consumer -> producer (after connect: its end)
+
+
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, SharedBuffer]:
     """A zero-filled tensor in memory another process of this host can map, and its buffer."""
     buf = SharedBuffer.create(device, math.prod(shape) * dtype.itemsize)

@@ -248,7 +248,7 @@ def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
         params[f"{pre}{norm}.weight"] /= s
 
 
-def _ct_config(group_size: int, symmetric: bool, act_order: bool, observer: str = "minmax") -> dict:
+def _ct_config(group_size: int, symmetric: bool, act_order: bool, observer: str) -> dict:
     weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size,
                "dynamic": False, "actorder": "weight" if act_order else None, "observer": observer}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
