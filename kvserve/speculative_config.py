@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from kvserve.errors import ConfigError, check_option_dict
 
 _SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
+DRAFT_QUANTIZATION = ("int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -22,6 +23,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # ngram: the longest
     model: str | None = None  # draft_model: GGUF file, HF directory or dummy:<preset>
     draft_layers: int | None = None  # layer_skip: how many of the target's first layers draft
+    # draft_model: its projections rounded at load to "int8" (per channel) or "int4" (asymmetric
+    # groups of the largest of 128, 64, 32 that divides them); None: as the checkpoint has them.
+    # A draft's precision moves only how many drafts are kept, never the output (the target
+    # verifies every one), and a decode step of it reads half or a quarter of the bytes.
+    quantization: str | None = None
     # No drafts while more requests than this are decoding: a verify step of B * (k + 1) tokens
     # stops being as cheap as a 1-token step once the batch alone fills the device. None: from
     # ``verify_token_budget``.
@@ -32,7 +38,7 @@ class SpeculativeConfig:
     verify_token_budget: int = 128
 
     _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-               "draft_layers", "disable_by_batch_size", "verify_token_budget")
+               "draft_layers", "quantization", "disable_by_batch_size", "verify_token_budget")
 
     @classmethod
     def from_dict(cls, d) -> SpeculativeConfig:
@@ -66,6 +72,12 @@ class SpeculativeConfig:
                 bad("model", "method 'draft_model' needs the draft's path or dummy:<preset>")
         elif self.model is not None:
             bad("model", f"only method 'draft_model' takes a model; method is {self.method!r}")
+        if self.quantization is not None:
+            if self.method != "draft_model":
+                bad("quantization", f"quantizes a draft model's weights; method {self.method!r} has none of its own")
+            if self.quantization not in DRAFT_QUANTIZATION:
+                bad("quantization", f"must be one of {', '.join(DRAFT_QUANTIZATION)} or None; "
+                    f"got {self.quantization!r}")
         if self.method == "layer_skip":
             if self.draft_layers is None:
                 bad("draft_layers", "method 'layer_skip' needs draft_layers, the number of the target's first "

@@ -70,6 +70,21 @@ def test_greedy_output_is_token_identical(plain, spec):
         assert draft.model.layers[0].mlp.down_proj.packed is not None
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_draft_changes_no_token(plain, method):
+    """``speculative_config.quantization``: the draft's projections rounded at load; what it
+    proposes moves, what is emitted does not."""
+    from kvserve.layers.quant_linear import QuantLinear
+    prompts = _prompts(seed=3)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _tiny({**DRAFT, "quantization": method})
+    assert _stepwise(llm, prompts, params) == want
+    down = llm.engine.speculator.draft.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.method == method
+    assert llm.stats.spec.spec_decode_num_drafts > 0
+
+
 def test_one_batch_of_greedy_requests_with_and_without_extras(plain, monkeypatch):
     """Plain greedy requests are verified from one batched argmax; a greedy request with
     penalties, a bias, log-probs or a min_tokens ban takes the per-request path. Mixed in one
@@ -223,6 +238,11 @@ def test_async_scheduling_looks_ahead_past_plain_steps_only(plain, spec, monkeyp
     ({**SKIP, "draft_layers": None}, "draft_layers"),
     ({**SKIP, "model": "dummy:tiny-draft"}, "model"),
     ({**NGRAM, "draft_layers": 1}, "draft_layers"),
+    ({**DRAFT, "quantization": "int3"}, "quantization"),
+    ({**DRAFT, "quantization": 4}, "quantization"),
+    ({**DRAFT, "quantization": ["int4"]}, "quantization"),
+    ({**NGRAM, "quantization": "int8"}, "quantization"),
+    ({**SKIP, "quantization": "int4"}, "quantization"),
 ])
 def test_bad_config_names_the_field(spec, field):
     with pytest.raises(ConfigError, match=f"speculative_config.{field}"):

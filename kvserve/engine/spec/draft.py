@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from kvserve.config import EngineConfig, SpeculativeConfig
+from kvserve.config import INT4_GROUP_SIZES, EngineConfig, QuantConfig, SpeculativeConfig
 from kvserve.engine import eager_warmup
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.device import default_dtype
@@ -33,6 +33,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.startup import timed
 from kvserve.errors import ConfigError
 from kvserve.layers.attention import ForwardContext, forward_context
+from kvserve.layers.quant_linear import quantize_model
 from kvserve.layers.weight_init import loaded_later
 from kvserve.models import loader
 from kvserve.models.llama import LlamaForCausalLM
@@ -109,7 +110,27 @@ class DraftModel:
         else:
             with torch.no_grad():
                 model.load_weights(loader.iter_weights(src))
+        if spec.quantization is not None:
+            DraftModel._quantize(model, src, spec.quantization)
         return model, src.arch
+
+    @staticmethod
+    def _quantize(model: nn.Module, src: loader.ModelSource, method: str) -> None:
+        """The draft's projections rounded to ``method`` at load (``speculative_config.quantization``);
+        int4 in the largest group size that divides every projection's input."""
+        if src.quant_method:
+            raise ConfigError("speculative_config.quantization", f"the draft {src.name} is already quantized "
+                              f"({src.quant_method}); leave quantization unset")
+        group = None
+        if method == "int4":
+            a = src.arch
+            widths = (a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size)
+            group = next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if not any(k % g for k in widths)), None)
+            if group is None:
+                raise ConfigError("speculative_config.quantization", f"int4 needs a group size of "
+                                  f"{', '.join(map(str, INT4_GROUP_SIZES))} dividing the draft's projections "
+                                  f"(widths {', '.join(map(str, widths))}); use int8")
+        quantize_model(model, QuantConfig(method, group))
 
     def drop(self, rid: str) -> None:
         self.pool.free(self.tables.pop(rid, [])[::-1])
