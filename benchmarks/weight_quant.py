@@ -9,14 +9,16 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
   step      one batch-1 step's projections (32 layers, one CUDA graph): bf16 against each packed
             format's one-row kernels (``--step-sweep``: every tile of STEP_CONFIGS)
   dispatch  each decoder projection (qkv, o, gate/up, down) at 1..2,048 rows: bf16 (the faster of
-            cuBLAS and kvserve's skinny kernel) against the three quantized shapes (skinny,
-            tiled with in-register dequantization, dequantize-then-cuBLAS); the fastest per row
-            count, the choice ``KernelConfig``'s rule makes, and the rule the sweep implies
+            cuBLAS and kvserve's skinny kernel) against the quantized shapes (skinny, tiled with
+            in-register dequantization, dequantize-then-cuBLAS, and from 32 rows the weight-left
+            GEMM at each tile of WX_CONFIGS, the best kept); the fastest per row count, the
+            choice ``KernelConfig``'s rule makes, and the rule the sweep implies
   engine    per format (bf16, int8, int4 g128, fp8 W8A8, and GGUF Q4_K / Q8_0 blocks: random
             valid blocks of the same shape, since speed depends on shapes): batch-1 decode (512-token prompt, 256 new
             tokens) and offline throughput (256 requests, prompts U[128, 1024], 256 new each);
             the decoded tokens (CUDA graphs, skinny kernels) checked against one prefill of
-            prompt + output (eager, the large-batch path): the share it ranks first
+            prompt + output (eager, the large-batch path): the share it ranks first;
+            ``--formats`` picks them, "+wl" for the weight-left GEMM at large batches
   peer      PyTorch's weight-only path as gpt-fast uses it (weight_quant_peer.py): a plain
             Llama of the same shape, decode step under torch.compile, bf16 / int8 / int4 g128
 CPU sections (the default model, SmolLM2-135M, float32 activations):
@@ -49,6 +51,9 @@ from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
 GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
                "int4-g128": {"quantization": "int4", "quantization_group_size": 128},
                "fp8": {"quantization": "fp8"}, "gguf-Q4_K": {}, "gguf-Q8_0": {}}
+# ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
+# (``KernelConfig.wq_weight_left_max_rows``, up to ``--weight-left-max-rows``) instead of
+# dequantize-then-cuBLAS.
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -79,12 +84,12 @@ def run_tests():
 
 def rule_choice(rows: int, kernel: KernelConfig) -> str:
     if rows >= kernel.wq_dequant_min_rows:
-        return "dequant+cuBLAS"
+        return "weight-left" if rows <= kernel.wq_weight_left_max_rows else "dequant+cuBLAS"
     return "skinny" if rows <= kernel.wq_skinny_max_rows else "tiled"
 
 
 @section("dispatch")
-def run_dispatch():
+def run_dispatch(rows_measured: list[int]):
     import torch.nn.functional as F
 
     from kvserve.kernels import wq_gemm
@@ -94,7 +99,9 @@ def run_dispatch():
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {}
     for fmt in ("int8", "int4-g128"):
-        times = {r: {"bf16": 0.0, "skinny": 0.0, "tiled": 0.0, "dequant+cuBLAS": 0.0} for r in ROWS}
+        times = {r: {"bf16": 0.0, "skinny": 0.0, "tiled": 0.0, "dequant+cuBLAS": 0.0, "weight-left": 0.0}
+                 for r in rows_measured}
+        wx_tiles = {r: {} for r in rows_measured}  # the weight-left GEMM: each tile's time over the shapes
         for N, K in SHAPES.values():
             w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
             if fmt == "int8":
@@ -103,7 +110,7 @@ def run_dispatch():
             else:
                 packed = (*quantize_int4(w, 128, torch.bfloat16), 128)
             tiled = wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, N, K, fmt != "int8")
-            for r in ROWS:
+            for r in rows_measured:
                 x = torch.randn(r, K, device="cuda", generator=gen, dtype=torch.bfloat16)
                 t = times[r]
                 bf16 = bench(lambda: F.linear(x, w))
@@ -113,28 +120,41 @@ def run_dispatch():
                 t["skinny"] += bench(lambda: wq_gemm.wq_mm(x, *packed)) if r <= wq_gemm.MAX_SKINNY_ROWS else math.inf
                 t["tiled"] += bench(lambda: wq_gemm.wq_mm(x, *packed, config=tiled)) if r > 1 else math.inf
                 t["dequant+cuBLAS"] += bench(lambda: F.linear(x, wq_gemm.dequantize(*packed, dtype=torch.bfloat16)))
+                for name, cfg in (WX_CONFIGS.items() if r >= 32 else ()):
+                    wx_tiles[r][name] = wx_tiles[r].get(name, 0.0) + bench(
+                        lambda cfg=cfg: wq_gemm.wq_mm_wx(x, *packed, config=cfg))
+        for r in rows_measured:  # the weight-left GEMM's best tile over the four shapes together
+            times[r]["weight-left"] = min(wx_tiles[r].values(), default=math.inf)
         rows_out = {}
         TABLE.append(f"dispatch {fmt}: one layer's qkv+o+gate_up+down, microseconds "
-                     f"(bf16 | skinny | tiled | dequant+cuBLAS | best | rule | rule / bf16)")
-        for r in ROWS:
+                     f"(bf16 | skinny | tiled | dequant+cuBLAS | weight-left, best tile | best | rule | rule / bf16)")
+        for r in rows_measured:
             t = times[r]
             quant = {k: v for k, v in t.items() if k != "bf16"}
             best = min(quant, key=quant.get)
             rule = rule_choice(r, kernel)
             rows_out[r] = {**{k: v * 1e6 for k, v in t.items()}, "best": best, "rule": rule,
-                           "rule_vs_bf16": t["bf16"] / t[rule]}
+                           "rule_vs_bf16": t["bf16"] / t[rule],
+                           "weight_left_tiles_us": {k: v * 1e6 for k, v in wx_tiles[r].items()}}
             cells = " | ".join(f"{t[k] * 1e6:8.1f}" if t[k] < math.inf else "       -" for k in t)
             TABLE.append(f"  rows {r:5d}: {cells} | {best:14s} | {rule:14s} | {t['bf16'] / t[rule]:.2f}x faster")
-        skinny_max = max((r for r in ROWS if rows_out[r]["best"] == "skinny"), default=0)
-        deq_min = min((r for r in ROWS if r > skinny_max and rows_out[r]["best"] == "dequant+cuBLAS"), default=None)
+        skinny_max = max((r for r in rows_measured if rows_out[r]["best"] == "skinny"), default=0)
+        deq_min = min((r for r in rows_measured if r > skinny_max and rows_out[r]["best"] == "dequant+cuBLAS"),
+                      default=None)
         out[fmt] = {"rows": rows_out, "implied_wq_skinny_max_rows": skinny_max, "implied_wq_dequant_min_rows": deq_min}
         TABLE.append(f"  measured rule: skinny up to {skinny_max} rows, dequant+cuBLAS from {deq_min} "
                      f"(KernelConfig: {kernel.wq_skinny_max_rows}, {kernel.wq_dequant_min_rows})")
-        print("\n".join(TABLE[-len(ROWS) - 2:]), flush=True)
+        print("\n".join(TABLE[-len(rows_measured) - 2:]), flush=True)
         torch.cuda.empty_cache()
     return out
 
 
+# The weight-left GEMM's tiles (BLOCK_N weight rows, BLOCK_M rows of x, BLOCK_K columns a step).
+WX_CONFIGS = {f"{bn}x{bm}x{bk} w{nw} s{ns}": {"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "num_warps": nw,
+                                             "num_stages": ns}
+              for bn, bm, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+                                         (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (256, 128, 64, 8, 3),
+                                         (128, 128, 64, 4, 4), (64, 64, 128, 4, 4)]}
 STEP_CONFIGS = ([{"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}] +
                 [{"KIND": "gluon", "BLOCK_N": bn, "PREFETCH": pf, "num_warps": nw}
                  for bn, pf, nw in [(4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 2), (8, 1, 2), (16, 1, 4)]])
@@ -275,19 +295,23 @@ def pack_as_gguf(llm, qtype: str) -> None:
 
 
 @section("engine")
-def run_engine(n_req: int):
+def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int):
     from kvserve.bench.quality import teacher_forced_agreement
     run_requests = gpu_check.run_requests
     out = {}
     rng = random.Random(7)
     decode_prompt = [rng.randrange(128000) for _ in range(512)]
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
-    for name, kw in GPU_FORMATS.items():
+    for name in formats:
+        fmt = name.removesuffix("+wl")
+        kw = dict(GPU_FORMATS[fmt])
+        if name.endswith("+wl"):
+            kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
         t0 = time.perf_counter()
         llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory="40GiB", max_num_seqs=256,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)
-        if name.startswith("gguf-"):
-            pack_as_gguf(llm, name.removeprefix("gguf-"))
+        if fmt.startswith("gguf-"):
+            pack_as_gguf(llm, fmt.removeprefix("gguf-"))
         start = time.perf_counter() - t0
         wb = weight_bytes(llm)
         run_requests(llm, [decode_prompt[:64]], 4)  # warm
@@ -378,6 +402,12 @@ def main():
     ap.add_argument("--only", default=None, help="sections, comma-separated (default: the device's)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--step-sweep", action="store_true", help="step section: time every tile of STEP_CONFIGS")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="dispatch section: row counts, comma-separated")
+    ap.add_argument("--formats", default=",".join(GPU_FORMATS),
+                    help="engine section: formats, comma-separated (bf16 first: the peer); a weight-only "
+                         "format with +wl takes its large products by the weight-left GEMM")
+    ap.add_argument("--weight-left-max-rows", type=int, default=1 << 20,
+                    help="+wl formats: the most rows a product takes the weight-left GEMM")
     ap.add_argument("--cpu-new-tokens", type=int, default=64)
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed generations per format (the best counts)")
@@ -388,8 +418,9 @@ def main():
     only = set((args.only or ("tests,step,dispatch,engine,peer" if args.device == "cuda" else "cpu")).split(","))
     RESULTS["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     RESULTS["torch"] = torch.__version__
-    sections = {"tests": run_tests, "step": lambda: run_step(args.step_sweep), "dispatch": run_dispatch,
-                "engine": lambda: run_engine(args.requests),
+    sections = {"tests": run_tests, "step": lambda: run_step(args.step_sweep),
+                "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")]),
+                "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
                                        args.cpu_formats.split(","))}

@@ -215,6 +215,10 @@ class KernelConfig:
     # with in-register dequantization between.
     wq_skinny_max_rows: int = 16
     wq_dequant_min_rows: int = 64
+    # From ``wq_dequant_min_rows`` up to ``wq_weight_left_max_rows`` rows (0: none) the GEMM that
+    # decodes the weight into the tensor cores' left operand (kernels/wq_gemm.py: ``wq_mm_wx``)
+    # instead, which reads the packed weight only; dequantize-then-cuBLAS above.
+    wq_weight_left_max_rows: int = 0
     # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
     # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
     cpu_packed_weights: bool = True
@@ -233,7 +237,7 @@ class KernelConfig:
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
                              ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
                              ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
-                             ("wq_dequant_min_rows", 1, None)):
+                             ("wq_dequant_min_rows", 1, None), ("wq_weight_left_max_rows", 0, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"

@@ -174,6 +174,87 @@ def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
     tl.store(out, w.to(Out.dtype.element_ty), mask=(rn < N)[:, None] & (k0 + rk < K)[None, :])
 
 
+@triton.jit
+def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                  INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """The large-batch GEMM with the weight as the tensor cores' left operand: a program computes
+    Y^T's tile [BLOCK_N, BLOCK_M] = dequant(W's rows) @ X's rows^T, decoding each weight tile in
+    registers straight into that operand. BLOCK_K divides the group, so a tile meets one scale
+    (and min) per row: a broadcast, no regrouping of the codes. Per-channel int8 codes go into
+    the product as they are (exact in 16-bit floats) and the scale comes once at the end. The
+    programs of one weight tile are adjacent in launch order (the M tiles vary fastest), so each
+    weight byte is read from memory about once; x is small and stays in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m, pid // num_m
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N (and M) read the last: results dropped
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm_safe = tl.minimum(rm, M - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if INT4:
+            b = tl.load(W + rn_safe[:, None] * stride_wn + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :])
+            q = tl.interleave(b & 15, b >> 4)
+        else:
+            q = tl.load(W + rn_safe[:, None] * stride_wn + k0 + rk[None, :])
+        if GROUPED:
+            g = k0 // GROUP
+            w = q.to(tl.float32) * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+            if HAS_MIN:
+                w += tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+        else:
+            w = q.to(tl.float32)
+        x = tl.load(X + rm_safe[:, None] * stride_xm + k0 + rk[None, :])
+        acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc, input_precision=PRECISION)
+    if not GROUPED:
+        acc = acc * tl.load(S + rn_safe).to(tl.float32)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(B + rn_safe).to(tl.float32)[:, None]
+    y = tl.trans(acc)
+    out = Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(out, y.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+# The weight-left GEMM's tile (``wq_mm_wx``): 128 weight rows by 128 rows of x, 64 columns a step.
+WX_CONFIG = {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def wx_block_k(qweight: torch.Tensor, group_size: int, K: int, block_k: int) -> int:
+    """The weight-left GEMM's column step for this weight: ``block_k`` halved until it divides the
+    group (grouped formats) and K; 0 where none of at least 16 does (that product goes elsewhere)."""
+    if qweight.dtype == torch.float8_e4m3fn:
+        return 0
+    while block_k >= 16 and (K % block_k or group_size and group_size % block_k):
+        block_k //= 2
+    return block_k if block_k >= 16 else 0
+
+
+def wq_mm_wx(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+             group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``wq_mm``'s product by the weight-left GEMM (``_wq_wx_kernel``), for many rows of x; int8
+    and int4 weights whose K and group a column step of 16 or more divides (``wx_block_k``)."""
+    N, K, int4 = _check(x, qweight, scales, mins, group_size)
+    M = x.shape[0]
+    cfg = dict(config or WX_CONFIG)
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_k = wx_block_k(qweight, group_size, K, cfg.pop("BLOCK_K"))
+    assert block_k, f"no column step divides K={K} and the group {group_size}"
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    grid = (triton.cdiv(N, block_n) * triton.cdiv(M, block_m),)
+    _wq_wx_kernel[grid](x, qweight, scales, scales if mins is None else mins, bias if bias is not None else scales,
+                        y, M, N, K, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+                        INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group_size or 1,
+                        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        PRECISION=dot_precision(x.dtype), **cfg)
+    return y
+
+
 def default_config(M: int, N: int, K: int, int4: bool) -> dict:
     """Tiles per row count. One row: 4 output features per program, 1,024 columns a tile (1 KiB
     of int8, 512 B of int4 per row). Up to 32 rows: 64 features by 256 columns, x padded to 16

@@ -7,6 +7,8 @@ product, never to a whole matrix at rest.
               one row (int8, int4)               ``kernels/wq_gemv.py``, codes decoded by integer ops
               rows <= wq_skinny_max_rows         skinny kernel, dequantized in registers
               rows <  wq_dequant_min_rows        tiled GEMM, dequantized in registers
+              rows <= wq_weight_left_max_rows    the GEMM that decodes the weight into the
+                                                 tensor cores' left operand (int8, int4)
               otherwise                          dequantize to x's dtype, then cuBLAS
           (at large batches a product is bound by compute, and cuBLAS's bf16 GEMM beats a
           Triton GEMM that unpacks; the extra pass over the weight is small beside it).
@@ -198,6 +200,9 @@ class QuantLinear(nn.Module):
                                              self.in_features, self.method == "int4")
             return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg,
                                  pdl=kernel.pdl)
+        if rows <= kernel.wq_weight_left_max_rows and wq_gemm.wx_block_k(
+                self.qweight, self.group_size, self.in_features, wq_gemm.WX_CONFIG["BLOCK_K"]):
+            return wq_gemm.wq_mm_wx(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
         w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
         return F.linear(x, w, self.bias)
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from kernelutil import needs_cuda  # noqa: E402
 
-from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm, wq_mm_ref  # noqa: E402
+from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm, wq_mm_ref, wq_mm_wx, wx_block_k  # noqa: E402
 from kvserve.layers.fp8_linear import quantize_rows  # noqa: E402
 from kvserve.layers.rtn import quantize_int4, quantize_int8  # noqa: E402
 
@@ -140,6 +140,26 @@ def test_tiled(method, group, M, device):
     _check(M, 45, 384, method, group, torch.float32, device, seed=M + group, config=cfg, bias=True)
 
 
+@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
+@pytest.mark.parametrize("M,N", [(33, 45), (100, 64)])
+def test_weight_left_gemm(method, group, M, N, device):
+    """The large-batch GEMM with the weight as the left operand: tiles of 32 x 32 over N and M (the
+    last of each partial), a column step of 64 cut to the group where it is smaller, bias."""
+    x, packed, b = _case(M, N, 384, method, group, torch.float32, device, seed=M + N + group, bias=M == 33)
+    cfg = {"BLOCK_N": 32, "BLOCK_M": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    y = wq_mm_wx(x, *packed, bias=b, config=cfg)
+    ref = wq_mm_ref(x, *packed, bias=b)
+    assert y.shape == (M, N) and not y.isnan().any()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+def test_weight_left_gemm_column_step():
+    q8, q4 = torch.zeros(8, 384, dtype=torch.int8), torch.zeros(8, 192, dtype=torch.uint8)
+    assert wx_block_k(q8, 0, 384, 64) == 64 and wx_block_k(q8, 0, 400, 64) == 16 and wx_block_k(q8, 0, 392, 64) == 0
+    assert wx_block_k(q4, 32, 384, 64) == 32 and wx_block_k(q4, 128, 384, 64) == 64
+    assert wx_block_k(q8.view(torch.float8_e4m3fn), 0, 384, 64) == 0  # e4m3 keeps its own paths
+
+
 @pytest.mark.parametrize("method,group", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_dequantize(method, group, dtype, device):
@@ -177,6 +197,17 @@ def test_rtn_error_is_half_a_step(method, group):
 def test_real_size_bf16(method, group, M):
     """Llama-3-8B's down projection in bfloat16 at every shape of program."""
     _check(M, 4096, 14336, method, group, torch.bfloat16, torch.device("cuda"), seed=M + group)
+
+
+@needs_cuda
+@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
+@pytest.mark.parametrize("M", [64, 200, 512])
+def test_real_size_weight_left_bf16(method, group, M):
+    """The weight-left GEMM at its default tile on Llama-3-8B's down projection, bfloat16."""
+    x, packed, _ = _case(M, 4096, 14336, method, group, torch.bfloat16, torch.device("cuda"), seed=M + group)
+    y = wq_mm_wx(x, *packed)
+    ref = wq_mm_ref(x, *packed)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[torch.bfloat16]
 
 
 _COMPILE = r"""
