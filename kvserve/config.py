@@ -217,7 +217,8 @@ class KernelConfig:
     wq_dequant_min_rows: int = 64
     # From ``wq_dequant_min_rows`` up to ``wq_weight_left_max_rows`` rows (0: none) the GEMM that
     # decodes the weight into the tensor cores' left operand (kernels/wq_gemm.py: ``wq_mm_wx``)
-    # instead, which reads the packed weight only; dequantize-then-cuBLAS above.
+    # instead, which reads the packed weight only; dequantize-then-cuBLAS above. Off: on an H100 it
+    # was faster only for int8 near 256 rows (BENCHMARKS.md, the large-batch tax).
     wq_weight_left_max_rows: int = 0
     # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
     # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
