@@ -196,18 +196,12 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if INT4:
-            b = tl.load(W + rn_safe[:, None] * stride_wn + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :])
-            q = tl.interleave(b & 15, b >> 4)
-        else:
-            q = tl.load(W + rn_safe[:, None] * stride_wn + k0 + rk[None, :])
+        w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, False, BLOCK_K, True)  # K % BLOCK_K == 0
         if GROUPED:
             g = k0 // GROUP
-            w = q.to(tl.float32) * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+            w = w * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
             if HAS_MIN:
                 w += tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
-        else:
-            w = q.to(tl.float32)
         x = tl.load(X + rm_safe[:, None] * stride_xm + k0 + rk[None, :])
         acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc, input_precision=PRECISION)
     if not GROUPED:

@@ -59,6 +59,12 @@ class ModelArch:
         per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
+    @property
+    def projection_input_widths(self) -> tuple[int, ...]:
+        """Each decoder projection's input width: qkv, o, gate/up, down (what a group size of
+        quantized weights must divide)."""
+        return self.hidden_size, self.num_heads * self.head_dim, self.hidden_size, self.intermediate_size
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 

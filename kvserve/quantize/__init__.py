@@ -64,15 +64,10 @@ AWQ_ROWS = 1024
 CALIBRATION_MEMORY = 8 << 30  # bytes of calibration statistics held at once (quantize's default)
 
 
-def _input_widths(a) -> tuple[int, ...]:
-    """Each projection's input width, in ``_PROJ``'s order: qkv, o, gate_up, down."""
-    return a.hidden_size, a.num_heads * a.head_dim, a.hidden_size, a.intermediate_size
-
-
 def _calibration_bytes(a, method: str) -> int:
     """What one decoder layer's hooks hold: float64 X^T X per projection (GPTQ), or AWQ_ROWS
     float32 rows of its inputs."""
-    widths = _input_widths(a)
+    widths = a.projection_input_widths
     if method == "gptq":
         return sum(8 * k * k for k in widths)
     return sum(4 * AWQ_ROWS * k for k in widths) if method == "awq" else 0
@@ -182,7 +177,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     llm = LLM(model, device=device, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
               quantization="none", show_progress=False, max_num_batched_tokens=max(chunk, 512))
     eng, a = llm.engine, llm.engine.arch
-    widths = set(_input_widths(a))
+    widths = set(a.projection_input_widths)
     if any(k % group_size for k in widths):
         shown = ", ".join(map(str, sorted(widths)))
         raise ConfigError("group_size", f"must divide every projection's input width ({shown} for {src.name}); "

@@ -123,13 +123,12 @@ class DraftModel:
                               f"({src.quant_method}); leave quantization unset")
         group = None
         if method == "int4":
-            a = src.arch
-            widths = (a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size)
+            widths = src.arch.projection_input_widths
             group = next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if not any(k % g for k in widths)), None)
             if group is None:
                 raise ConfigError("speculative_config.quantization", f"int4 needs a group size of "
                                   f"{', '.join(map(str, INT4_GROUP_SIZES))} dividing the draft's projections "
-                                  f"(widths {', '.join(map(str, widths))}); use int8")
+                                  f"(widths {', '.join(map(str, sorted(set(widths))))}); use int8")
         quantize_model(model, QuantConfig(method, group))
 
     def drop(self, rid: str) -> None:
