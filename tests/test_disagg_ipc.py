@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +26,7 @@ from kvserve import SamplingParams
 from kvserve.config import KVTransferConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.errors import ConfigError
-from kvserve.kvtier import TieredStore
+from kvserve.kvtier import TieredStore, ipc_buffer
 from kvserve.kvtier.ipc import IpcConsumer, IpcProducer, encode_transfer, shared_zeros
 from kvserve.kvtier.ipc_buffer import PREFIX, SharedBuffer
 from kvserve.kvtier.mailbox import Ring, ring_bytes
@@ -223,6 +224,25 @@ def test_a_buffer_smaller_than_a_block_is_refused_on_both_sides():
     with pytest.raises(ConfigError, match="kv_buffer_size.*cannot hold one KV block"):
         producer.result()
     with pytest.raises(ConfigError, match="kv_buffer_size.*could not share"):  # (not left waiting)
+        consumer.result()
+
+
+def test_rings_that_do_not_fit_the_host_name_kv_buffer_size(monkeypatch):
+    """The pool is shared; then the rings find no room in any shared-memory directory. The
+    error names the option that sizes the rings, not kv_cache_memory, and the consumer is told."""
+    real_free, real_zeros = ipc_buffer._free, shared_zeros
+
+    def pool_with_room(*args):
+        with monkeypatch.context() as m:
+            m.setattr(ipc_buffer, "_free", real_free)
+            return real_zeros(*args)
+    monkeypatch.setattr(ipc_buffer, "_free", lambda d: 0)
+    monkeypatch.setattr(sys.modules[__name__], "shared_zeros", pool_with_room)
+    (producer, consumer), _, _ = connecting(12 * BLOCK_BYTES)
+    with pytest.raises(ConfigError, match=r"kv_transfer_config\.kv_buffer_size.*free space.*rings") as e:
+        producer.result()
+    assert "kv_cache_memory" not in str(e.value)
+    with pytest.raises(ConfigError, match="kv_buffer_size.*could not share"):
         consumer.result()
 
 

@@ -113,7 +113,9 @@ class IpcProducer:
                 raise ConfigError("kv_transfer_config.kv_buffer_size", f"{int(buffer_bytes)} bytes cannot hold one "
                                   f"KV block ({block_bytes} bytes) for the consumer")
             sizes = rings(min(self.max_blocks, shape[2]))
-            mailbox = SharedBuffer.create(torch.device("cpu"), ring_bytes(sizes[0]) + ring_bytes(sizes[2]))
+            mailbox = SharedBuffer.create(torch.device("cpu"), ring_bytes(sizes[0]) + ring_bytes(sizes[2]),
+                                          "kv_transfer_config.kv_buffer_size",
+                                          "the rings that carry the producer's transfers and their acknowledgements")
             self.data, self.acks = _ring_views(mailbox, *sizes)
             self.events: list = []
             if self.device.type == "cuda":  # (recorded once: CUDA creates an event at its first record)

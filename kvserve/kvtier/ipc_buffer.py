@@ -72,31 +72,31 @@ class SharedBuffer:
         self.nbytes = tensor.numel()
 
     @classmethod
-    def create(cls, device: torch.device, nbytes: int) -> SharedBuffer:
-        """The producer's buffer, on ``device`` (a CUDA device: device memory; else host memory)."""
+    def create(cls, device: torch.device, nbytes: int, field: str = "kv_cache_memory",
+               what: str = "the shared KV pool of a CudaIpcConnector producer") -> SharedBuffer:
+        """The producer's buffer, on ``device`` (a CUDA device: device memory; else host memory).
+        ``field`` and ``what``: the option that sized it and what it holds, for the errors."""
         if device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
             try:
                 t = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 rebuild, args = reduce_tensor(t)
             except RuntimeError as e:  # (out of memory included)
-                raise ConfigError("kv_cache_memory", f"cannot share {nbytes} bytes of {device} with CUDA IPC "
-                                  f"(the KV pool of a CudaIpcConnector producer): {e}"[:500]) from None
+                raise ConfigError(field, f"cannot share {nbytes} bytes of {device} with CUDA IPC ({what}): "
+                                  f"{e}"[:500]) from None
             return cls(t, {"kind": "cuda", "nbytes": nbytes, "rebuild": rebuild.__name__,
                            "args": [_encode(a) for a in args], "gpu": _gpu_uuid(t.device.index)})
         # A tmpfs file must fit the free space: writing past it would kill the process (SIGBUS).
         room = [d for d in _dirs() if _free(d) >= nbytes]
         if not room:
-            raise ConfigError("kv_cache_memory", f"{nbytes} bytes do not fit the free space of "
-                              f"{' or '.join(_dirs())} (the shared KV pool of a CudaIpcConnector producer on the CPU)")
+            raise ConfigError(field, f"{nbytes} bytes do not fit the free space of {' or '.join(_dirs())} ({what})")
         fd, path = tempfile.mkstemp(prefix=PREFIX, dir=room[0])  # (mode 0600: this user's processes only)
         try:  # (every page reserved now: a tmpfs that fills later cannot fault a write into it)
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            raise ConfigError("kv_cache_memory", f"cannot reserve {nbytes} bytes in {room[0]} (the shared KV pool "
-                              f"of a CudaIpcConnector producer on the CPU): {e.strerror}") from None
+            raise ConfigError(field, f"cannot reserve {nbytes} bytes in {room[0]} ({what}): {e.strerror}") from None
         os.close(fd)
         t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         return cls(t, {"kind": "file", "path": path, "nbytes": nbytes}, path)
