@@ -36,8 +36,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """``text`` with what UTF-8 cannot carry (a lone surrogate a client sent, echoed back in the
+    message) written as its escape: the response must render, whatever the request held."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -110,9 +116,14 @@ def install_handlers(app: FastAPI) -> None:
     async def _invalid(_: Request, e: InvalidRequestError):
         return error_response(400, str(e), e.field, e.code)
 
+    # Each of kvserve's own errors has its handler: Starlette re-raises what reaches the handler
+    # of Exception after sending its response (a traceback in the log, the connection closed).
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(RequestFailedError)
-    async def _engine(_: Request, e: EngineDeadError | RequestFailedError):
+    @app.exception_handler(ConfigError)
+    @app.exception_handler(EngineBusyError)
+    @app.exception_handler(WakeUpError)
+    async def _engine(_: Request, e: Exception):
         a = to_api_error(e)
         return error_response(a.status, a.message, a.param, a.code)
 

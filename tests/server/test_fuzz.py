@@ -113,6 +113,25 @@ def test_no_500_and_openai_shaped_errors(post, req):
     assert post.healthy(), body
 
 
+@pytest.mark.parametrize("path", sorted(ENDPOINT_KEYS))
+def test_a_model_name_utf8_cannot_carry_is_an_openai_error(post, path):
+    """A lone surrogate in ``model``: the 404 repeats the name, so it must still render."""
+    r = post(path, _dump({**VALID[path], "model": "\ud800"}))
+    assert r.status_code == 404, r.text
+    _assert_openai_error(r)
+    assert "\\ud800" in r.json()["error"]["message"]
+    assert post(path, _dump(VALID[path])).status_code < 500 and post.healthy()
+
+
+def test_sleep_without_sleep_mode_is_a_400_naming_the_option(post):
+    for path in ("/sleep", "/wake_up"):
+        r = post(path, b"")
+        assert r.status_code == 400, r.text
+        _assert_openai_error(r)
+        assert r.json()["error"]["param"] == "enable_sleep_mode"
+    assert post.healthy()
+
+
 def _assert_openai_error(r) -> None:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str), r.text
