@@ -5,8 +5,12 @@ directory (``KVSERVE_CACHE_DIR``, default ``~/.cache/kvserve``) keyed by the fil
 """
 from __future__ import annotations
 
+import codecs
+import functools
 import hashlib
+import json
 import os
+import re
 import shutil
 
 from kvserve import envs
@@ -88,3 +92,78 @@ def read_chat_template(value: str) -> str:
     if "{{" in value or "{%" in value:
         return value
     raise ConfigError("chat_template", f"{value!r} is neither a file nor a Jinja template")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, used by Llama 3, Qwen, SmolLM2...), character -> byte:
+    the printable Latin-1 bytes stand for themselves, every other byte, in order, for the code
+    points from 256 up."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, extra = {}, 256
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+class TokenBytes:
+    """Each token's raw bytes: the ``bytes`` of OpenAI's logprobs, and what text offsets count.
+    A token may hold part of a UTF-8 character, which its decoded text shows as U+FFFD."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        try:
+            decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        except (AttributeError, ValueError):  # a slow tokenizer: decoding alone
+            decoder = {}
+        self.byte_level = decoder.get("type") == "ByteLevel"
+        added = getattr(tokenizer, "get_added_vocab", None)  # stored as text, not in the alphabet
+        self.added = set(added().values()) if added is not None else set()
+        self.pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        b = self._cache.get(token_id)
+        if b is None:
+            b = self._cache[token_id] = self._bytes(token_id)
+        return b
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self.pieces(token_id) if self.pieces is not None else None
+        if isinstance(piece, str) and token_id not in self.added:
+            if self.byte_level and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            m = None if self.byte_level else _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return bytes([int(m[1], 16)])
+            if not self.byte_level and "\u2581" in piece:  # SentencePiece's word boundary: a space
+                return piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def offsets(self, token_ids, start: int = 0) -> list[int]:
+        """Where each token starts in the text they decode to, in characters from ``start``; a
+        character split across tokens is counted at the token that completes it."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        out, at = [], start
+        for t in token_ids:
+            out.append(at)
+            at += len(decoder.decode(self(t)))
+        return out
+
+
+def token_bytes(tokenizer) -> TokenBytes | None:
+    """The tokenizer's ``TokenBytes``, one per tokenizer (it caches what it looked up); None
+    without a tokenizer that decodes (a model without one: tokens are ids)."""
+    return None if not hasattr(tokenizer, "decode") else _token_bytes(tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_bytes(tokenizer) -> TokenBytes:
+    return TokenBytes(tokenizer)

@@ -109,12 +109,12 @@ async def create(state: ServerState, req: ChatCompletionRequest, raw: Request):
     except st.ClientGone:
         return Response(status_code=499)  # nginx's "client closed request"; counted by the app, read by nobody
     state.metrics.observe_finished(out)
-    choices = []
+    choices, tokenizer = [], state.engine.engine.tokenizer
     for c in out.outputs:
         content, calls = (c.text, []) if parser is None else tp.parse(parser, c.text, req.parallel_tool_calls)
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
                                   finish_reason=_finish_reason(c.finish_reason, calls, tool_mode),
-                                  logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k))
+                                  logprobs=ChatLogprobs(content=st.chat_logprobs(c, 0, len(c.token_ids), k, tokenizer))
                                   if req.logprobs else None))
     return ChatCompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage([out]),
                                   kv_transfer_params=out.kv_transfer_params)
@@ -129,6 +129,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
 
     sent_chars: dict[int, int] = {}
     sent_toks: dict[int, int] = {}
+    tokenizer = state.engine.engine.tokenizer
     tools = {i: tp.ToolStream(parser, req.parallel_tool_calls) for i in range(req.n)} if parser else {}
     done: set[int] = set()
     final = None
@@ -153,7 +154,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
                         continue  # held: maybe the start of a call; its logprobs go with what follows
                     pieces = pieces or [DeltaMessage()]
                 ntok = len(c.token_ids)
-                lp = ChatLogprobs(content=st.chat_logprobs(c, b, ntok, k)) if req.logprobs else None
+                lp = ChatLogprobs(content=st.chat_logprobs(c, b, ntok, k, tokenizer)) if req.logprobs else None
                 sent_chars[c.index], sent_toks[c.index] = len(c.text), ntok
                 if c.finished:
                     done.add(c.index)

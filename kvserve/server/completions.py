@@ -20,19 +20,33 @@ from kvserve.server.errors import sse_error
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from kvserve.server.state import OUTCOME, ServerState
+from kvserve.tokenizer import token_bytes
 
 
-def _logprobs(c: CompletionOutput, start: int, end: int, k: int | None, offset: int) -> CompletionLogprobs | None:
+def _logprobs(c: CompletionOutput, start: int, end: int, k: int | None, offset: int,
+              tokenizer) -> CompletionLogprobs | None:
     if k is None:
         return None
     lp = CompletionLogprobs()
-    for tok, v, top in st.position_logprobs(c, start, end, k):
-        lp.tokens.append(tok)
+    for _, s, v, top in st.position_logprobs(c, start, end, k):
+        lp.tokens.append(s)
         lp.token_logprobs.append(v)
-        lp.top_logprobs.append(dict(top))
-        lp.text_offset.append(offset)
-        offset += len(tok)
+        lp.top_logprobs.append({ts: x for _, ts, x in top})
+    lp.text_offset = _offsets(c.token_ids[start:start + len(lp.tokens)], lp.tokens, offset, tokenizer)
     return lp
+
+
+def _offsets(ids: list[int], tokens: list[str], start: int, tokenizer) -> list[int]:
+    """Each token's first character in the text, from ``start``: counted over the tokens' bytes,
+    so a character split across tokens counts once."""
+    tb = token_bytes(tokenizer)
+    if tb is not None:
+        return tb.offsets(ids, start)
+    out = []
+    for s in tokens:
+        out.append(start)
+        start += len(s)
+    return out
 
 
 def _echo(o: RequestOutput, k: int | None, tokenizer) -> tuple[str, CompletionLogprobs | None]:
@@ -44,7 +58,7 @@ def _echo(o: RequestOutput, k: int | None, tokenizer) -> tuple[str, CompletionLo
     text = o.prompt if o.prompt is not None else tokenizer.decode(o.prompt_token_ids) if tokenizer else ""
     if k is None:
         return text, None
-    lp, offset = CompletionLogprobs(), 0
+    lp = CompletionLogprobs()
     for j, t in enumerate(o.prompt_token_ids):
         d = o.prompt_logprobs[j] if o.prompt_logprobs and j < len(o.prompt_logprobs) else None
         if d is None:
@@ -57,8 +71,7 @@ def _echo(o: RequestOutput, k: int | None, tokenizer) -> tuple[str, CompletionLo
         lp.tokens.append(s)
         lp.token_logprobs.append(v)
         lp.top_logprobs.append(top)
-        lp.text_offset.append(offset)
-        offset += len(s)
+    lp.text_offset = _offsets(list(o.prompt_token_ids), lp.tokens, 0, tokenizer)
     return text, lp
 
 
@@ -105,7 +118,7 @@ async def create(state: ServerState, req: CompletionRequest, raw: Request):
         state.metrics.observe_finished(o)
         head, head_lp = _echo(o, req.logprobs, tokenizer) if req.echo else ("", None)
         for j, c in enumerate(_best(o.outputs, req.n)):
-            lp = _logprobs(c, 0, len(c.token_ids), req.logprobs, len(head))
+            lp = _logprobs(c, 0, len(c.token_ids), req.logprobs, len(head), tokenizer)
             choices.append(CompletionChoice(index=i * req.n + j, text=head + c.text, logprobs=_joined(head_lp, lp),
                                             finish_reason=c.finish_reason))
     return CompletionResponse(id=rid, model=state.config.model_name, choices=choices, usage=st.usage(outs),
@@ -140,7 +153,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams,
                 if first_echo:
                     echoed[i], head_lp = _echo(out, req.logprobs, state.engine.engine.tokenizer)
                     text = echoed[i] + text
-                lp = _logprobs(c, b, ntok, req.logprobs, a + len(echoed.get(i, "")))
+                lp = _logprobs(c, b, ntok, req.logprobs, a + len(echoed.get(i, "")), state.engine.engine.tokenizer)
                 if first_echo:
                     lp = _joined(head_lp, lp)
                 choice = CompletionChoice(index=idx, text=text, finish_reason=c.finish_reason, logprobs=lp)

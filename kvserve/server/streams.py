@@ -17,6 +17,7 @@ from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.responses import PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from kvserve.tokenizer import token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -113,20 +114,26 @@ def _token_str(lp, tok: int) -> str:
 
 
 def position_logprobs(c: CompletionOutput, start: int, end: int, k: int):
-    """(token, logprob, [(token, logprob) top k by rank]) for output positions [start, end)."""
+    """(token id, token, logprob, [(token id, token, logprob) top k by rank]) for output
+    positions [start, end)."""
     # c.logprobs is appended to by the engine thread; token_ids is a copy, so bound by it.
     lps = c.logprobs or []
     for j in range(start, min(end, len(lps), len(c.token_ids))):
         tok, d = c.token_ids[j], lps[j]
         chosen = d[tok]
         top = sorted(d.items(), key=lambda kv: kv[1].rank)[:k]
-        yield (_token_str(chosen, tok), chosen.logprob, [(_token_str(v, t), v.logprob) for t, v in top])
+        yield tok, _token_str(chosen, tok), chosen.logprob, [(t, _token_str(v, t), v.logprob) for t, v in top]
 
 
-def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> list[TokenLogprob]:
-    return [TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()),
-                         top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top])
-            for s, lp, top in position_logprobs(c, start, end, k)]
+def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int, tokenizer) -> list[TokenLogprob]:
+    """OpenAI's chat logprobs; ``bytes``: each token's own bytes (part of a character, for some)."""
+    tb = token_bytes(tokenizer)
+
+    def raw(t: int, s: str) -> list[int]:
+        return list(tb(t) if tb is not None else s.encode())
+    return [TokenLogprob(token=s, logprob=lp, bytes=raw(tok, s),
+                         top_logprobs=[TopLogprob(token=ts, logprob=v, bytes=raw(t, ts)) for t, ts, v in top])
+            for tok, s, lp, top in position_logprobs(c, start, end, k)]
 
 
 def sse(model) -> str:

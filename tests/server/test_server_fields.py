@@ -167,3 +167,34 @@ def test_embeddings_match_transformers_and_leave_generation_alone(smol, hf_model
                         ({"input": "x", "encoding_format": "int8"}, "encoding_format")]:
         e = httpx.post(f"{smol.url}/v1/embeddings", json={"model": SMOL, **body})
         assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+
+
+@pytest.mark.slow  # the default model
+@pytest.mark.parametrize("stream", [False, True])
+def test_characters_split_across_tokens_keep_their_bytes_and_offsets(smol, stream):
+    """An emoji or a CJK character takes several byte-level tokens, each part of its UTF-8 bytes
+    (shown as U+FFFD). Chat logprobs' ``bytes`` are the tokens' own: joined, the content's UTF-8.
+    Completions' ``text_offset`` counts characters of the text: a token that begins a whole
+    character begins where the text has it."""
+    client = openai.OpenAI(base_url=f"{smol.url}/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Repeat exactly: 🎉🎉🎉"}],
+                                       max_tokens=12, temperature=0, logprobs=True, top_logprobs=2, stream=stream)
+    chunks = list(r) if stream else [r]
+    content = "".join((ch.choices[0].delta.content or "") if stream else ch.choices[0].message.content
+                      for ch in chunks if ch.choices)
+    lps = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert "🎉" in content, content
+    assert bytes(b for t in lps for b in t.bytes) == content.encode()
+    assert all(t.top_logprobs[0].bytes == t.bytes for t in lps)  # greedy: the top one is the chosen one
+    prompt = "Party 🎉🎉, café, 日本語 and ok"
+    c = client.completions.create(model=SMOL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=0,
+                                  stream=stream)
+    chunks = list(c) if stream else [c]
+    text = "".join(ch.choices[0].text for ch in chunks)
+    tokens = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    offsets = [o for ch in chunks if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert text.startswith(prompt) and len(offsets) == len(tokens) and offsets[0] == 0
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    whole = [(t, o) for t, o in zip(tokens, offsets, strict=True) if "\ufffd" not in t]
+    assert len(whole) >= len(tokens) // 2
+    assert all(text.startswith(t, o) for t, o in whole), [(t, o, text[o:o + len(t)]) for t, o in whole]
