@@ -77,6 +77,28 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def _not_unicode(data: dict) -> str | None:
+    """The path of a string or key in ``data`` that UTF-8 cannot carry, or None. Every string of
+    a request is checked here, once for each model holding it, rather than field by field."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                key = f"{path}.{k}" if path else str(k)
+                stack.append((k, path or "body"))
+                stack.append((x, key))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v) if isinstance(x, (str, dict, list)))
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_optionals)
 
@@ -84,13 +106,21 @@ class _Request(BaseModel):
     @classmethod
     def _null_means_default(cls, data):
         if isinstance(data, dict):
+            where = _not_unicode(data)
+            if where is not None:
+                raise InvalidRequestError(where, "is not valid Unicode (a lone surrogate: JSON can carry one, "
+                                          "UTF-8 cannot)")
             fields = cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
         return data
 
 
+Bool = Annotated[bool, Field(strict=True)]  # true or false: JSON 1 and "yes" are refused, as OpenAI does
+TokenId = Annotated[int, Field(strict=True)]  # JSON true and 1.0 are refused; the vocabulary bounds it later
+
+
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -103,7 +133,7 @@ class JsonSchemaFormat(_Request):
     name: str = Field(max_length=256)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
-    strict: bool | None = None  # the output always follows the schema: strict or not
+    strict: Bool | None = None  # the output always follows the schema: strict or not
 
 
 class ResponseFormat(_Request):
@@ -118,7 +148,7 @@ class StructuredOutputsRequest(_Request):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Bool | None = None
 
 
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -136,7 +166,7 @@ class _SamplingFields(_Request):
     seed: int_in(*SEED_RANGE) | None = None
     presence_penalty: number_in(-2, 2) = 0.0
     frequency_penalty: number_in(-2, 2) = 0.0
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras
@@ -145,7 +175,7 @@ class _SamplingFields(_Request):
     top_k: int_in(-1, MAX_COUNT) = -1  # -1 or 0: off; values >= the vocabulary size are off too
     min_p: number_in(0, 1) = 0.0
     repetition_penalty: number_in(0, 100, lo_open=True) = 1.0
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     min_tokens: int_in(0, MAX_COUNT) = 0
     stop_token_ids: list[int_in(0, MAX_COUNT)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     kv_budget: TokenCount | None = None  # kvserve: KV tokens held with KV eviction
@@ -239,10 +269,10 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: TokenCount | None = 16  # OpenAI's default for completions
     logprobs: NumLogprobs | None = None
-    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
+    echo: Bool = False  # the prompt before the completion (with logprobs: the prompt's too)
     best_of: int_in(1, MAX_N) | None = None  # sample this many, return the n with the highest cumulative logprob
 
     @property
@@ -283,7 +313,7 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict | None = None  # a JSON schema; None: no parameters
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ChatTool(_Request):
@@ -338,12 +368,12 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: TokenCount | None = None  # None: up to the context length
     max_completion_tokens: TokenCount | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: NumLogprobs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
 
     @model_validator(mode="after")
     def _check(self):
@@ -373,7 +403,7 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
 
 class EmbeddingRequest(_Request):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # only the model's own width: we do not truncate
     user: str | None = None
@@ -393,7 +423,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
     @model_validator(mode="after")
     def _one(self):
@@ -404,4 +434,4 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

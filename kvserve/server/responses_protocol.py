@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_COUNT
-from kvserve.server.protocol import ChatMessage, FunctionCall, ToolCall, _Request, int_in, number_in
+from kvserve.server.protocol import Bool, ChatMessage, FunctionCall, ToolCall, _Request, int_in, number_in
 from kvserve.tokenizer import check_text
 
 MAX_INPUT_ITEMS = 2048
@@ -40,7 +40,7 @@ class TextFormat(_Request):
     name: str | None = Field(None, max_length=256)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class TextOptions(_Request):
@@ -52,7 +52,7 @@ class FunctionTool(_Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class FunctionToolChoice(_Request):
@@ -72,7 +72,7 @@ class ResponsesRequest(_Request):
     input: str | list[Any]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
-    store: bool = True
+    store: Bool = True
     max_output_tokens: int_in(1, MAX_COUNT) | None = None  # None: up to the context length
     temperature: number_in(0, 2) = 1.0
     top_p: number_in(0, 1, lo_open=True) = 1.0
@@ -80,8 +80,8 @@ class ResponsesRequest(_Request):
     text: TextOptions | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
-    parallel_tool_calls: bool = True
-    stream: bool = False
+    parallel_tool_calls: Bool = True
+    stream: Bool = False
     user: str | None = None
     memory: MemoryOptions | None = None
 

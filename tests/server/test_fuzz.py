@@ -114,13 +114,26 @@ def test_no_500_and_openai_shaped_errors(post, req):
 
 
 @pytest.mark.parametrize("path", sorted(ENDPOINT_KEYS))
-def test_a_model_name_utf8_cannot_carry_is_an_openai_error(post, path):
-    """A lone surrogate in ``model``: the 404 repeats the name, so it must still render."""
-    r = post(path, _dump({**VALID[path], "model": "\ud800"}))
-    assert r.status_code == 404, r.text
+@pytest.mark.parametrize("where", ["model", "user", "key"])
+def test_a_string_utf8_cannot_carry_is_a_400_naming_it(post, path, where):
+    """A lone surrogate (JSON can carry one, UTF-8 cannot) in any string or key of the body."""
+    body = dict(VALID[path])
+    if where == "key":
+        body["\ud800"] = 1
+    else:
+        body[where] = "\ud800"
+    r = post(path, _dump(body))
+    assert r.status_code == 400, r.text
     _assert_openai_error(r)
-    assert "\\ud800" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == {"key": "body"}.get(where, where) and "Unicode" in r.text
     assert post(path, _dump(VALID[path])).status_code < 500 and post.healthy()
+
+
+def test_an_error_message_renders_whatever_it_repeats():
+    from kvserve.server.errors import error_response
+    r = error_response(404, "The model `\ud800` does not exist", "\udfff")
+    body = json.loads(r.body)
+    assert body["error"]["message"] == "The model `\\ud800` does not exist" and body["error"]["param"] == "\\udfff"
 
 
 def test_sleep_without_sleep_mode_is_a_400_naming_the_option(post):

@@ -275,7 +275,7 @@ def test_lone_surrogate_in_a_message_is_400(srv):
     body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
     r = srv.post("/v1/chat/completions", body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "messages" and "Unicode" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages[0].content" and "Unicode" in r.json()["error"]["message"]
     assert srv.healthy()
 
 
@@ -284,3 +284,39 @@ def test_both_token_limits_name_the_second(srv):
     assert err["param"] == "max_completion_tokens" and "not both" in err["message"]
     r = srv.post("/tokenize", {"model": MODEL})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "prompt", [True, 2]), ("/v1/completions", "prompt", [1.0, 2]),
+    ("/v1/completions", "prompt", [[1, False]]), ("/v1/completions", "echo", 1),
+    ("/v1/completions", "stream", "yes"), ("/v1/chat/completions", "logprobs", 1),
+    ("/v1/chat/completions", "parallel_tool_calls", "true"), ("/v1/embeddings", "input", [True, False])])
+def test_wrong_types_are_not_coerced(srv, path, field, value):
+    """A boolean is not a token id, nor 1 a boolean: OpenAI refuses both, so do we."""
+    base = {"/v1/completions": {"model": MODEL, "prompt": [1, 2], "max_tokens": 2},
+            "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/embeddings": {"model": MODEL, "input": [1, 2]}}[path]
+    assert srv.post(path, base).status_code == 200
+    r = srv.post(path, {**base, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("tokens", [[1.0], [True], [1, "2"]])
+def test_detokenize_takes_integers_only(tokens):
+    from pydantic import ValidationError
+
+    from kvserve.server.protocol import DetokenizeRequest
+    assert DetokenizeRequest.model_validate({"model": MODEL, "tokens": [1, 2]}).tokens == [1, 2]
+    with pytest.raises(ValidationError, match="tokens"):
+        DetokenizeRequest.model_validate({"model": MODEL, "tokens": tokens})
+
+
+@pytest.mark.parametrize("field,value,where", [
+    ("user", "\ud800", "user"), ("chat_template_kwargs", {"a": ["x", "\udfff"]}, "chat_template_kwargs.a[1]"),
+    ("messages", [{"role": "user", "content": "hi", "name": "\ud800"}], "messages[0].name")])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(srv, field, value, where):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    r = srv.post("/v1/chat/completions", json.dumps(body))  # (the surrogate as JSON's escape)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == where and "Unicode" in r.text
