@@ -213,6 +213,13 @@ def test_bad_params_name_the_field(make, field, words):
      ["not a valid JSON schema", "properties/a/type"]),
     (S(json={"type": "object", "required": "a"}), "structured_outputs.json", ["required"]),
     (S(json={"$ref": "#/$defs/missing"}), "structured_outputs.json", ["cannot be compiled", "missing"]),
+    (S(json={"not": {"type": "string"}}), "structured_outputs.json", ["'not' at /", "cannot enforce"]),
+    (S(json={"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}),
+     "structured_outputs.json", ["'uniqueItems' at /properties/a"]),
+    (S(json={"anyOf": [{"type": "integer"}, {"if": {"type": "string"}, "then": {"minLength": 3}}]}),
+     "structured_outputs.json", ["'if' at /anyOf/1"]),
+    (S(json={"allOf": [{"type": "string"}, {"type": "integer"}]}), "structured_outputs.json", ["'allOf' over several"]),
+    (S(json={"$ref": "http://127.0.0.1:1/x.json"}), "structured_outputs.json", ["another document"]),
     (S(regex="a(b"), "structured_outputs.regex", ["cannot be compiled", "parenthesis"]),
     (S(regex="[z-a]"), "structured_outputs.regex", ["cannot be compiled"]),
     (S(grammar="root ::= undefined_rule"), "structured_outputs.grammar", ["cannot be compiled", "undefined_rule"]),
@@ -223,6 +230,14 @@ def test_specs_that_do_not_compile_are_refused_at_admission(llm, spec, field, wo
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert e.value.field == field and all(w in str(e.value) for w in words), str(e.value)
     assert not llm.engine.has_unfinished_requests()
+    _no_leak(llm)
+
+
+def test_keywords_as_property_names_or_one_allof_are_kept(llm):
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"allOf": [{"type": "boolean"}]}},
+              "required": ["not", "if"], "$defs": {"uniqueItems": {"type": "string"}}}
+    out = llm.generate(["x"], SamplingParams(max_tokens=24, temperature=0, structured_outputs=S(json=schema)))
+    assert out[0].outputs[0].token_ids
     _no_leak(llm)
 
 

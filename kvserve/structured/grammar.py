@@ -218,7 +218,8 @@ def _json_grammar(schema, strict_mode: bool = True):
 
 def _check_schema(schema, field: str) -> None:
     """A schema must be valid against its own metaschema (jsonschema's check), before xgrammar
-    reads it: xgrammar skips what it does not know, which would hide a typo."""
+    reads it: xgrammar skips what it does not know, which would hide a typo. And it must not lean
+    on what xgrammar reads but does not enforce: the output would look constrained and not be."""
     import jsonschema
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(field, "must be a JSON schema (an object)")
@@ -228,6 +229,45 @@ def _check_schema(schema, field: str) -> None:
         where = "/".join(str(p) for p in e.path)
         raise InvalidRequestError(field, f"is not a valid JSON schema{f' at {where}' if where else ''}: "
                                   f"{e.message[:300]}") from None
+    found = _unenforced(schema)
+    if found is not None:
+        where, what = found
+        raise InvalidRequestError(field, f"uses {what} at {where or '/'}, which constrained decoding cannot "
+                                  f"enforce (the output would not be held to it); express it otherwise or leave it out")
+
+
+# Keywords xgrammar accepts and ignores (xgrammar 0.2: each lets through output that breaks it),
+# and where a schema holds schemas, by keyword: a map of them, one, or a list.
+_UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "dependentRequired", "dependentSchemas", "dependencies")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def _unenforced(schema) -> tuple[str, str] | None:
+    """(JSON pointer, what) of the first unenforced construct in ``schema``, or None."""
+    stack = [(schema, "")]
+    while stack:
+        s, at = stack.pop()
+        if not isinstance(s, dict):
+            continue
+        for k in _UNENFORCED:
+            if k in s:
+                return at, f"'{k}'"
+        if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
+            return at, "'allOf' over several schemas"
+        ref = s.get("$ref")
+        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+            return at, f"'$ref' to another document ({ref[:100]!r}; only '#/...' references are read)"
+        for k in _SCHEMA_MAPS:
+            if isinstance(s.get(k), dict):
+                stack.extend((v, f"{at}/{k}/{n}") for n, v in s[k].items())
+        stack.extend((s.get(k), f"{at}/{k}") for k in _SCHEMA_ONE if isinstance(s.get(k), dict))
+        for k in _SCHEMA_LISTS:
+            if isinstance(s.get(k), list):
+                stack.extend((v, f"{at}/{k}/{i}") for i, v in enumerate(s[k]))
+    return None
 
 
 class BitmaskFiller:
