@@ -244,8 +244,8 @@ class _SamplingFields(_Request):
     def _structured_field(self, field: str) -> str:
         """The request's own name for a structured-outputs field: structured_outputs.json given as
         a response_format is response_format.json_schema.schema, given as guided_json guided_json."""
-        if not field.startswith("structured_outputs"):
-            return field
+        if not field.startswith("structured_outputs") or self.structured_outputs is not None:
+            return field  # (a request that sent structured_outputs itself knows it by that name)
         rf = self.response_format
         if rf is not None and rf.type == "json_schema":
             return "response_format.json_schema.schema" if field == "structured_outputs.json" else "response_format"

@@ -199,7 +199,7 @@ async def create(state: ServerState, store: ResponseStore, memory, req: Response
             turn.stable_ids = _stable_prefix(tok, creq.messages, creq.tools if tool_mode else None, ids)
         streams = st.start(state.engine, turn.id, [ids], params, session, turn.cache_salt)
     except InvalidRequestError as e:
-        raise _renamed(e) from None
+        raise _renamed(creq.as_sent(e)) from None
     parser = chat._parser(state, tool_mode)
     if req.stream:
         return StreamingResponse(stream_events(turn, streams, parser, raw), media_type="text/event-stream")

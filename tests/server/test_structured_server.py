@@ -139,6 +139,8 @@ def test_logit_bias(server, client):
     ({"guided_grammar": "root ::= \"a"}, "guided_grammar", ["cannot be compiled"]),
     ({"guided_choice": ["a", 1]}, "guided_choice", []),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", ["one of"]),
+    ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     ["give one of", "got response_format, structured_outputs"]),
     ({"logit_bias": {"abc": 1}}, "logit_bias", ["token ids"]),
     ({"logit_bias": {"-1": 1}}, "logit_bias", ["token ids"]),
     ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias", ["token ids"]),
