@@ -40,7 +40,6 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.responses_memory import ServerMemory
 from kvserve.server.state import AUTHORIZED, OUTCOME, TENANT, ServerConfig, ServerState, tenant_of
-from kvserve.tokenizer import check_text
 
 DISCONNECTED = 499  # nginx's "client closed request": the client left before the response ended
 # Metric label per path; anything else counts as "other" so scanners cannot grow the label set.
@@ -299,7 +298,7 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
         if req.messages is not None:
             ids = chat.template_ids(tokenizer(), req.messages)
         else:
-            ids = tokenizer().encode(check_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
+            ids = tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
 
     @app.post("/detokenize")

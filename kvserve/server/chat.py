@@ -32,7 +32,6 @@ from kvserve.server.responses import (
     DeltaMessage,
 )
 from kvserve.server.state import OUTCOME, ServerState
-from kvserve.tokenizer import check_text
 
 
 def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] | None = None,
@@ -43,9 +42,6 @@ def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] |
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
     conv, tool_list = [m.as_template_dict() for m in messages], tl.tool_dicts(tools) if tools else None
-    for t in conv:
-        if isinstance(t.get("content"), str):
-            check_text(t["content"], "messages")
     history_has_tools = any(m.role == "tool" or m.tool_calls for m in messages)
     if (tool_list or history_has_tools) and not tl.template_supports_tools(tokenizer):
         conv, tool_list = tl.fallback_messages(conv, tool_list), None

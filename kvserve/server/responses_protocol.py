@@ -22,7 +22,6 @@ from pydantic import Field, model_validator
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_COUNT
 from kvserve.server.protocol import Bool, ChatMessage, FunctionCall, ToolCall, _Request, int_in, number_in
-from kvserve.tokenizer import check_text
 
 MAX_INPUT_ITEMS = 2048
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys <= 64 characters, values <= 512
@@ -98,8 +97,6 @@ class ResponsesRequest(_Request):
 
     def items(self) -> list[dict]:
         """This request's input items, checked and normalised."""
-        if self.instructions is not None:
-            check_text(self.instructions, "instructions")
         return parse_input(self.input)
 
 
@@ -113,7 +110,7 @@ def _str(item: dict, key: str, where: str, empty_ok: bool = True) -> str:
         raise InvalidRequestError(f"{where}.{key}", f"must be a string, got {_kind(v)}")
     if not empty_ok and not v:
         raise InvalidRequestError(f"{where}.{key}", "must not be empty")
-    return check_text(v, f"{where}.{key}")
+    return v
 
 
 def _kind(v) -> str:
@@ -149,7 +146,7 @@ def _content(content, role: str, where: str) -> list[dict]:
 def parse_input(x) -> list[dict]:
     """Input items, normalised: every item has its type, an id and status "completed"."""
     if isinstance(x, str):
-        x = [{"role": "user", "content": check_text(x, "input")}]
+        x = [{"role": "user", "content": x}]
     if not x:
         raise InvalidRequestError("input", "must not be empty")
     if len(x) > MAX_INPUT_ITEMS:
