@@ -8,7 +8,6 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -119,11 +118,8 @@ class TokenBytes:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        try:
-            decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-        except (AttributeError, ValueError):  # a slow tokenizer: decoding alone
-            decoder = {}
-        self.byte_level = decoder.get("type") == "ByteLevel"
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)  # (none: a slow one)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
         added = getattr(tokenizer, "get_added_vocab", None)  # stored as text, not in the alphabet
         self.added = set(added().values()) if added is not None else set()
         self.pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
