@@ -91,20 +91,27 @@ def _short_repr(v, limit: int = 200) -> str:
     return r if len(r) <= limit else r[:limit] + "..."
 
 
+def _path(loc: list) -> str | None:
+    """A location as OpenAI's errors write it: ``messages[0].content``, ``tools[1].function.name``."""
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if isinstance(x, int) else f".{x}" if out else str(x)
+    return out or None
+
+
 def _validation_message(err: dict) -> tuple[str, str | None]:
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    loc = loc[:1] + [x for x in loc[1:] if not _UNION_TAG.fullmatch(x)]
-    param = loc[0] if loc else None
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    loc = loc[:1] + [x for x in loc[1:] if isinstance(x, int) or not _UNION_TAG.fullmatch(str(x))]
+    param = _path(loc)
     if err.get("type") == "extra_forbidden":
-        name = loc[-1] if loc else "?"
-        return f"Unsupported parameter: {'.'.join(loc)!r} is not supported by this server", name
+        return f"Unsupported parameter: {param!r} is not supported by this server", param
     if err.get("type") == "json_invalid":
         return f"The body is not valid JSON: {err.get('msg')}", None
     cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, InvalidRequestError):  # from a model validator: it names the field
-        return str(cause), cause.field
-    where = ".".join(loc) or "body"
-    return f"{where}: {err.get('msg')} (got {_short_repr(err.get('input'))})"[:1000], param
+    if isinstance(cause, InvalidRequestError):  # from a model validator, which names the field
+        field = _path(loc + [cause.field])  # within the nested model the validator checked
+        return f"{field}: {cause.message}", field
+    return f"{param or 'body'}: {err.get('msg')} (got {_short_repr(err.get('input'))})"[:1000], param
 
 
 def install_handlers(app: FastAPI) -> None:

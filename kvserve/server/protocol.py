@@ -117,6 +117,7 @@ class _Request(BaseModel):
 
 Bool = Annotated[bool, Field(strict=True)]  # true or false: JSON 1 and "yes" are refused, as OpenAI does
 TokenId = Annotated[int, Field(strict=True)]  # JSON true and 1.0 are refused; the vocabulary bounds it later
+SchemaName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]  # as OpenAI's
 
 
 class StreamOptions(_Request):
@@ -130,7 +131,7 @@ NumLogprobs = int_in(0, MAX_LOGPROBS)
 
 class JsonSchemaFormat(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(max_length=256)
+    name: SchemaName
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: Bool | None = None  # the output always follows the schema: strict or not
@@ -332,10 +333,16 @@ class NamedToolChoice(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this is the result of
+
+    @model_validator(mode="after")
+    def _has_content(self):  # only an assistant turn that called tools may leave it out (as OpenAI)
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InvalidRequestError("content", "is required" + " (or tool_calls)" * (self.role == "assistant"))
+        return self
 
     @property
     def text(self) -> str:

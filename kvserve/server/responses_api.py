@@ -63,9 +63,10 @@ def _chat_request(req: ResponsesRequest, messages) -> chat.ChatCompletionRequest
     if fmt is not None and fmt.type == "json_object":
         rf = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
-        if fmt.schema_ is None:
-            raise InvalidRequestError("text.format.schema", "is required with type json_schema")
-        rf = {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_}}
+        for key in ("name", "schema_"):
+            if getattr(fmt, key) is None:
+                raise InvalidRequestError(f"text.format.{key.rstrip('_')}", "is required with type json_schema")
+        rf = {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
     choice = req.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = {"type": "function", "function": {"name": choice.name}}

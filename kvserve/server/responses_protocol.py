@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_COUNT
-from kvserve.server.protocol import Bool, ChatMessage, FunctionCall, ToolCall, _Request, int_in, number_in
+from kvserve.server.protocol import Bool, ChatMessage, FunctionCall, SchemaName, ToolCall, _Request, int_in, number_in
 
 MAX_INPUT_ITEMS = 2048
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys <= 64 characters, values <= 512
@@ -36,7 +36,7 @@ _OUTPUT_KEYS = {"type", "call_id", "output", "id", "status"}
 
 class TextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(None, max_length=256)
+    name: SchemaName | None = None  # required with json_schema
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: Bool | None = None
@@ -145,10 +145,10 @@ def _content(content, role: str, where: str) -> list[dict]:
 
 def parse_input(x) -> list[dict]:
     """Input items, normalised: every item has its type, an id and status "completed"."""
-    if isinstance(x, str):
-        x = [{"role": "user", "content": x}]
     if not x:
         raise InvalidRequestError("input", "must not be empty")
+    if isinstance(x, str):
+        x = [{"role": "user", "content": x}]
     if len(x) > MAX_INPUT_ITEMS:
         raise InvalidRequestError("input", f"at most {MAX_INPUT_ITEMS} items, got {len(x)}")
     items = []

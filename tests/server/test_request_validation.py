@@ -173,7 +173,7 @@ def test_prompt_token_ids_outside_the_vocabulary_are_400(srv, tokens_):
 def test_stop_count_and_length(srv):
     assert bad_request(complete, srv, stop=["a", "b", "c", "d", "e"])["param"] == "stop"
     assert bad_request(complete, srv, stop="x" * 257)["param"] == "stop"
-    assert bad_request(complete, srv, stop=[""])["param"] == "stop"
+    assert bad_request(complete, srv, stop=[""])["param"] == "stop[0]"
     assert complete(srv, stop=["a", "b", "c", "d"]).choices
 
 
@@ -277,6 +277,39 @@ def test_lone_surrogate_in_a_message_is_400(srv):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages[0].content" and "Unicode" in r.json()["error"]["message"]
     assert srv.healthy()
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}], "messages[1].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "messages[1].content"),
+    ([{"role": "user", "content": []}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "text": "b"}]}],
+     "messages[0].content[1].type"),
+])
+def test_a_message_without_content_is_400_naming_it(srv, messages, param):
+    err = bad_request(chat, srv, messages=messages)
+    assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_an_assistant_turn_that_called_tools_needs_no_content():
+    from kvserve.server.protocol import ChatCompletionRequest
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call], "content": None},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    req = ChatCompletionRequest.model_validate({"model": MODEL, "messages": msgs})
+    assert req.messages[1].content is None and req.messages[1].tool_calls[0].function.name == "f"
+
+
+@pytest.mark.parametrize("json_schema, param", [
+    ({"schema": {"type": "object"}}, "response_format.json_schema.name"),
+    ({"name": "", "schema": {"type": "object"}}, "response_format.json_schema.name"),
+    ({"name": "has space", "schema": {"type": "object"}}, "response_format.json_schema.name"),
+    ({"name": "n" * 65, "schema": {"type": "object"}}, "response_format.json_schema.name"),
+])
+def test_a_json_schema_needs_a_name(srv, json_schema, param):
+    err = bad_request(chat, srv, response_format={"type": "json_schema", "json_schema": json_schema})
+    assert err["param"] == param, err
 
 
 def test_both_token_limits_name_the_second(srv):

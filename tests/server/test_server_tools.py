@@ -77,7 +77,7 @@ def test_tool_choice_none_renders_no_tools(server, client):
      "tool_choice.function.name"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(messages=SECOND[:2] + [{"role": "tool", "content": "22 C"}]), "messages[2].tool_call_id"),
-    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
 ])
 def test_bad_tool_requests_are_400(client, kw, param):
     kw = {"messages": QUESTION, "max_tokens": 4, **kw}

@@ -125,19 +125,19 @@ def test_logit_bias(server, client):
      ["cannot be compiled", "gone"]),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
      ["required"]),
-    ({"response_format": {"type": "xml"}}, "response_format", []),
+    ({"response_format": {"type": "xml"}}, "response_format.type", []),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}},
-     "extra", ["not supported"]),
+     "response_format.json_schema.extra", ["not supported"]),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", ["cannot be compiled", "parenthesis"]),
     ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs.grammar", ["nothing"]),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["non-empty"]),
     ({"structured_outputs": {}}, "structured_outputs", ["exactly one"]),
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs", ["exactly one"]),
-    ({"structured_outputs": {"whitespace_pattern": " "}}, "whitespace_pattern", ["not supported"]),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", ["not supported"]),
     ({"guided_json": "{oops"}, "guided_json", ["JSON"]),
     ({"guided_regex": "[z-a]"}, "guided_regex", ["cannot be compiled"]),
     ({"guided_grammar": "root ::= \"a"}, "guided_grammar", ["cannot be compiled"]),
-    ({"guided_choice": ["a", 1]}, "guided_choice", []),
+    ({"guided_choice": ["a", 1]}, "guided_choice[1]", []),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", ["one of"]),
     ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, "structured_outputs",
      ["give one of", "got response_format, structured_outputs"]),
@@ -147,9 +147,9 @@ def test_logit_bias(server, client):
     ({"logit_bias": {"512": 1}}, "logit_bias", ["[0, 512)"]),
     ({"logit_bias": {"9223372036854775808": 1}}, "logit_bias", ["[0, 512)"]),
     ({"logit_bias": {"99999999999999999999999": 1}}, "logit_bias", ["token ids"]),
-    ({"logit_bias": {"5": 100.5}}, "logit_bias", ["[-100, 100]"]),
-    ({"logit_bias": {"5": None}}, "logit_bias", []),
-    ({"logit_bias": {"5": "x"}}, "logit_bias", []),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5", ["[-100, 100]"]),
+    ({"logit_bias": {"5": None}}, "logit_bias.5", []),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5", []),
     ({"logit_bias": [5]}, "logit_bias", []),
 ])
 def test_bad_input_is_400_naming_the_field(server, body, param, words):
@@ -165,7 +165,7 @@ def test_nan_and_infinity_bias_are_400(server):
         body = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": 2, "logit_bias": {{"5": {v}}}}}'
         r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"Content-Type": "application/json"},
                        timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (v, r.text)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias.5", (v, r.text)
     # The engine still serves.
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
