@@ -102,19 +102,26 @@ class ModelRunner(ModelWeights, KVLifecycle, StepMetadata, GrammarMasks, CudaSet
         # The CUDA profiling run's result (see _profile_cuda_kv_memory); a snapshot keeps it.
         self.kv_profile: dict | None = None
         self.sleep_mode = SleepMode(self) if config.enable_sleep_mode else None
+        self.embedding_kv: dict[int, KVCache] = {}  # an embedded input's scratch cache, between its chunks
 
     @torch.inference_mode()
-    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
-        """The final hidden states [T, H] of one prompt, for embeddings: an eager forward with a
-        scratch KV cache of the prompt's size, so the paged pool and the batch are untouched."""
-        self._mirror("hidden_states", token_ids)
-        n = len(token_ids)
-        num_blocks = -(-n // self.block_size)
-        scratch = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device)
-        meta, positions = self._build_metadata([(0, n, list(range(num_blocks)))])
+    def hidden_states(self, token_ids: list[int], start: int = 0, total: int | None = None, job: int = -1):
+        """Final hidden states [T, H] of tokens [start, start + T) of an input of ``total`` (embeddings,
+        engine/pooling.py): eager, over a scratch KV cache its first chunk makes and its last drops."""
+        self._mirror("hidden_states", token_ids, start, total, job)
+        n, num_blocks = len(token_ids), -(-(total := total or len(token_ids)) // self.block_size)
+        if start == 0:
+            self.embedding_kv[job] = KVCache(self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        scratch = self.embedding_kv[job] if start + n < total else self.embedding_kv.pop(job)
+        meta, positions = self._build_metadata([(start, n, list(range(num_blocks)))])
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         with forward_context(ForwardContext(meta, scratch.layers, self.backend)), self._tp_guard():
             return self.model(ids, positions)
+
+    def drop_embedding(self, job: int) -> None:
+        """An input abandoned between its chunks: its scratch cache goes."""
+        self._mirror("drop_embedding", job)
+        self.embedding_kv.pop(job, None)
 
     # -- one step -------------------------------------------------------------------------
     def fork_request(self, parent_id: str, child_id: str) -> None:

@@ -4,7 +4,7 @@ allowed range. Also the embeddings endpoint's forward, which takes a prompt the 
 from __future__ import annotations
 
 from kvserve.engine import kv_policy
-from kvserve.engine.pooling import POOLINGS, pool
+from kvserve.engine.pooling import POOLINGS, EmbeddingJob
 from kvserve.errors import InvalidRequestError
 from kvserve.kv_eviction import kv_budget_min
 from kvserve.sampling_params import SamplingParams
@@ -31,10 +31,9 @@ class RequestIntake:
         raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, "
                                   f"got {type(prompt).__name__}")
 
-    def embed(self, prompt: PromptType, pooling: str = "mean", field: str = "input") -> tuple[list[float], int]:
-        """(the prompt's embedding, its number of tokens): the final hidden states pooled
-        (engine/pooling.py). Runs an eager forward outside the batch; call it on the engine's
-        thread (AsyncEngine.call) when requests are in flight."""
+    def embedding(self, prompt: PromptType, pooling: str = "mean", field: str = "input") -> EmbeddingJob:
+        """The prompt checked and tokenized, as an embedding to compute a chunk at a time
+        (engine/pooling.py): call ``embedding_step`` on the engine's thread until it is done."""
         if pooling not in POOLINGS:
             raise InvalidRequestError("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
         _, ids = self.tokenize_prompt(prompt)
@@ -45,8 +44,18 @@ class RequestIntake:
             raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise InvalidRequestError(field, f"has {len(ids)} tokens; at most max_model_len ({self.max_model_len}) fit")
-        self._wake_for_work()
-        return pool(self.runner.hidden_states(ids), pooling).tolist(), len(ids)
+        return EmbeddingJob(self.runner, ids, pooling, self.config.scheduler.max_num_batched_tokens)
+
+    def embedding_step(self, job: EmbeddingJob) -> None:
+        self._wake_for_work()  # an idle engine may have gone to sleep between two chunks
+        job.step()
+
+    def embed(self, prompt: PromptType, pooling: str = "mean", field: str = "input") -> tuple[list[float], int]:
+        """(the prompt's embedding, its number of tokens), every chunk in this call."""
+        job = self.embedding(prompt, pooling, field)
+        while not job.done:
+            self.embedding_step(job)
+        return job.result(), len(job.ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Every check a request must pass before it enters the engine; returns ``params`` as the

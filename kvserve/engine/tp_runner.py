@@ -8,7 +8,8 @@ What every rank must run in the same order, because it changes rank state or hol
     _forward        the step's forward (all-reduce per layer; a replayed CUDA graph likewise)
     _logits         the LM head: rank 0 broadcasts the rows, every rank multiplies its vocabulary
                     slice, rank 0 gathers (sampling, log-probs, verification all go through it)
-    hidden_states   an embedding's forward
+    hidden_states   a chunk of an embedding's forward (each rank keeps the input's scratch cache)
+    drop_embedding  an input abandoned between chunks
     allocate        the KV pool of rank 0's plan, each rank's own heads; then its CUDA graphs
 
 Everything else (scheduling, block tables, sampling, grammars) stays on rank 0. With one rank

@@ -1,14 +1,17 @@
 """POST /v1/embeddings: the served model's final hidden states, pooled per input (mean or last
 token, --embedding-pooling) and L2-normalised, in OpenAI's shape.
 
-Each input runs as one eager forward on the engine thread, between steps (AsyncEngine.call), with
-a scratch KV cache: the paged pool and the running batch are untouched.
+Each input runs as eager forwards on the engine thread over a scratch KV cache (the paged pool and
+the running batch are untouched), a chunk of at most the step's token budget per call between two
+steps (AsyncEngine.call; engine/pooling.py). One input is in flight at a time, so one scratch cache
+exists at a time, as when each input was a single call.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 
 import numpy as np
 
@@ -41,6 +44,19 @@ async def _on_engine(state: ServerState, fn):
             raise EngineDeadError("the engine stopped before the embedding was computed")
 
 
+async def _embed(state: ServerState, x, pooling: str, field: str) -> tuple[list[float], int]:
+    async with state.embedding_lock:
+        job = await _on_engine(state, lambda eng: eng.embedding(x, pooling, field))
+        try:
+            while not job.done:
+                await _on_engine(state, lambda eng: eng.embedding_step(job))
+        finally:
+            if not job.done:  # the engine died or the request was cancelled: free the scratch cache
+                with contextlib.suppress(EngineDeadError):
+                    state.engine.call(lambda eng: job.close())
+        return job.result(), len(job.ids)
+
+
 async def create(state: ServerState, req: EmbeddingRequest) -> EmbeddingResponse:
     state.check_model(req.model)
     inputs = req.inputs()
@@ -52,7 +68,7 @@ async def create(state: ServerState, req: EmbeddingRequest) -> EmbeddingResponse
     data, tokens = [], 0
     for i, x in enumerate(inputs):
         field = "input" if x is req.input else f"input[{i}]"
-        vec, n = await _on_engine(state, lambda eng, x=x, field=field: eng.embed(x, pooling, field))
+        vec, n = await _embed(state, x, pooling, field)
         tokens += n
         out = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode() \
             if req.encoding_format == "base64" else vec

@@ -17,11 +17,12 @@ id of the same name is a different, unknown session.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvserve.engine.async_engine import AsyncEngine
@@ -95,6 +96,7 @@ class ServerState:
     config: ServerConfig
     metrics: Metrics
     load_error: BaseException | None = None  # the model failed to load; the server is going down
+    embedding_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one embedded input at a time
 
     @property
     def ready(self) -> bool:
