@@ -90,14 +90,41 @@ def forced_schema(req: ChatCompletionRequest, how: str) -> dict:
     tools = req.tools or []
     if how != "required":
         return next(parameters(t) for t in tools if t.function.name == how)
+    # Each tool's parameters go under the array's $defs, their local references ("#/$defs/X", as
+    # pydantic writes nested models, or "#" itself) rebased there: inside the array they would
+    # point into the array's schema instead of the tool's.
+    defs = {f"tool_{i}": _rebased(parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)}
     items = {"type": "object",
              "anyOf": [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                       "parameters": parameters(t)},
-                        "required": ["name", "parameters"]} for t in tools]}
-    schema = {"type": "array", "minItems": 1, "items": items}
+                                       "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+                        "required": ["name", "parameters"]} for i, t in enumerate(tools)]}
+    schema = {"type": "array", "minItems": 1, "items": items, "$defs": defs}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
     return schema
+
+
+_LITERALS = ("const", "enum", "default", "examples")  # values, not schemas: a "$ref" key in them stays
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _rebased(schema, base: str):
+    """``schema`` with every local ``$ref`` ("#...") moved under ``base``."""
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in _LITERALS:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):  # a property may be called "$ref" or "enum"
+            out[k] = {name: _rebased(x, base) for name, x in v.items()}
+        else:
+            out[k] = _rebased(v, base)
+    return out
 
 
 def assemble_forced(text: str, how: str) -> list[ToolCall] | None:

@@ -198,3 +198,54 @@ def test_any_tools_either_refused_by_field_or_give_a_schema(tools, choice, paral
         return
     if how not in (None, "auto"):
         jsonschema.Draft202012Validator.check_schema(tl.forced_schema(req, how))
+
+
+def test_required_schema_keeps_each_tools_own_references():
+    """Parameters as pydantic writes nested and recursive models ("$ref": "#/$defs/..."), and a
+    schema that refers to itself ("#"): inside the `required` array each reference still means the
+    tool's own schema, for jsonschema and for the grammar the reply is decoded under."""
+    import xgrammar as xgr
+    from pydantic import BaseModel
+
+    from kvserve.structured.grammar import _json_grammar
+
+    class Address(BaseModel):
+        city: str
+        zip: int
+
+    class Tree(BaseModel):
+        label: str
+        children: list[Tree] = []
+
+    class Order(BaseModel):
+        to: Address
+        default: Address | None = None  # a property named like a keyword
+
+    order, tree = Order.model_json_schema(), Tree.model_json_schema()
+    assert "$defs" in order and "$ref" in json.dumps(tree)
+    nat = {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"],
+                                        "additionalProperties": False}]}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("order", order), ("tree", tree), ("nat", nat))]
+    schema = tl.forced_schema(_req(tools=tools, tool_choice="required"), "required")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    good = [[{"name": "order", "parameters": {"to": {"city": "Oslo", "zip": 150}}}],
+            [{"name": "order", "parameters": {"to": {"city": "Oslo", "zip": 1}, "default": {"city": "A", "zip": 2}}}],
+            [{"name": "tree", "parameters": {"label": "a", "children": [{"label": "b", "children": []}]}}],
+            [{"name": "nat", "parameters": {"next": {"next": None}}}]]
+    bad = [[{"name": "order", "parameters": {"to": {"city": "Oslo"}}}],
+           [{"name": "order", "parameters": {"to": {"city": "Oslo", "zip": 1}, "default": {"zip": "x"}}}],
+           [{"name": "tree", "parameters": {"label": "a", "children": [{"children": []}]}}],
+           [{"name": "nat", "parameters": {"next": {"next": 5}}}]]
+    for calls in good:  # the tool's own schema agrees
+        assert jsonschema.Draft202012Validator(next(t["function"]["parameters"] for t in tools
+                                                    if t["function"]["name"] == calls[0]["name"])
+                                               ).is_valid(calls[0]["parameters"])
+    assert all(_valid(schema, g) for g in good) and not any(_valid(schema, b) for b in bad)
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(_json_grammar(json.dumps(schema)))
+
+    def accepts(value) -> bool:
+        m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return all(m.accept_string(ch) for ch in json.dumps(value)) and m.is_terminated()
+    assert all(accepts(g) for g in good) and not any(accepts(b) for b in bad)
