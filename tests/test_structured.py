@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from byte_tokenizer import build
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
@@ -224,6 +225,9 @@ def test_bad_params_name_the_field(make, field, words):
     (S(regex="[z-a]"), "structured_outputs.regex", ["cannot be compiled"]),
     (S(grammar="root ::= undefined_rule"), "structured_outputs.grammar", ["cannot be compiled", "undefined_rule"]),
     (S(grammar="root ::= \"a"), "structured_outputs.grammar", ["cannot be compiled"]),
+    (S(grammar="root ::= root"), "structured_outputs.grammar", ["matches no output"]),
+    (S(grammar="root ::= a\na ::= root"), "structured_outputs.grammar", ["matches no output"]),
+    (S(regex=r"[^\s\S]"), "structured_outputs.regex", ["matches no output"]),
 ])
 def test_specs_that_do_not_compile_are_refused_at_admission(llm, spec, field, words):
     with pytest.raises(InvalidRequestError) as e:
@@ -231,6 +235,35 @@ def test_specs_that_do_not_compile_are_refused_at_admission(llm, spec, field, wo
     assert e.value.field == field and all(w in str(e.value) for w in words), str(e.value)
     assert not llm.engine.has_unfinished_requests()
     _no_leak(llm)
+
+
+def test_a_grammar_that_dead_ends_mid_output_stops_there(llm):
+    """After "ab" this grammar allows nothing (x matches no string), though its first token is
+    allowed: the output stops there on the stop token, instead of taking a token the grammar
+    refuses."""
+    spec = S(grammar='root ::= "ab" x\nx ::= x "z"')
+    outs = llm.generate([f"p {i}" for i in range(8)], SamplingParams(max_tokens=12, structured_outputs=spec))
+    assert _texts(outs) == ["ab"] * 8
+    _all_stopped(outs)
+    _no_leak(llm)
+
+
+def test_a_dead_row_may_only_stop():
+    """The mask of a row with nothing allowed gets its stop tokens' bits (31 and 63 are the sign
+    bits of their int32 words), as xgrammar reads them; a live row is left as it is."""
+    import xgrammar as xgr
+
+    from kvserve.structured.grammar import allow_stop_where_dead
+
+    class State:
+        stop_token_ids = frozenset({2, 31, 63})
+    mask = torch.zeros(2, 3, dtype=torch.int32)
+    mask[1, 2] = 5
+    allow_stop_where_dead(mask, [0, 1], [State(), State()])
+    logits = torch.zeros(2, 96)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=96)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [2, 31, 63]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [64, 66]
 
 
 def test_keywords_as_property_names_or_one_allof_are_kept(llm):

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 from kvserve.engine.llm_engine import LLMEngine, PromptType, check_cache_salt
 from kvserve.engine.stats import SpecDecodingStats
-from kvserve.errors import ConfigError, InvalidRequestError
+from kvserve.errors import ConfigError, EngineBusyError, InvalidRequestError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+_CALLERS_ERRORS = (InvalidRequestError, ConfigError, EngineBusyError)  # answered as 4xx, not faults
 
 _IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on the command queue before rechecking
 
@@ -283,7 +284,10 @@ class AsyncEngine:
             try:
                 fut.set_result(fn(self.engine))
             except Exception as e:  # noqa: BLE001 - the caller hears of it
-                log.exception("engine command failed")
+                if isinstance(e, _CALLERS_ERRORS):  # a bad value or a refusal: the caller's 4xx
+                    log.info("engine command refused: %s", e)
+                else:
+                    log.exception("engine command failed")
                 fut.set_exception(e)
         elif cmd[0] == "add":
             _, rid, prompt, params, arrival, session_id = cmd

@@ -27,7 +27,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.memory.responses_db import ResponseStore
 from kvserve.server import chat, completions, dashboard, embeddings, responses_api
-from kvserve.server.errors import APIError, error_response, install_handlers
+from kvserve.server.errors import APIError, error_response, install_handlers, to_api_error
 from kvserve.server.loading import start_loading
 from kvserve.server.metrics import Metrics
 from kvserve.server.protocol import (
@@ -96,7 +96,13 @@ class _Gate:
             if not self.state.ready:
                 return await error_response(503, "The model is still loading; retry shortly.", code="model_loading",
                                             headers={"Retry-After": "1"})(scope, receive, send_counting)
-            await self.app(scope, receive, send_counting)
+            try:
+                await self.app(scope, receive, send_counting)
+            except Exception as e:  # noqa: BLE001 - unexpected: a 500 here keeps the connection
+                if status[0]:  # (Starlette's own handler re-raises, and the server drops it)
+                    raise
+                a = to_api_error(e)  # logs it with its traceback
+                await error_response(a.status, a.message, a.param, a.code)(scope, receive, send_counting)
         finally:
             # A response that never ended lost its client (a dropped stream, an upload cut short).
             self.state.metrics.count(endpoint, scope.get(OUTCOME) or (status[0] if ended[0] else DISCONNECTED))

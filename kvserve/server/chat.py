@@ -33,6 +33,8 @@ from kvserve.server.responses import (
 )
 from kvserve.server.state import OUTCOME, ServerState
 
+_RENDERED = {"messages", "tools", "documents", "add_generation_prompt"}  # what the template is rendered with
+
 
 def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] | None = None,
                  template_kwargs: dict | None = None) -> list[int]:
@@ -46,7 +48,8 @@ def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] |
     if (tool_list or history_has_tools) and not tl.template_supports_tools(tokenizer):
         conv, tool_list = tl.fallback_messages(conv, tool_list), None
     extra = template_kwargs or {}
-    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    # apply_chat_template's own arguments, and the names it renders the template with
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"} | _RENDERED
     for key in extra:
         if key in reserved or not isinstance(key, str) or not key.isidentifier():
             raise InvalidRequestError(f"chat_template_kwargs.{key}", "is not a template variable that can be set "
@@ -56,6 +59,8 @@ def template_ids(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] |
                                              **extra)
     except TemplateError as e:  # the template refused the conversation (raise_exception in it)
         raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
+    except ValueError as e:  # transformers' own checks of the conversation (e.g. an empty one)
+        raise InvalidRequestError("messages", str(e)) from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

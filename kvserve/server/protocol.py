@@ -429,7 +429,7 @@ class EmbeddingRequest(_Request):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: Bool = True
 
     @model_validator(mode="after")

@@ -163,6 +163,7 @@ class StructuredCompiler:
                 return hit
             compiler = self._get_compiler()
         compiled = self._compile(compiler, spec)  # outside the lock: others' hits need not wait
+        _check_not_empty(compiled, spec, self.vocab_size)
         with self._lock:
             if key not in self._cache:  # another thread may have compiled it meanwhile
                 self._cache[key] = compiled
@@ -336,19 +337,41 @@ class BitmaskFiller:
               copies: list[tuple[int, int]]):
         started.set()
         feed_pending([s for _, s in own])
-        fill_rows, matchers = [], []
-        for row, s in own:
-            if not s.refused and not s.matcher.is_terminated():
-                fill_rows.append(row)
-                matchers.append(s.matcher)
+        live = [(row, s) for row, s in own if not s.refused and not s.matcher.is_terminated()]
+        fill_rows = [row for row, _ in live]
         if fill_rows:
-            self._batch.batch_fill_next_token_bitmask(matchers, mask, indices=fill_rows)
+            self._batch.batch_fill_next_token_bitmask([s.matcher for _, s in live], mask, indices=fill_rows)
+            with torch.inference_mode():
+                allow_stop_where_dead(mask, fill_rows, [s for _, s in live])
         filled = set(fill_rows)
         copies = [(row, src) for row, src in copies if src in filled]
         with torch.inference_mode():  # the buffer may be an inference tensor (made in the step)
             for row, src in copies:
                 mask[row] = mask[src]
         return mask, sorted(fill_rows + [r for r, _ in copies])
+
+
+def _check_not_empty(compiled, spec: StructuredOutputsParams, vocab_size: int) -> None:
+    """A grammar under which no first token is allowed (not even the stop token) matches no
+    output at all ("root ::= root", the regex [^\\s\\S]): refused, rather than decoded from a
+    mask that allows nothing."""
+    xgr = _xgr()
+    mask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+    if not mask.any():
+        raise InvalidRequestError(f"structured_outputs.{spec.kind}", "matches no output at all (its language is "
+                                  "empty for this model's vocabulary)")
+
+
+def allow_stop_where_dead(mask: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """A row whose grammar allows no next token (a dead end: a rule that matches nothing, reached
+    mid-output) may only end: its stop tokens are allowed, so the output stops there instead of
+    taking a token the grammar refuses."""
+    for row, s in zip(rows, states):
+        if not mask[row].any():
+            for t in s.stop_token_ids:
+                bit = 1 << (t % 32)
+                mask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:

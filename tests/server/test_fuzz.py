@@ -145,6 +145,22 @@ def test_sleep_without_sleep_mode_is_a_400_naming_the_option(post):
     assert post.healthy()
 
 
+def test_an_unexpected_fault_is_a_500_that_keeps_the_connection(post, monkeypatch):
+    """A fault no handler knows: a 500 in OpenAI's shape that the app itself answers. Starlette's
+    last-resort handler would answer too, then re-raise, and the server would drop the client's
+    connection (here the in-process client would raise)."""
+    from kvserve.server import completions
+
+    async def fail(*args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(completions, "create", fail)
+    r = post("/v1/completions", _dump(VALID["/v1/completions"]))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error" and "boom" in r.text
+    _assert_openai_error(r)
+    monkeypatch.undo()
+    assert post("/v1/completions", _dump(VALID["/v1/completions"])).status_code == 200 and post.healthy()
+
+
 def _assert_openai_error(r) -> None:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str), r.text

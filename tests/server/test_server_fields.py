@@ -131,11 +131,14 @@ def test_chat_template_file_and_kwargs(smol):
                                                              "add_special_tokens": False}).json()["count"]
     assert r.usage.prompt_tokens == plain + think
     for bad, param in [({"tools": []}, "chat_template_kwargs.tools"),
-                       ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt")]:
+                       ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                       ({"messages": []}, "chat_template_kwargs.messages")]:  # what the template renders with
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=SMOL, messages=msgs, max_tokens=1,
                                            extra_body={"chat_template_kwargs": bad})
         assert e.value.body["param"] == param
+    r = httpx.post(f"{smol.url}/tokenize", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 @pytest.mark.slow  # the default model and transformers' reference
