@@ -14,7 +14,8 @@ A turn's stable prefix (the template's rendering of its instructions and tools, 
 user or assistant message) is pinned in the prefix cache once the turn ends (engine/
 prefix_pins.py), owned by the turn's response: a later request with the same instructions and
 tools hits it however much other traffic passes, until every response holding it is deleted, the
-pin TTL passes, or newer pins need the budget.
+pin TTL passes, or newer pins need the budget. A turn that is not stored (store: false, or a
+stream its client left) pins nothing: nothing could release its pin.
 
 Tools, structured outputs and sampling go through the chat machinery: the request is
 translated into a ChatCompletionRequest, and errors are renamed back into this API's fields.
@@ -122,14 +123,15 @@ class Turn:
         reason = out.outputs[0].finish_reason
         body = self.body("incomplete" if reason == "length" else "completed", output, _usage(out), reason)
         self.state.metrics.observe_finished(out)
+        if not self.req.store:  # nothing kept: no pin either (only deleting the response would release it)
+            return body
+        self.store.put(self.id, self.tenant, self.req.previous_response_id, self.items, output, body)
         if self.stable_ids:  # queued behind the turn: its blocks are cached by now
             ids, salt, owner = self.stable_ids, self.cache_salt, self.id
             try:
                 self.state.engine.call(lambda e: e.pin_prefix(ids, owner, salt))
             except EngineDeadError:
                 pass  # the response stands; there is no cache left to pin in
-        if self.req.store:
-            self.store.put(self.id, self.tenant, self.req.previous_response_id, self.items, output, body)
         return body
 
 
@@ -210,7 +212,8 @@ async def create(state: ServerState, store: ResponseStore, memory, req: Response
         return Response(status_code=499)
     c = out.outputs[0]
     content, calls = (c.text, []) if parser is None else tp.parse(parser, c.text, req.parallel_tool_calls)
-    output = [message_item(content or "")] if content is not None or not calls else []
+    status = "incomplete" if c.finish_reason == "length" else "completed"  # the message was cut short
+    output = [message_item(content or "", status)] if content is not None or not calls else []
     output += [call_item(k.id, k.function.name, k.function.arguments) for k in calls]
     return turn.finish(output, out)
 

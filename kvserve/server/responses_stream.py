@@ -51,10 +51,10 @@ async def stream_events(turn, streams, parser, raw: Request) -> AsyncIterator[st
         return [ev("response.output_item.added", output_index=i, item={**text_item, "content": []}),
                 ev("response.content_part.added", item_id=text_item["id"], output_index=i, content_index=0, part=part)]
 
-    def close_text():
+    def close_text(status: str = "completed"):
         nonlocal text_item
         i, part = output.index(text_item), text_item["content"][0]
-        text_item["status"] = "completed"
+        text_item["status"] = status
         done = [ev("response.output_text.done", item_id=text_item["id"], output_index=i, content_index=0,
                    text=part["text"], logprobs=[]),
                 ev("response.content_part.done", item_id=text_item["id"], output_index=i, content_index=0, part=part),
@@ -104,8 +104,9 @@ async def stream_events(turn, streams, parser, raw: Request) -> AsyncIterator[st
         if text_item is None and not output:  # an empty reply is still one (empty) message
             for e in open_text():
                 yield e
-        if text_item is not None:
-            for e in close_text():
+        if text_item is not None:  # the reply's last item: cut short by max_output_tokens, or complete
+            cut = final is not None and final.outputs[0].finish_reason == "length"
+            for e in close_text("incomplete" if cut else "completed"):
                 yield e
         body = turn.finish(output, final)
         yield ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)

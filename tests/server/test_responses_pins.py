@@ -113,3 +113,19 @@ def test_tools_alone_are_a_stable_prefix(served):
     assert _on_engine(engine, lambda e: e.pins.num_blocks) > 0
     cl.responses.delete(r.id)
     assert _on_engine(engine, lambda e: e.pins.num_blocks) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_not_stored_pins_nothing(served, stream):
+    """store: false keeps nothing, so nothing could delete a pin it made: it makes none. And a
+    reply cut short by max_output_tokens ends in a message item that says so."""
+    c, engine = served
+    cl = _client(c)
+    r = cl.responses.create(model=MODEL, input="Hi.", instructions=INSTRUCTIONS + " Unstored.", store=False,
+                            max_output_tokens=2, temperature=0, stream=stream)
+    if stream:
+        r = next(e.response for e in r if e.type in ("response.completed", "response.incomplete"))
+    assert r.status == "incomplete" and r.output[-1].status == "incomplete", r
+    assert _on_engine(engine, lambda e: (e.pins.num_blocks, len(e.pins.pins))) == (0, 0)
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.retrieve(r.id)
