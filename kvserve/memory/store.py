@@ -130,6 +130,12 @@ class MemoryStore:
             self.delete_fact(tenant, f.id)
         return self.add_fact(tenant, subject, predicate, obj, source, turn)
 
+    def forget_source(self, tenant: str | None, source: str) -> int:
+        """Delete every fact and case taken from ``source`` (a deleted response); returns how many."""
+        with self._lock:
+            return sum(self._db.execute(f"DELETE FROM {table} WHERE tenant = ? AND source = ?",
+                                        (tenant or "", source)).rowcount for table in ("facts", "cases"))
+
     # cases -----------------------------------------------------------------------------------
     def add_case(self, tenant: str | None, source: str, text: str, turn: int | None = None,
                  vector: np.ndarray | None = None) -> int | None:

@@ -238,6 +238,7 @@ def register(app: FastAPI, state: ServerState, store: ResponseStore, memory) -> 
     async def delete_response(response_id: str, raw: Request):
         if not store.delete(response_id, raw.scope.get(TENANT)):
             raise _not_found(response_id)
+        memory.forget(raw.scope.get(TENANT), response_id)  # what memory took from it goes too
         try:
             state.engine.call(lambda e: e.unpin(response_id))
         except EngineDeadError:

@@ -44,6 +44,17 @@ class ServerMemory:
                 self._store = MemoryStore(embed, self.path)
             return self._store
 
+    def forget(self, tenant: str | None, response_id: str) -> None:
+        """A deleted response's facts and indexed turn leave memory with it (deleting needs no
+        embedder: a store not opened yet is opened without one)."""
+        with self._lock:
+            store = self._store
+        if store is None:
+            if self.path == ":memory:":
+                return  # nothing was ever remembered in this process
+            store = MemoryStore(None, self.path)
+        store.forget_source(tenant, response_id)
+
     async def assemble(self, state, tenant: str | None, req, chain, items: list[dict]):
         for i, it in enumerate(items):
             if it["type"] != "message":

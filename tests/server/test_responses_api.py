@@ -268,3 +268,16 @@ def test_memory_keeps_the_prompt_in_budget_and_reports_what_it_found(served):
     with pytest.raises(openai.BadRequestError) as e:
         a.responses.create(**ask, instructions="Be brief. " * 40, extra_body={"memory": {"budget_tokens": 20}})
     assert e.value.body["param"] == "memory.budget_tokens"
+
+
+def test_deleting_a_response_deletes_what_memory_took_from_it(served):
+    a = _client(served)
+    kw = dict(model=MODEL, max_output_tokens=4, temperature=0)
+    first = a.responses.create(input="Hello. My password is hunter2. I live in Porto.", **kw)
+    second = a.responses.create(input="Tell me about the sea.", previous_response_id=first.id, **kw)
+    ask = dict(input="What is my password?", extra_body={"memory": {"budget_tokens": 200}}, **kw)
+    seen = a.responses.create(previous_response_id=second.id, **ask).model_extra["memory"]["retrieved"]
+    assert any("hunter2" in x["text"] and x["source"] == first.id for x in seen), seen
+    a.responses.delete(first.id)
+    left = a.responses.create(**ask).model_extra["memory"]["retrieved"]
+    assert not any("hunter2" in x["text"] or x["source"] == first.id for x in left), left
