@@ -208,11 +208,18 @@ def build_app(engine: AsyncEngine | Callable[[], LLMEngine], served_model_name: 
     async def v1_embeddings(req: EmbeddingRequest):
         return await embeddings.create(state, req)
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                "max_model_len": state.engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def v1_models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-                                            "max_model_len": state.engine.engine.max_model_len}
-                                           for name in state.config.served_model_names]}
+        return {"object": "list", "data": [card(name) for name in state.config.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes ("models/m.gguf")
+    async def v1_model(model: str):
+        state.check_model(model)
+        return card(model)
 
     @app.get("/health")
     async def health(raw: Request):

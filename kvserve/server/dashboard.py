@@ -10,6 +10,8 @@ run-length encoding and the JSON are built on a worker thread. No page open: no 
 
 The routes sit behind the API key like every API path (server/app.py's _Gate): a browser must
 send ``Authorization: Bearer <key>`` itself (a proxy or a header extension) when keys are set.
+Any key opens the page, so with several keys (tenants) a frame carries no request's id or block
+table, only how many run: one tenant's requests are not another's to see.
 The frame's fields are documented in static/dashboard.js, which decodes them.
 """
 from __future__ import annotations
@@ -132,6 +134,8 @@ class DashboardHub:
         prev, prev_time = self._prev if self._prev is not None else (None, None)
         frame = await asyncio.to_thread(build_frame, km, store, fmt, snap, prev, prev_time)
         frame["waiting"] = ae.num_waiting  # adds not yet drained count as waiting, as in /metrics
+        if len(self.state.config.api_keys) > 1:  # any key opens the page: no tenant sees another's requests
+            frame["requests"], frame["requests_omitted"] = [], frame["requests_omitted"] + len(frame["requests"])
         self._prev = (snap, km.time)
         return frame
 

@@ -78,9 +78,9 @@ def sse_error(e: BaseException) -> str:
     return f"data: {json.dumps(error_body(a.status, a.message, a.param, a.code))}\n\n"
 
 
-# Union members show up in an error's loc as "str", "list[int]", "constrained-str", ...: not
-# field names (ours are snake_case identifiers), so they are left out of the message.
-_UNION_TAG = re.compile(r"[\w-]*[\[-].*|str|int|float|bool|none|list|dict")
+# Union members show up in an error's loc as "str", "list[int]", "constrained-str", a model's class
+# name ...: not field names (ours are snake_case identifiers), so they are left out of the message.
+_UNION_TAG = re.compile(r"[\w-]*[\[-].*|str|int|float|bool|none|list|dict|[A-Z]\w*")
 
 
 def _short_repr(v, limit: int = 200) -> str:
@@ -99,9 +99,16 @@ def _path(loc: list) -> str | None:
     return out or None
 
 
+def _loc(err: dict) -> list:
+    """Where the error is, without where the value came from (body, query) and union members."""
+    loc = list(err.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path"):
+        loc = loc[1:]
+    return loc[:1] + [x for x in loc[1:] if isinstance(x, int) or not _UNION_TAG.fullmatch(str(x))]
+
+
 def _validation_message(err: dict) -> tuple[str, str | None]:
-    loc = [x for x in err.get("loc", ()) if x != "body"]
-    loc = loc[:1] + [x for x in loc[1:] if isinstance(x, int) or not _UNION_TAG.fullmatch(str(x))]
+    loc = _loc(err)
     param = _path(loc)
     if err.get("type") == "extra_forbidden":
         return f"Unsupported parameter: {param!r} is not supported by this server", param
@@ -138,9 +145,11 @@ def install_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, e: RequestValidationError):
         errs = e.errors()
         extra = [x for x in errs if x.get("type") == "extra_forbidden"]
-        # Within a union, a length or range error says more than "not a string".
+        # Within a union, a length or range error says more than "not a string", and the member
+        # that matched deepest (a missing field of an object) more than the others' refusals.
         specific = [x for x in errs if not str(x.get("type", "")).endswith("_type")]
-        msg, param = _validation_message((extra or specific or errs or [{}])[0])
+        pick = extra or sorted(specific or errs or [{}], key=lambda x: -len(_loc(x)))
+        msg, param = _validation_message(pick[0])
         return error_response(400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)

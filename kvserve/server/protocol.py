@@ -287,6 +287,9 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("best_of", "cannot be used with stream=true")
         return self.best_of
 
+    def _sent_names(self) -> dict[str, str]:
+        return {"n": "best_of"} if self.best_of is not None else {}  # the engine samples best_of
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):

@@ -27,6 +27,7 @@ MAX_INPUT_ITEMS = 2048
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys <= 64 characters, values <= 512
 ROLES = ("user", "system", "developer", "assistant")
 ITEM_TYPES = ("message", "function_call", "function_call_output")
+STATUSES = ("in_progress", "completed", "incomplete")
 # Output items a client sends back as input may carry these (OpenAI's output fields); they are ignored.
 _MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
 _PART_KEYS = {"type", "text", "annotations", "logprobs"}
@@ -123,6 +124,14 @@ def _unknown(item: dict, allowed: set, where: str) -> None:
             raise InvalidRequestError(f"{where}.{k}", f"is not a field of this item (allowed: {sorted(allowed)})")
 
 
+def _echoed(item: dict, where: str) -> None:
+    """The output fields a client may send back (id, status): ignored, but of their types."""
+    if "id" in item and not isinstance(item["id"], str):
+        raise InvalidRequestError(f"{where}.id", f"must be a string, got {_kind(item['id'])}")
+    if "status" in item and item["status"] not in STATUSES:
+        raise InvalidRequestError(f"{where}.status", f"must be one of {', '.join(STATUSES)}, got {item['status']!r}")
+
+
 def _content(content, role: str, where: str) -> list[dict]:
     if isinstance(content, str):
         content = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
@@ -157,6 +166,7 @@ def parse_input(x) -> list[dict]:
         if not isinstance(item, dict):
             raise InvalidRequestError(where, f"must be an object, got {_kind(item)}")
         kind = item.get("type", "message")
+        _echoed(item, where)
         if kind == "message":
             _unknown(item, _MESSAGE_KEYS, where)
             role = item.get("role")
@@ -193,8 +203,13 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 def check_calls(history: list[dict], items: list[dict]) -> None:
     """Every function_call_output answers a call made earlier in the conversation."""
     known = {it["call_id"] for it in history if it["type"] == "function_call"}
+    own: set[str] = set()
     for i, it in enumerate(items):
         if it["type"] == "function_call":
+            if it["call_id"] in own:
+                raise InvalidRequestError(f"input[{i}].call_id", f"{it['call_id']!r} is the call_id of an earlier "
+                                          "function_call of this input; each call has its own")
+            own.add(it["call_id"])
             known.add(it["call_id"])
         elif it["type"] == "function_call_output" and it["call_id"] not in known:
             raise InvalidRequestError(f"input[{i}].call_id", f"no function_call with call_id {it['call_id']!r} "

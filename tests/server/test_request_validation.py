@@ -312,6 +312,31 @@ def test_a_json_schema_needs_a_name(srv, json_schema, param):
     assert err["param"] == param, err
 
 
+def test_an_engine_error_about_the_samples_names_best_of_when_sent():
+    """The engine samples best_of completions where best_of is given: its refusal about "n"
+    (e.g. too many samples for the KV pool) names best_of, with best_of's value."""
+    from kvserve.errors import InvalidRequestError
+    from kvserve.server.protocol import CompletionRequest
+    e = InvalidRequestError("n", "the request needs 90 KV blocks (n=8) but the pool holds 17; lower max_tokens or n")
+    sent = CompletionRequest(model=MODEL, prompt=[5], n=2, best_of=8).as_sent(e)
+    assert sent.field == "best_of" and "best_of=8" in sent.message and "or best_of" in sent.message
+    assert CompletionRequest(model=MODEL, prompt=[5], n=8).as_sent(e) is e
+
+
+def test_one_model_is_retrieved_by_its_name(srv):
+    m = srv.run(srv.client.models.retrieve(MODEL))
+    assert m.id == MODEL and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        srv.run(srv.client.models.retrieve("no-such-model"))
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+
+
+def test_a_named_tool_choice_without_its_function_names_what_is_missing(srv):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    err = bad_request(chat, srv, tools=tools, tool_choice={"type": "function"})
+    assert err["param"] == "tool_choice.function" and "required" in err["message"], err
+
+
 def test_both_token_limits_name_the_second(srv):
     err = bad_request(chat, srv, max_tokens=3, max_completion_tokens=4)
     assert err["param"] == "max_completion_tokens" and "not both" in err["message"]

@@ -174,6 +174,13 @@ BAD = [
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_text", "text": None}]}]},
      "input[1].content[0].text"),
     ({"input": [{"role": "user", "content": "a", "colour": "red"}]}, "input[0].colour"),
+    ({"input": [{"type": "message", "role": "user", "content": "x", "id": 123}]}, "input[0].id"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": "x", "status": "bogus"}]},
+     "input[1].status"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "status": 5}]},
+     "input[0].status"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[1].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input[0].call_id"),
     ({"input": 5}, "input"),
     ({"input": None}, "input"),
@@ -209,6 +216,8 @@ def test_bad_input_is_a_400_naming_the_field(served, body, param):
 
 def test_unknown_ids_are_404_in_openai_shape(served):
     h = {"Authorization": f"Bearer {A}"}
+    r = served.get("/v1/responses/resp_none/input_items?limit=abc", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
     r = served.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_none"},
                     headers=h)
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"

@@ -160,3 +160,40 @@ def test_kv_waste_gauge_is_zero_at_rest():
         m = _metrics(c)
         assert m["kvserve_num_requests_running"] == 0 and m["kvserve_kv_blocks_used"] == 0
         assert m["kvserve_kv_waste"] == 0.0
+
+
+@pytest.mark.parametrize("keys", [(A,), (A, B)])
+def test_the_dashboard_shows_requests_only_where_one_tenant_holds_the_keys(keys):
+    """Any key opens /dashboard: with several tenants a frame lists no request (not its id, not
+    its block table), only how many run; with one, its own requests are listed."""
+    import json
+    import threading
+    with TestClient(_app(keys)) as c:
+        _ready(c)
+        h = {"Authorization": f"Bearer {A}"}
+        done, leave = threading.Event(), threading.Event()
+
+        def long_request():  # streamed, left once the frame is read
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", headers=h, json=body) as r:
+                for _ in r.iter_lines():
+                    if leave.is_set():
+                        break
+            done.set()
+        t = threading.Thread(target=long_request, daemon=True)
+        t.start()
+        frame = None
+        with c.stream("GET", "/dashboard/events", headers={"Authorization": f"Bearer {keys[-1]}"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    frame = json.loads(line[6:])
+                    if frame["running"] >= 1 or done.is_set():
+                        break
+        assert frame is not None and frame["running"] == 1, frame
+        if len(keys) > 1:
+            assert frame["requests"] == [] and frame["requests_omitted"] == 1, frame
+        else:
+            assert [q["blocks"] > 0 for q in frame["requests"]] == [True] and frame["requests_omitted"] == 0
+        leave.set()
+        t.join(30)
+        assert done.is_set()
