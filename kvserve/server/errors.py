@@ -148,7 +148,7 @@ def install_handlers(app: FastAPI) -> None:
         # Within a union, a length or range error says more than "not a string", and the member
         # that matched deepest (a missing field of an object) more than the others' refusals.
         specific = [x for x in errs if not str(x.get("type", "")).endswith("_type")]
-        pick = extra or sorted(specific or errs or [{}], key=lambda x: -len(_loc(x)))
+        pick = extra or sorted(specific, key=lambda x: -len(_loc(x))) or errs or [{}]
         msg, param = _validation_message(pick[0])
         return error_response(400, msg, param)
 
