@@ -124,7 +124,7 @@ def test_a_turn_not_stored_pins_nothing(served, stream):
     r = cl.responses.create(model=MODEL, input="Hi.", instructions=INSTRUCTIONS + " Unstored.", store=False,
                             max_output_tokens=2, temperature=0, stream=stream)
     if stream:
-        r = next(e.response for e in r if e.type in ("response.completed", "response.incomplete"))
+        r = [e.response for e in list(r) if e.type in ("response.completed", "response.incomplete")][0]
     assert r.status == "incomplete" and r.output[-1].status == "incomplete", r
     assert _on_engine(engine, lambda e: (e.pins.num_blocks, len(e.pins.pins))) == (0, 0)
     with pytest.raises(openai.NotFoundError):
