@@ -93,9 +93,10 @@ def test_an_input_abandoned_between_chunks_frees_its_scratch(model_path):
 
 
 def test_the_server_runs_its_steps_between_an_inputs_chunks():
-    """An embedding served beside a generation: the engine thread takes one chunk per pass, so
-    while the generation runs, a step follows every chunk (no input holds the engine for longer
-    than one chunk), and both requests get what they asked for."""
+    """An embedding served beside a generation: the engine thread takes one chunk per pass (a
+    drain applies only the commands queued when it began: the next chunk, queued in reply to the
+    last, waits for the step), so while the generation runs a step follows every chunk, and both
+    requests get what they asked for."""
     import asyncio
 
     import httpx
@@ -127,7 +128,7 @@ def test_the_server_runs_its_steps_between_an_inputs_chunks():
     vecs = [d["embedding"] for d in e.json()["data"]]
     assert [len(v) for v in vecs] == [eng.arch.hidden_size] * 2
     assert events.count("chunk") == 15 + 1
-    last_step = len(events) - 1 - events[::-1].index("step")
-    running = events[:last_step]
+    # While the generation runs (its first step to its last), a step comes between two chunks.
+    running = events[events.index("step"):len(events) - events[::-1].index("step")]
     assert "chunk" in running and not any(a == b == "chunk" for a, b in zip(running, running[1:])), events
     assert eng.runner.embedding_kv == {}

@@ -259,16 +259,21 @@ class AsyncEngine:
             return False
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands; block briefly for the first one when idle. False: nothing to do."""
+        """Apply queued commands; block briefly for the first one when idle. False: nothing to do.
+        Only those queued when the drain began: one that a command's caller queues in reply (the
+        next chunk of an embedding) waits for the step, so no caller holds the engine for longer
+        than one command between two steps."""
         try:
             cmd = self._cmds.get(timeout=_IDLE_WAIT_S) if block else self._cmds.get_nowait()
         except queue.Empty:
             return not block
-        drained = 0
+        drained, more = 0, self._cmds.qsize()
         while True:
             drained += self._apply(cmd)
+            if more == 0:
+                break
             try:
-                cmd = self._cmds.get_nowait()
+                cmd, more = self._cmds.get_nowait(), more - 1
             except queue.Empty:
                 break
         self._take_snapshot()
