@@ -52,8 +52,8 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
                "int4-g128": {"quantization": "int4", "quantization_group_size": 128},
                "fp8": {"quantization": "fp8"}, "gguf-Q4_K": {}, "gguf-Q8_0": {}}
 # ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
-# (``KernelConfig.wq_weight_left_max_rows``, up to ``--weight-left-max-rows``) instead of
-# dequantize-then-cuBLAS.
+# up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
+# skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there.
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -82,10 +82,12 @@ def run_tests():
     return {"rc": p.returncode, "tail": lines[-3:]}
 
 
-def rule_choice(rows: int, kernel: KernelConfig) -> str:
-    if rows >= kernel.wq_dequant_min_rows:
+def rule_choice(rows: int, kernel: KernelConfig, int4: bool) -> str:
+    """What layers/quant_linear.py picks for Llama-3-8B's layers (every K a multiple of 128)."""
+    skinny_max = kernel.wq_int4_skinny_max_rows if int4 else kernel.wq_skinny_max_rows
+    if rows >= (skinny_max + 1 if int4 else kernel.wq_dequant_min_rows):
         return "weight-left" if rows <= kernel.wq_weight_left_max_rows else "dequant+cuBLAS"
-    return "skinny" if rows <= kernel.wq_skinny_max_rows else "tiled"
+    return "skinny" if rows <= skinny_max else "tiled"
 
 
 @section("dispatch")
@@ -132,7 +134,7 @@ def run_dispatch(rows_measured: list[int]):
             t = times[r]
             quant = {k: v for k, v in t.items() if k != "bf16"}
             best = min(quant, key=quant.get)
-            rule = rule_choice(r, kernel)
+            rule = rule_choice(r, kernel, fmt != "int8")
             rows_out[r] = {**{k: v * 1e6 for k, v in t.items()}, "best": best, "rule": rule,
                            "rule_vs_bf16": t["bf16"] / t[rule],
                            "weight_left_tiles_us": {k: v * 1e6 for k, v in wx_tiles[r].items()}}
@@ -154,7 +156,8 @@ WX_CONFIGS = {f"{bn}x{bm}x{bk} w{nw} s{ns}": {"BLOCK_N": bn, "BLOCK_M": bm, "BLO
                                              "num_stages": ns}
               for bn, bm, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
                                          (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (256, 128, 64, 8, 3),
-                                         (128, 128, 64, 4, 4), (64, 64, 128, 4, 4)]}
+                                         (128, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+                                         (64, 256, 128, 8, 3), (64, 128, 128, 4, 3)]}
 STEP_CONFIGS = ([{"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}] +
                 [{"KIND": "gluon", "BLOCK_N": bn, "PREFETCH": pf, "num_warps": nw}
                  for bn, pf, nw in [(4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 2), (8, 1, 2), (16, 1, 4)]])
@@ -303,10 +306,12 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int):
     decode_prompt = [rng.randrange(128000) for _ in range(512)]
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
     for name in formats:
-        fmt = name.removesuffix("+wl")
+        fmt = name.removesuffix("+wl").removesuffix("+deq")
         kw = dict(GPU_FORMATS[fmt])
         if name.endswith("+wl"):
             kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
+        elif name.endswith("+deq"):  # the dispatch before the weight-left GEMM was on
+            kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
         t0 = time.perf_counter()
         llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory="40GiB", max_num_seqs=256,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)

@@ -212,14 +212,18 @@ class KernelConfig:
     decode_rows: str = "graphs"
     # Weight-only quantized products (layers/quant_linear.py): up to ``wq_skinny_max_rows`` rows
     # the skinny kernel, from ``wq_dequant_min_rows`` on dequantize-then-cuBLAS, the tiled GEMM
-    # with in-register dequantization between.
+    # with in-register dequantization between. int4 in groups of 128 or more skips the tiled GEMM,
+    # which its unpacking makes the slowest there: the skinny kernel up to
+    # ``wq_int4_skinny_max_rows`` rows, then the weight-left GEMM (H100: 0.70x bf16 offline at 48
+    # requests against 0.57x; int8 is faster with the tiled GEMM between, 0.75x against 0.70x).
     wq_skinny_max_rows: int = 16
     wq_dequant_min_rows: int = 64
+    wq_int4_skinny_max_rows: int = 32
     # From ``wq_dequant_min_rows`` up to ``wq_weight_left_max_rows`` rows (0: none) the GEMM that
     # decodes the weight into the tensor cores' left operand (kernels/wq_gemm.py: ``wq_mm_wx``)
-    # instead, which reads the packed weight only; dequantize-then-cuBLAS above. Off: on an H100 it
-    # was faster only for int8 near 256 rows (BENCHMARKS.md, the large-batch tax).
-    wq_weight_left_max_rows: int = 0
+    # instead, which reads the packed weight only; dequantize-then-cuBLAS above, where the two
+    # meet on an H100 (int8 at 512 rows, int4 at 256; BENCHMARKS.md, the large-batch tax).
+    wq_weight_left_max_rows: int = 256
     # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
     # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
     cpu_packed_weights: bool = True
@@ -238,6 +242,7 @@ class KernelConfig:
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
                              ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
                              ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
+                             ("wq_int4_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
                              ("wq_dequant_min_rows", 1, None), ("wq_weight_left_max_rows", 0, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):

@@ -8,10 +8,13 @@ product, never to a whole matrix at rest.
               rows <= wq_skinny_max_rows         skinny kernel, dequantized in registers
               rows <  wq_dequant_min_rows        tiled GEMM, dequantized in registers
               rows <= wq_weight_left_max_rows    the GEMM that decodes the weight into the
-                                                 tensor cores' left operand (int8, int4)
+                                                 tensor cores' left operand (K and the group
+                                                 in steps of 128)
               otherwise                          dequantize to x's dtype, then cuBLAS
-          (at large batches a product is bound by compute, and cuBLAS's bf16 GEMM beats a
-          Triton GEMM that unpacks; the extra pass over the weight is small beside it).
+          int4 in groups of 128 or more skips the tiled GEMM: the skinny kernel up to
+          ``wq_int4_skinny_max_rows``, then the weight-left GEMM. (At large batches a product
+          is bound by compute, and cuBLAS's bf16 GEMM beats a Triton GEMM that unpacks; the
+          extra pass over the weight is small beside it.)
     CPU   PyTorch's packed CPU kernels: ``_weight_int8pack_mm`` (int8 [N, K], scale [N]) and
           ``_weight_int4pack_mm_for_cpu`` (its own int4 layout, converted once at load, with
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
@@ -192,16 +195,18 @@ class QuantLinear(nn.Module):
 
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
         from kvserve.kernels import wq_gemm
-        rows = x.shape[0]
-        if rows < kernel.wq_dequant_min_rows:
+        rows, int4 = x.shape[0], self.method == "int4"
+        # The weight-left GEMM takes weights its measured column step divides (K, and the group).
+        wide = wq_gemm.wx_block_k(self.qweight, self.group_size, self.in_features,
+                                  wq_gemm.WX_BLOCK_K) == wq_gemm.WX_BLOCK_K
+        skinny_max = kernel.wq_int4_skinny_max_rows if int4 and wide else kernel.wq_skinny_max_rows
+        if rows < (skinny_max + 1 if int4 and wide else kernel.wq_dequant_min_rows):
             cfg = None
-            if rows > kernel.wq_skinny_max_rows:
-                cfg = wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
-                                             self.in_features, self.method == "int4")
+            if rows > skinny_max:
+                cfg = wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features, self.in_features, int4)
             return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg,
                                  pdl=kernel.pdl)
-        if rows <= kernel.wq_weight_left_max_rows and wq_gemm.wx_block_k(
-                self.qweight, self.group_size, self.in_features, wq_gemm.WX_CONFIG["BLOCK_K"]):
+        if wide and rows <= kernel.wq_weight_left_max_rows:
             return wq_gemm.wq_mm_wx(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
         w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
         return F.linear(x, w, self.bias)
