@@ -29,6 +29,8 @@ product, never to a whole matrix at rest.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -193,12 +195,17 @@ class QuantLinear(nn.Module):
             y[:, n0:n0 + q.shape[0]] = x @ w.view(q.shape[0], K).t()
         return y
 
+    @functools.cached_property
+    def _wide(self) -> bool:
+        """The weight-left GEMM takes this weight: its measured column step divides K and the group."""
+        from kvserve.kernels import wq_gemm
+        return wq_gemm.wx_block_k(self.qweight, self.group_size, self.in_features,
+                                  wq_gemm.WX_BLOCK_K) == wq_gemm.WX_BLOCK_K
+
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
         from kvserve.kernels import wq_gemm
-        rows, int4 = x.shape[0], self.method == "int4"
-        # The weight-left GEMM takes weights its measured column step divides (K, and the group).
-        wide = wq_gemm.wx_block_k(self.qweight, self.group_size, self.in_features,
-                                  wq_gemm.WX_BLOCK_K) == wq_gemm.WX_BLOCK_K
+        rows, wide = x.shape[0], self._wide
+        int4 = self.method == "int4"
         skinny_max = kernel.wq_int4_skinny_max_rows if int4 and wide else kernel.wq_skinny_max_rows
         if rows < (skinny_max + 1 if int4 and wide else kernel.wq_dequant_min_rows):
             cfg = None

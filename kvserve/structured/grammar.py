@@ -367,11 +367,10 @@ def allow_stop_where_dead(mask: torch.Tensor, rows: list[int], states: list[Gram
     """A row whose grammar allows no next token (a dead end: a rule that matches nothing, reached
     mid-output) may only end: its stop tokens are allowed, so the output stops there instead of
     taking a token the grammar refuses."""
-    for row, s in zip(rows, states):
-        if not mask[row].any():
-            for t in s.stop_token_ids:
-                bit = 1 << (t % 32)
-                mask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+    for i in (~mask[rows].any(1)).nonzero().flatten().tolist():  # one check for every row
+        for t in states[i].stop_token_ids:
+            bit = 1 << (t % 32)
+            mask[rows[i], t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
