@@ -111,7 +111,8 @@ class ServerState:
         names = self.config.served_model_names
         if model is not None and model not in names:
             also = f" (also accepted: {', '.join(f'`{n}`' for n in names[1:])})" if len(names) > 1 else ""
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{names[0]}`{also}.",
+            shown = model if len(model) <= 256 else model[:256] + "..."  # an oversized name is not echoed whole
+            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{names[0]}`{also}.",
                            "model", "model_not_found")
 
     def session_key(self, tenant: str | None, session_id: str | None) -> str | None:

@@ -329,6 +329,9 @@ def test_one_model_is_retrieved_by_its_name(srv):
     with pytest.raises(openai.NotFoundError) as e:
         srv.run(srv.client.models.retrieve("no-such-model"))
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:  # an oversized name is not echoed whole
+        srv.run(srv.client.models.retrieve("m" * 5000))
+    assert e.value.body["param"] == "model" and len(e.value.body["message"]) < 400
 
 
 def test_a_named_tool_choice_without_its_function_names_what_is_missing(srv):
