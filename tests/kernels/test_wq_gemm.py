@@ -229,21 +229,23 @@ ptx = k.asm["ptx"]
 loop = ptx[ptx.index("griddepcontrol.wait"):]
 ints = ("s8", "u8", "s16", "u16", "s32", "u32")
 print(ptx.count("ld.local") + ptx.count("st.local"), sum(loop.count(f"cvt.rn.f32.{t}") for t in ints),
-      ptx.count("ld.global.v4.b32") + ptx.count("ld.global.nc.v4.b32"), ptx.count("griddepcontrol.wait"))
+      ptx.count("ld.global.v4.b32") + ptx.count("ld.global.nc.v4.b32"), ptx.count("griddepcontrol.wait"),
+      ptx.count(".ftz"))
 """
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32)])
 def test_gluon_row_kernel_compiles_for_sm90(fmt, group):
     """The CUDA one-row kernel, compiled for sm90 in a subprocess (no GPU): nothing spilled to local
-    memory, no integer-to-float conversion instruction on the codes (they are decoded by integer
-    operations and one subtraction), the weights read as 16-byte vectors, and the wait on the
-    previous kernel present once (programmatic dependent launch)."""
+    memory, no integer-to-float conversion instruction on the codes (their bits are read as
+    subnormal floats), no float operation that flushes subnormals to zero (which would zero every
+    code), the weights read as 16-byte vectors, and the wait on the previous kernel present once
+    (programmatic dependent launch)."""
     p = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(group)], capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "0"})
     assert p.returncode == 0, p.stderr[-2000:]
-    spills, conversions, vector_loads, waits = map(int, p.stdout.split())
-    assert spills == 0 and conversions == 0 and waits == 1
+    spills, conversions, vector_loads, waits, flushes = map(int, p.stdout.split())
+    assert spills == 0 and conversions == 0 and waits == 1 and flushes == 0
     assert vector_loads >= 1
 
 
