@@ -41,6 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from benchmarks import gpu_check  # noqa: E402
 from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402
@@ -91,7 +92,7 @@ def rule_choice(rows: int, kernel: KernelConfig, int4: bool) -> str:
 
 
 @section("dispatch")
-def run_dispatch(rows_measured: list[int]):
+def run_dispatch(rows_measured: list[int], skinny_sweep: bool = False):
     import torch.nn.functional as F
 
     from kvserve.kernels import wq_gemm
@@ -104,6 +105,7 @@ def run_dispatch(rows_measured: list[int]):
         times = {r: {"bf16": 0.0, "skinny": 0.0, "tiled": 0.0, "dequant+cuBLAS": 0.0, "weight-left": 0.0}
                  for r in rows_measured}
         wx_tiles = {r: {} for r in rows_measured}  # the weight-left GEMM: each tile's time over the shapes
+        sk_tiles = {r: {} for r in rows_measured}  # the skinny shape's tiles (--skinny-sweep)
         for N, K in SHAPES.values():
             w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
             if fmt == "int8":
@@ -122,6 +124,10 @@ def run_dispatch(rows_measured: list[int]):
                 t["skinny"] += bench(lambda: wq_gemm.wq_mm(x, *packed)) if r <= wq_gemm.MAX_SKINNY_ROWS else math.inf
                 t["tiled"] += bench(lambda: wq_gemm.wq_mm(x, *packed, config=tiled)) if r > 1 else math.inf
                 t["dequant+cuBLAS"] += bench(lambda: F.linear(x, wq_gemm.dequantize(*packed, dtype=torch.bfloat16)))
+                for name, cfg in (SKINNY_CONFIGS.items() if skinny_sweep and r <= wq_gemm.MAX_SKINNY_ROWS else ()):
+                    cfg = {**cfg, "BLOCK_M": max(16, triton.next_power_of_2(r))}
+                    sk_tiles[r][name] = sk_tiles[r].get(name, 0.0) + bench(
+                        lambda cfg=cfg: wq_gemm.wq_mm(x, *packed, config=cfg))
                 for name, cfg in (WX_CONFIGS.items() if r >= 32 else ()):
                     wx_tiles[r][name] = wx_tiles[r].get(name, 0.0) + bench(
                         lambda cfg=cfg: wq_gemm.wq_mm_wx(x, *packed, config=cfg))
@@ -137,7 +143,12 @@ def run_dispatch(rows_measured: list[int]):
             rule = rule_choice(r, kernel, fmt != "int8")
             rows_out[r] = {**{k: v * 1e6 for k, v in t.items()}, "best": best, "rule": rule,
                            "rule_vs_bf16": t["bf16"] / t[rule],
-                           "weight_left_tiles_us": {k: v * 1e6 for k, v in wx_tiles[r].items()}}
+                           "weight_left_tiles_us": {k: v * 1e6 for k, v in wx_tiles[r].items()},
+                           "skinny_tiles_us": {k: v * 1e6 for k, v in sk_tiles[r].items()}}
+            if sk_tiles[r]:
+                name = min(sk_tiles[r], key=sk_tiles[r].get)
+                TABLE.append(f"  rows {r:5d}: skinny tiles, best {name}: {sk_tiles[r][name] * 1e6:.1f} us "
+                             f"(default {t['skinny'] * 1e6:.1f})")
             cells = " | ".join(f"{t[k] * 1e6:8.1f}" if t[k] < math.inf else "       -" for k in t)
             TABLE.append(f"  rows {r:5d}: {cells} | {best:14s} | {rule:14s} | {t['bf16'] / t[rule]:.2f}x faster")
         skinny_max = max((r for r in rows_measured if rows_out[r]["best"] == "skinny"), default=0)
@@ -158,6 +169,10 @@ WX_CONFIGS = {f"{bn}x{bm}x{bk} w{nw} s{ns}": {"BLOCK_N": bn, "BLOCK_M": bm, "BLO
                                          (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (256, 128, 64, 8, 3),
                                          (128, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
                                          (64, 256, 128, 8, 3), (64, 128, 128, 4, 3)]}
+# The skinny shape's tiles (BLOCK_N weight rows, BLOCK_K columns a step; x padded to 16 or 32 rows).
+SKINNY_CONFIGS = {f"{bn}x{bk} w{nw} s{ns}": {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+                  for bn, bk, nw, ns in [(64, 256, 4, 3), (32, 256, 4, 3), (16, 256, 4, 3), (32, 512, 4, 3),
+                                         (16, 512, 4, 3), (32, 128, 4, 4), (16, 128, 2, 4), (32, 256, 2, 3)]}
 STEP_CONFIGS = ([{"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}] +
                 [{"KIND": "gluon", "BLOCK_N": bn, "PREFETCH": pf, "num_warps": nw}
                  for bn, pf, nw in [(4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 2), (8, 1, 2), (16, 1, 4)]])
@@ -335,7 +350,7 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    base = out["bf16"]
+    base = out.get("bf16") or next(iter(out.values()))  # ratios to bf16 where it ran, else to the first
     TABLE.append("kvserve, Llama-3-8B shape: format | weights GiB | batch-1 decode tok/s (x bf16) | "
                  f"offline {n_req} req out tok/s (x bf16) | decode tokens = prefill's top-1")
     for name, r in out.items():
@@ -408,6 +423,7 @@ def main():
     ap.add_argument("--only", default=None, help="sections, comma-separated (default: the device's)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--step-sweep", action="store_true", help="step section: time every tile of STEP_CONFIGS")
+    ap.add_argument("--skinny-sweep", action="store_true", help="dispatch section: time SKINNY_CONFIGS' tiles")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="dispatch section: row counts, comma-separated")
     ap.add_argument("--formats", default=",".join(GPU_FORMATS),
                     help="engine section: formats, comma-separated (bf16 first: the peer); a weight-only "
@@ -425,7 +441,7 @@ def main():
     RESULTS["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     RESULTS["torch"] = torch.__version__
     sections = {"tests": run_tests, "step": lambda: run_step(args.step_sweep),
-                "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")]),
+                "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")], args.skinny_sweep),
                 "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,

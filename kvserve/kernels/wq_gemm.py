@@ -64,6 +64,45 @@ def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, FP8: tl.constex
 
 
 @triton.jit
+def _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               DOWN: tl.constexpr):
+    """The int4 tile at column k0 dequantized, times 2^-DOWN: [BLOCK_N, BLOCK_K] float32. ``s``
+    and ``z``: the scales and mins, [BLOCK_N, groups] for the tile's groups or [BLOCK_N, 1] for
+    one. A byte's nibbles are masked where they lie and read as float32: q * 2^-149 and
+    16 q * 2^-149 exactly (subnormals; Triton never flushes them), so no conversion instruction
+    (a quarter of the float rate) and no shift; one fused multiply-add by s * 2^(149 - DOWN) (over
+    16 for the high nibble) and z * 2^-DOWN puts each where it goes. DOWN is 0 or 49 (the caller
+    multiplies its sums back by 2^49): 49 keeps s * 2^100 within float32 and the weights normal
+    in bfloat16 and tf32, whose exponents are float32's; float16's narrow range takes 0, at one
+    multiplication more a code."""
+    rkh = tl.arange(0, BLOCK_K // 2)
+    ptrs = W + rn_safe[:, None] * stride_wn + k0 // 2 + rkh[None, :]
+    if EVEN_K:
+        b = tl.load(ptrs)
+    else:
+        b = tl.load(ptrs, mask=(k0 + 2 * rkh < K)[None, :], other=0)
+    b = b.to(tl.int32)
+    lo = (b & 15).to(tl.float32, bitcast=True)
+    hi = (b & 0xF0).to(tl.float32, bitcast=True)
+    BN: tl.constexpr = lo.shape[0]
+    NG: tl.constexpr = s.shape[1]
+    if DOWN == 0:
+        lo, hi = lo * _TWO_100, hi * _TWO_100
+        s = s * _TWO_49
+    else:
+        s = s * _TWO_100
+        z = z * _TWO_M49
+    lo = tl.reshape(lo, [BN, NG, BLOCK_K // 2 // NG]) * s[:, :, None] + z[:, :, None]
+    hi = tl.reshape(hi, [BN, NG, BLOCK_K // 2 // NG]) * (s * 0.0625)[:, :, None] + z[:, :, None]
+    return tl.interleave(tl.reshape(lo, [BN, BLOCK_K // 2]), tl.reshape(hi, [BN, BLOCK_K // 2]))
+
+
+_TWO_100 = tl.constexpr(2.0 ** 100)
+_TWO_49 = tl.constexpr(2.0 ** 49)
+_TWO_M49 = tl.constexpr(2.0 ** -49)
+
+
+@triton.jit
 def _e4m3(b):
     """e4m3 bytes (W passed as uint8) -> their values / 256 in float32. The byte's exponent and
     mantissa bits, moved under float16's, read as a float16 (exponent bias 15 instead of 7,
@@ -126,22 +165,28 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
         m_ok = rm < M
         x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        DOWN: tl.constexpr = 0 if X.dtype.element_ty == tl.float16 else 49  # (_int4_tile)
         for k0 in range(0, K, BLOCK_K):
-            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            if GROUPED:
+            if INT4:
+                s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
+                w = _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K, EVEN_K, DOWN)
+            elif GROUPED:
+                q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
                 s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
                 w = tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None]
                 if HAS_MIN:
                     w += z[:, :, None]
                 w = tl.reshape(w, [BLOCK_N, BLOCK_K])
             else:
-                w = q
+                w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
             acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=PRECISION)
         y = acc
+        if INT4 and DOWN != 0:
+            y = y * _TWO_49
     if not GROUPED:
         y = y * tl.load(S + rn_safe).to(tl.float32)[None, :]
         if FP8:
@@ -195,15 +240,24 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     rm_safe = tl.minimum(rm, M - 1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    DOWN: tl.constexpr = 0 if X.dtype.element_ty == tl.float16 else 49  # (_int4_tile)
     for k0 in range(0, K, BLOCK_K):
-        w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, False, BLOCK_K, True)  # K % BLOCK_K == 0
-        if GROUPED:
+        if INT4:  # K % BLOCK_K == 0; one group a tile
+            g = k0 // GROUP
+            s = tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+            z = tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+            w = _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K, True, DOWN)
+        else:
+            w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, False, BLOCK_K, True)
+        if GROUPED and not INT4:
             g = k0 // GROUP
             w = w * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
             if HAS_MIN:
                 w += tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
         x = tl.load(X + rm_safe[:, None] * stride_xm + k0 + rk[None, :])
         acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc, input_precision=PRECISION)
+    if INT4 and DOWN != 0:
+        acc = acc * _TWO_49
     if not GROUPED:
         acc = acc * tl.load(S + rn_safe).to(tl.float32)[:, None]
     if HAS_BIAS:
@@ -259,13 +313,16 @@ def wq_mm_wx(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins:
 
 def default_config(M: int, N: int, K: int, int4: bool) -> dict:
     """Tiles per row count. One row: 4 output features per program, 1,024 columns a tile (1 KiB
-    of int8, 512 B of int4 per row). Up to 32 rows: 64 features by 256 columns, x padded to 16
-    or 32 rows. More: 64 x 128 output tiles over 64 columns, 8 warps, 3 stages (a starting point;
-    the sweep in ``benchmarks/weight_quant.py`` reports what each row count gets)."""
+    of int8, 512 B of int4 per row). Up to 16 rows: 64 features by 256 columns, x padded to 16
+    rows; up to 32: 16 features by 256 columns, x padded to 32 rows (with 64 features the
+    program's registers ran short: one H100, Llama-3-8B's layers at 32 rows, int4 g128 177
+    against 213 us, int8 153 against 186). More: 64 x 128 output tiles over 64 columns, 8 warps,
+    3 stages (a starting point; the sweep in ``benchmarks/weight_quant.py`` reports what each row
+    count gets)."""
     if M == 1:
         return {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
     if M <= MAX_SKINNY_ROWS:
-        return {"BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": 64, "BLOCK_K": 256,
+        return {"BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": 64 if M <= 16 else 16, "BLOCK_K": 256,
                 "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128 if int4 else 64, "num_warps": 8, "num_stages": 3}
 

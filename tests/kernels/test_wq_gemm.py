@@ -131,6 +131,22 @@ def test_few_rows(method, group, M, N, K, device):
     _check(M, N, K, method, group, torch.float32, device, seed=M * 11 + N + group, bias=M == 7)
 
 
+@pytest.mark.parametrize("M", [7, 33])
+def test_int4_tiles_in_float16(M, device):
+    """int4 tiles read their nibbles as subnormal floats and scale them by 2^100; float16, whose
+    range is narrower than bfloat16's, takes the path that scales the codes before the
+    multiply-add: the skinny, tiled and weight-left shapes against the reference (bfloat16's
+    path: ``test_real_size*`` on the GPU; the interpreter has no bfloat16 product)."""
+    dtype = torch.float16
+    x, packed, b = _case(M, 40, 256, "int4", 64, dtype, device, seed=M + 3, bias=True)
+    ref = wq_mm_ref(x, *packed, bias=b)
+    for y in (wq_mm(x, *packed, bias=b),
+              wq_mm_wx(x, *packed, bias=b, config={"BLOCK_N": 32, "BLOCK_M": 32, "BLOCK_K": 64, "num_warps": 4,
+                                                    "num_stages": 2})):
+        assert y.dtype == dtype and not y.isnan().any()
+        assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+
+
 @pytest.mark.parametrize("method,group", FORMATS)
 @pytest.mark.parametrize("M", [33, 100])
 def test_tiled(method, group, M, device):
