@@ -46,12 +46,7 @@ def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, FP8: tl.constex
     """The [BLOCK_N, BLOCK_K] codes of W at column k0, as float32 (int4: 0..15; int8: -127..127;
     FP8: the e4m3 value / 256, exact, see ``_e4m3``)."""
     if INT4:
-        rkh = tl.arange(0, BLOCK_K // 2)
-        ptrs = W + rn_safe[:, None] * stride_wn + k0 // 2 + rkh[None, :]
-        if EVEN_K:
-            b = tl.load(ptrs)
-        else:
-            b = tl.load(ptrs, mask=(k0 + 2 * rkh < K)[None, :], other=0)
+        b = _int4_bytes(W, rn_safe, k0, K, stride_wn, BLOCK_K, EVEN_K)
         return tl.interleave(b & 15, b >> 4).to(tl.float32)
     ptrs = W + rn_safe[:, None] * stride_wn + k0 + rk[None, :]
     if EVEN_K:
@@ -61,6 +56,18 @@ def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, FP8: tl.constex
     if FP8:
         return _e4m3(b)
     return b.to(tl.float32)
+
+
+@triton.jit
+def _int4_bytes(W, rn_safe, k0, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K / 2] bytes of an int4 tile at column k0 (past K read as 0)."""
+    rkh = tl.arange(0, BLOCK_K // 2)
+    ptrs = W + rn_safe[:, None] * stride_wn + k0 // 2 + rkh[None, :]
+    if EVEN_K:
+        b = tl.load(ptrs)
+    else:
+        b = tl.load(ptrs, mask=(k0 + 2 * rkh < K)[None, :], other=0)
+    return b
 
 
 @triton.jit
@@ -75,13 +82,7 @@ def _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K: tl.constexpr, EVEN_K
     multiplies its sums back by 2^49): 49 keeps s * 2^100 within float32 and the weights normal
     in bfloat16 and tf32, whose exponents are float32's; float16's narrow range takes 0, at one
     multiplication more a code."""
-    rkh = tl.arange(0, BLOCK_K // 2)
-    ptrs = W + rn_safe[:, None] * stride_wn + k0 // 2 + rkh[None, :]
-    if EVEN_K:
-        b = tl.load(ptrs)
-    else:
-        b = tl.load(ptrs, mask=(k0 + 2 * rkh < K)[None, :], other=0)
-    b = b.to(tl.int32)
+    b = _int4_bytes(W, rn_safe, k0, K, stride_wn, BLOCK_K, EVEN_K).to(tl.int32)
     lo = (b & 15).to(tl.float32, bitcast=True)
     hi = (b & 0xF0).to(tl.float32, bitcast=True)
     BN: tl.constexpr = lo.shape[0]
