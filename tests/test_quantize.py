@@ -130,10 +130,12 @@ def test_the_mse_observer_never_rounds_a_group_worse_than_its_extremes(symmetric
     assert mse.sum() < 0.97 * minmax.sum()
 
 
-def test_awq_folding_keeps_the_model_equivalent(tmp_path):
-    """Scales folded into the norms, up_proj and (multi-head) v_proj: without rounding, the
-    model computes the same logits."""
-    path = _model_dir(tmp_path / "mha", heads=4, kv_heads=4, seed=2)
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])
+def test_awq_folding_keeps_the_model_equivalent(tmp_path, kv_heads):
+    """Scales folded into the norms, up_proj and v_proj (under grouped-query attention one scale
+    for the query heads that share a KV head): without rounding, the model computes the same
+    logits."""
+    path = _model_dir(tmp_path / "m", heads=4, kv_heads=kv_heads, seed=2)
     llm = LLM(path, quantization="none", enable_prefix_caching=False, show_progress=False, kv_cache_memory="16MiB")
     model = llm.engine.runner.model
     unpack_cpu_weights(model)
@@ -145,6 +147,7 @@ def test_awq_folding_keeps_the_model_equivalent(tmp_path):
     for i in range(2):
         _awq_layer(params, inputs, f"layers.{i}.", llm.engine.arch, grid)
     assert not torch.equal(params["layers.0.input_layernorm.weight"], model.layers[0].input_layernorm.weight)
+    assert not torch.equal(params["layers.0.self_attn.o_proj.weight"], model.layers[0].self_attn.o_proj.weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(params[name])

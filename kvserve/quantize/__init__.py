@@ -15,9 +15,9 @@ its layers a pass, 8.2 GB). The engine's weights are never changed: AWQ folds it
 copies of the layer's tensors.
 
 AWQ's scales are folded where the model stays equivalent: the input projections' into the RMSNorm
-before them, down_proj's into up_proj's rows. o_proj's would go into v_proj's rows, which holds
-only when every query head has its own KV head; under grouped-query attention o_proj is rounded
-to nearest, as AutoAWQ does. Only Llama-family models (a plain RMSNorm before each block) are
+before them, down_proj's into up_proj's rows, o_proj's into v_proj's rows. Under grouped-query
+attention the query heads that share a KV head share o_proj's scales (AutoAWQ leaves o_proj
+unscaled there). Only Llama-family models (a plain RMSNorm before each block) are
 quantized: Gemma 3's (1 + w) norms are not handled.
 """
 from __future__ import annotations
@@ -226,16 +226,21 @@ def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
     s = algorithms.awq_scales(w, inputs[pre + "mlp.down_proj"].x(), grid)
     params[pre + "mlp.down_proj.weight"] = w * s
     params[pre + "mlp.gate_up_proj.weight"][inter:] /= s[:, None]
-    if a.num_heads == a.num_kv_heads:
-        w = params[pre + "self_attn.o_proj.weight"]
-        s = algorithms.awq_scales(w, inputs[pre + "self_attn.o_proj"].x(), grid)
-        params[pre + "self_attn.o_proj.weight"] = w * s
-        kv = a.num_kv_heads * a.head_dim
-        qkv = params[pre + "self_attn.qkv_proj.weight"]
-        qkv[qkv.shape[0] - kv:] /= s[:, None]
-        bias = params.get(pre + "self_attn.qkv_proj.bias")
-        if bias is not None:
-            bias[bias.shape[0] - kv:] /= s
+    # o_proj's input channel (head h, dim j) folds into v_proj's row (KV head h // group, j): under
+    # grouped-query attention the heads of a group share one scale.
+    d, group = a.head_dim, a.num_heads // a.num_kv_heads
+    c = torch.arange(a.num_heads * d)
+    tie = (c // d) // group * d + c % d
+    w = params[pre + "self_attn.o_proj.weight"]
+    s = algorithms.awq_scales(w, inputs[pre + "self_attn.o_proj"].x(), grid, tie=tie if group > 1 else None)
+    params[pre + "self_attn.o_proj.weight"] = w * s
+    sv = s.view(a.num_kv_heads, group, d)[:, 0].reshape(-1)
+    kv = a.num_kv_heads * d
+    qkv = params[pre + "self_attn.qkv_proj.weight"]
+    qkv[qkv.shape[0] - kv:] /= sv[:, None]
+    bias = params.get(pre + "self_attn.qkv_proj.bias")
+    if bias is not None:
+        bias[bias.shape[0] - kv:] /= sv
     for proj, norm in (("mlp.gate_up_proj", "post_attention_layernorm"), ("self_attn.qkv_proj", "input_layernorm")):
         w = params[f"{pre}{proj}.weight"]
         s = algorithms.awq_scales(w, inputs[pre + proj].x(), grid)

@@ -11,8 +11,9 @@ shrunk by up to 20%, clipping its extremes, and the one whose rounded weights ar
 group's is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
 the scales a reader will use.
 
-References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (scales
-s = mean|x|^a, a searched on a grid, folded into the op before the layer); GPTQ, Frantar et al.
+References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (per input
+channel scales from the activations' and weights' mean magnitudes, their exponent searched on a
+grid, folded into the op before the layer); GPTQ, Frantar et al.
 2022, arXiv:2210.17323 (columns quantized in order, each one's rounding error spread over the
 columns not yet quantized through the inverse Hessian's Cholesky factor).
 """
@@ -104,17 +105,32 @@ def fake_quant(w: torch.Tensor, grid: Grid) -> torch.Tensor:
     return rtn(w, grid).dequantize()
 
 
-def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20) -> torch.Tensor:
-    """AWQ: per input channel s = mean|x|^a (normalised so that max(s) * min(s) = 1), with a in
+def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20,
+               tie: torch.Tensor | None = None) -> torch.Tensor:
+    """AWQ: per input channel s = mean|x|^a / mean|w~|^(1 - a) (w~: each weight over its group's
+    largest magnitude; AutoAWQ's "duo" scales), normalised so that max(s) * min(s) = 1, with a in
     [0, 1) chosen on a grid of ``steps`` values to minimise ||x W^T - x (Q(W diag s) diag 1/s)^T||.
-    ``x`` [T, K] are the layer's inputs on calibration text. a = 0 (s = 1) is plain RTN, so the
-    result is never worse than RTN on these inputs."""
+    ``x`` [T, K] are the layer's inputs on calibration text. ``tie`` [K]: channels with the same
+    index share one scale (from their mean statistics), where the op the scale folds into has
+    fewer channels than the layer (o_proj's heads over their shared KV head's v_proj rows).
+    s = 1 (plain RTN) is tried too, so the result is never worse than RTN on these inputs."""
     w, x = w.float(), x.float()
+    N, K = w.shape
+    g = grid.group_size
     act = x.abs().mean(dim=0).clamp(min=1e-8)
+    wg = w.abs().view(N, K // g, g)
+    spread = (wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)).view(N, K).mean(dim=0).clamp(min=1e-4)
+    if tie is not None:
+        n = int(tie.max()) + 1
+        count = torch.zeros(n).index_add_(0, tie, torch.ones(K))
+        act = (torch.zeros(n).index_add_(0, tie, act) / count)[tie]
+        spread = (torch.zeros(n).index_add_(0, tie, spread) / count)[tie]
     ref = x @ w.t()
-    best, best_s = float("inf"), torch.ones_like(act)
+    ones = torch.ones_like(act)
+    best, best_s = (x @ fake_quant(w, grid).t() - ref).pow(2).mean().item(), ones
     for i in range(steps):
-        s = act.pow(i / steps)
+        a = i / steps
+        s = (act.pow(a) / spread.pow(1 - a)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         err = (x @ (fake_quant(w * s, grid) / s).t() - ref).pow(2).mean().item()
         if err < best:
