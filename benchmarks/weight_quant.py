@@ -313,7 +313,11 @@ def pack_as_gguf(llm, qtype: str) -> None:
 
 
 @section("engine")
-def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int):
+def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cache_memory: str | None = "40GiB",
+               max_num_seqs: int = 256):
+    """Batch-1 decode and offline throughput per format. ``kv_cache_memory`` None: the pool sized
+    from the memory the weights leave (the engine's default), so a smaller format holds more
+    sequences at once (with ``max_num_seqs`` raised to let it)."""
     from kvserve.bench.quality import teacher_forced_agreement
     run_requests = gpu_check.run_requests
     out = {}
@@ -328,7 +332,7 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int):
         elif name.endswith("+deq"):  # the dispatch before the weight-left GEMM was on
             kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
         t0 = time.perf_counter()
-        llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory="40GiB", max_num_seqs=256,
+        llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)
         if fmt.startswith("gguf-"):
             pack_as_gguf(llm, fmt.removeprefix("gguf-"))
@@ -422,6 +426,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="sections, comma-separated (default: the device's)")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--kv-cache-memory", default="40GiB",
+                    help="engine section: the KV pool, or 'auto' to size it from the memory the weights leave")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="engine section: sequences a step at most")
     ap.add_argument("--step-sweep", action="store_true", help="step section: time every tile of STEP_CONFIGS")
     ap.add_argument("--skinny-sweep", action="store_true", help="dispatch section: time SKINNY_CONFIGS' tiles")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="dispatch section: row counts, comma-separated")
@@ -442,7 +449,9 @@ def main():
     RESULTS["torch"] = torch.__version__
     sections = {"tests": run_tests, "step": lambda: run_step(args.step_sweep),
                 "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")], args.skinny_sweep),
-                "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows),
+                "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows,
+                                             None if args.kv_cache_memory == "auto" else args.kv_cache_memory,
+                                             args.max_num_seqs),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
                                        args.cpu_formats.split(","))}
