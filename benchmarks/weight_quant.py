@@ -47,6 +47,7 @@ from benchmarks import gpu_check  # noqa: E402
 from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import KernelConfig  # noqa: E402
+from kvserve.layers.quant_linear import cuda_product  # noqa: E402
 from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
 
 GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
@@ -85,10 +86,8 @@ def run_tests():
 
 def rule_choice(rows: int, kernel: KernelConfig, int4: bool) -> str:
     """What layers/quant_linear.py picks for Llama-3-8B's layers (every K a multiple of 128)."""
-    skinny_max = kernel.wq_int4_skinny_max_rows if int4 else kernel.wq_skinny_max_rows
-    if rows >= (skinny_max + 1 if int4 else kernel.wq_dequant_min_rows):
-        return "weight-left" if rows <= kernel.wq_weight_left_max_rows else "dequant+cuBLAS"
-    return "skinny" if rows <= skinny_max else "tiled"
+    how = cuda_product(rows, kernel, int4, wide=True)
+    return "dequant+cuBLAS" if how == "dequant" else how
 
 
 @section("dispatch")

@@ -51,6 +51,18 @@ _CPU_TILE_ROWS = 512  # rows of a group-wise int8 weight dequantized at a time o
 _CPU_DEQUANT_MIN_ROWS = 512
 
 
+def cuda_product(rows: int, kernel: KernelConfig, int4: bool, wide: bool) -> str:
+    """Which CUDA product a weight-only layer takes for ``rows`` rows of x (the module's table):
+    "skinny", "tiled", "weight-left" or "dequant". ``wide``: the weight-left GEMM's column step
+    divides the layer's K and group."""
+    if int4 and wide:  # no tiled GEMM
+        if rows <= kernel.wq_int4_skinny_max_rows:
+            return "skinny"
+    elif rows < kernel.wq_dequant_min_rows:
+        return "skinny" if rows <= kernel.wq_skinny_max_rows else "tiled"
+    return "weight-left" if wide and rows <= kernel.wq_weight_left_max_rows else "dequant"
+
+
 class QuantLinear(nn.Module):
     """``x @ dequant(W).T + bias`` with W packed for its device (see the module's docstring)."""
 
@@ -204,16 +216,14 @@ class QuantLinear(nn.Module):
 
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
         from kvserve.kernels import wq_gemm
-        rows, wide = x.shape[0], self._wide
         int4 = self.method == "int4"
-        skinny_max = kernel.wq_int4_skinny_max_rows if int4 and wide else kernel.wq_skinny_max_rows
-        if rows < (skinny_max + 1 if int4 and wide else kernel.wq_dequant_min_rows):
-            cfg = None
-            if rows > skinny_max:
-                cfg = wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features, self.in_features, int4)
+        how = cuda_product(x.shape[0], kernel, int4, self._wide)
+        if how in ("skinny", "tiled"):
+            cfg = None if how == "skinny" else wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
+                                                                      self.in_features, int4)
             return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg,
                                  pdl=kernel.pdl)
-        if wide and rows <= kernel.wq_weight_left_max_rows:
+        if how == "weight-left":
             return wq_gemm.wq_mm_wx(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
         w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
         return F.linear(x, w, self.bias)
