@@ -250,11 +250,11 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
             w = _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K, True, DOWN)
         else:
             w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, False, BLOCK_K, True)
-        if GROUPED and not INT4:
-            g = k0 // GROUP
-            w = w * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
-            if HAS_MIN:
-                w += tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+            if GROUPED:
+                g = k0 // GROUP
+                w = w * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
+                if HAS_MIN:
+                    w += tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
         x = tl.load(X + rm_safe[:, None] * stride_xm + k0 + rk[None, :])
         acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc, input_precision=PRECISION)
     if INT4 and DOWN != 0:
