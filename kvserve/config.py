@@ -224,6 +224,9 @@ class KernelConfig:
     # instead, which reads the packed weight only; dequantize-then-cuBLAS above, where the two
     # meet on an H100 (int8 at 512 rows, int4 at 256; BENCHMARKS.md, the large-batch tax).
     wq_weight_left_max_rows: int = 256
+    # The few-row and weight-left products split K over several programs where their tiles
+    # alone leave most multiprocessors idle (kernels/wq_gemm.py: ``split_k``); False: never.
+    wq_split_k: bool = True
     # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
     # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
     cpu_packed_weights: bool = True
@@ -236,7 +239,7 @@ class KernelConfig:
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
-        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "cpu_packed_weights", "cpu_compile"):
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "cpu_packed_weights", "cpu_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),

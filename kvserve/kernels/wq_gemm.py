@@ -20,6 +20,10 @@ row is FP8's, or a caller's explicit tile):
                  dtype and goes through ``tl.dot`` (the tensor cores idle either way).
     more         a tiled GEMM: programs over (N, M) tiles, the W tile dequantized in registers.
 
+A product whose tiles leave multiprocessors idle (few weight rows a program, few programs) splits
+K over several programs, each summing its part into a float32 slice that a second kernel adds
+up in a fixed order (``split_k``).
+
 ``dequantize`` writes a whole matrix back to x's dtype for the other large-batch choice,
 dequantize-then-cuBLAS. Which one a product takes is ``KernelConfig``'s rule (``layers/quant_linear``).
 
@@ -28,6 +32,8 @@ to [BLOCK_N, BLOCK_K / g, g] and meet one scale and one min per group; K is a mu
 tile past K is masked in whole groups (codes, x, scales and mins read as 0).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -131,12 +137,16 @@ def _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
                   INT4: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr,
                   GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    """``wq_mm``'s kernel. Program (n, m, s) sums K_TILES column steps from s K_TILES BLOCK_K on
+    into Y's slice s (split over K, ``split_k``); with one split, Y is the output."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_lo = pid_k * K_TILES * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: wide loads)
+    k_hi = tl.minimum(K, k_lo + K_TILES * BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N read row N - 1 (valid memory, results dropped): the weight loads stay unmasked.
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
@@ -144,7 +154,7 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     NG: tl.constexpr = BLOCK_K // GROUP
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, NG] if GROUPED else [BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(X + k0 + rk).to(tl.float32)
@@ -167,7 +177,7 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
         x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         DOWN: tl.constexpr = 0 if X.dtype.element_ty == tl.float16 else 49  # (_int4_tile)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             else:
@@ -195,7 +205,7 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)[None, :]
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    out = Y + rows[:, None] * stride_ym + rn[None, :]
+    out = Y + pid_k.to(tl.int64) * stride_ys + rows[:, None] * stride_ym + rn[None, :]
     tl.store(out, y.to(Y.dtype.element_ty), mask=(rows < M)[:, None] & (rn < N)[None, :])
 
 
@@ -221,7 +231,7 @@ def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
 
 
 @triton.jit
-def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
                   INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -231,8 +241,9 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     (and min) per row: a broadcast, no regrouping of the codes. Per-channel int8 codes go into
     the product as they are (exact in 16-bit floats) and the scale comes once at the end. The
     programs of one weight tile are adjacent in launch order (the M tiles vary fastest), so each
-    weight byte is read from memory about once; x is small and stays in L2."""
-    pid = tl.program_id(0)
+    weight byte is read from memory about once; x is small and stays in L2. Split over K as
+    ``_wq_mm_kernel`` (the split is the grid's second axis)."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % num_m, pid // num_m
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,7 +253,8 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     DOWN: tl.constexpr = 0 if X.dtype.element_ty == tl.float16 else 49  # (_int4_tile)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_TILES * BLOCK_K
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_TILES * BLOCK_K), BLOCK_K):
         if INT4:  # K % BLOCK_K == 0; one group a tile
             g = k0 // GROUP
             s = tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]
@@ -264,7 +276,7 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, stride_xm, stride_wn, stride_sn, st
     if HAS_BIAS:
         acc += tl.load(B + rn_safe).to(tl.float32)[:, None]
     y = tl.trans(acc)
-    out = Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    out = Y + pid_k.to(tl.int64) * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(out, y.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
@@ -291,24 +303,103 @@ def wx_block_k(qweight: torch.Tensor, group_size: int, K: int, block_k: int) -> 
 
 
 def wq_mm_wx(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
-             group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+             group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None,
+             split: bool = True) -> torch.Tensor:
     """``wq_mm``'s product by the weight-left GEMM (``_wq_wx_kernel``), for many rows of x; int8
-    and int4 weights whose K and group a column step of 16 or more divides (``wx_block_k``)."""
+    and int4 weights whose K and group a column step of 16 or more divides (``wx_block_k``).
+    ``split``: K split as ``split_k`` says (a config's ``SPLIT_K`` overrides it)."""
     N, K, int4 = _check(x, qweight, scales, mins, group_size)
     M = x.shape[0]
     cfg = dict(config or wx_config(x.shape[0]))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     block_k = wx_block_k(qweight, group_size, K, cfg.pop("BLOCK_K"))
     assert block_k, f"no column step divides K={K} and the group {group_size}"
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y
-    grid = (triton.cdiv(N, block_n) * triton.cdiv(M, block_m),)
-    _wq_wx_kernel[grid](x, qweight, scales, scales if mins is None else mins, bias if bias is not None else scales,
-                        y, M, N, K, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                        INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group_size or 1,
-                        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        PRECISION=dot_precision(x.dtype), **cfg)
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    parts, k_tiles = _parts(cfg, tiles, triton.cdiv(K, block_k), x, int4, split)
+    y, out, bias_in = _outputs(x, M, N, parts, bias)
+    _wq_wx_kernel[(tiles, parts)](x, qweight, scales, scales if mins is None else mins,
+                                  bias_in if bias_in is not None else scales,
+                                  out, M, N, K, k_tiles, x.stride(0), qweight.stride(0), scales.stride(0),
+                                  out.stride(-2), out.stride(0) if parts > 1 else 0,
+                                  INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None,
+                                  GROUP=group_size or 1, HAS_BIAS=bias_in is not None, BLOCK_M=block_m,
+                                  BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), **cfg)
+    return _sum_parts(out, bias, y) if parts > 1 else y
+
+
+# Split over K (``split_k``): a product whose tiles leave multiprocessors idle (Llama-3-8B's o and
+# down projections give 64 programs of 64 weight rows, on an H100's 132) has each program sum
+# only part of K into a float32 slice of its own; a second kernel adds the slices in a fixed order
+# (deterministic, unlike atomics), adds the bias and rounds once. Measured per projection on an
+# H100 (``benchmarks/weight_quant.py --only split``): doubling the parts until the programs fill
+# one wave came within about 5 us of the fastest split of every projection at 2 to 128 rows
+# (down at 48 rows: int4 113 -> 53 us, int8 135 -> 43). Past that the slices' traffic costs more
+# than the idle multiprocessors save: int8 lost at 256 rows, int4 (more instructions a weight)
+# still gained there.
+SPLIT_WAVES = 1  # programs wanted per multiprocessor before K is split no further
+SPLIT_MIN_TILES = 4  # column steps a part keeps at least
+SPLIT_MAX = 8
+SPLIT_MAX_ROWS = {False: 128, True: 256}  # rows of x up to which K is split: int8 / FP8, int4
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k(tiles: int, k_tiles: int, multiprocessors: int) -> int:
+    """How many parts a product's K is summed in: doubled from 1 while its ``tiles`` programs
+    times the parts stay under SPLIT_WAVES per multiprocessor and each part keeps
+    SPLIT_MIN_TILES of its ``k_tiles`` column steps, at most SPLIT_MAX."""
+    parts = 1
+    while (parts < SPLIT_MAX and tiles * parts < SPLIT_WAVES * multiprocessors
+           and k_tiles >= 2 * parts * SPLIT_MIN_TILES):
+        parts *= 2
+    return parts
+
+
+def _parts(cfg: dict, tiles: int, k_tiles: int, x: torch.Tensor, int4: bool, split: bool) -> tuple[int, int]:
+    """(parts, column steps a part) for a product: the config's ``SPLIT_K`` (popped) if it has
+    one, else ``split_k``'s on CUDA where ``split`` and x has at most SPLIT_MAX_ROWS rows, else
+    one part."""
+    parts = cfg.pop("SPLIT_K", None)
+    if parts is None:
+        ok = split and x.device.type == "cuda" and x.shape[0] <= SPLIT_MAX_ROWS[int4]
+        parts = split_k(tiles, k_tiles, _multiprocessors(x.device)) if ok else 1
+    per = triton.cdiv(k_tiles, max(1, min(parts, k_tiles)))
+    return triton.cdiv(k_tiles, per), per
+
+
+def _outputs(x: torch.Tensor, M: int, N: int, parts: int, bias: torch.Tensor | None):
+    """(y, what the kernel writes, the bias it adds): with parts, float32 slices [parts, M, N]
+    and no bias (``_sum_parts`` adds it)."""
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if parts == 1:
+        return y, y, bias
+    assert parts * M * N < 2**31, "the slices are indexed in 32 bits (``_sum_parts_kernel``)"
+    return y, torch.empty(parts, M, N, dtype=torch.float32, device=x.device), None
+
+
+@triton.jit
+def _sum_parts_kernel(P, B, Y, MN, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(P + offs, mask=ok, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        acc += tl.load(P + p * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _sum_parts(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = the parts' sum (+ bias), rounded once to y's dtype."""
+    P, M, N = parts.shape
+    block = 1024
+    _sum_parts_kernel[(triton.cdiv(M * N, block),)](parts, bias if bias is not None else parts, y, M * N, N,
+                                                    PARTS=P, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 
 
@@ -358,13 +449,14 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
           group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None,
-          pdl: bool = True) -> torch.Tensor:
+          pdl: bool = True, split: bool = True) -> torch.Tensor:
     """x [M, K] times the dequantized weight's transpose -> [M, N] in x's dtype. ``qweight``: int8
     [N, K] with ``scales`` [N] (``group_size`` 0) or [N, K/g] (and optional ``mins``), or uint8
     [N, K/2] (int4) with ``scales``/``mins`` [N, K/g];
     ``config``: the tile (None: ``default_config``, or ``wq_gemv``'s for one row of a format it
     takes; a config with ``KIND`` is ``wq_gemv``'s); ``pdl``: programmatic dependent launch
-    where the GPU has it (one-row kernel)."""
+    where the GPU has it (one-row kernel); ``split``: K split over several programs where the
+    tiles alone leave the GPU idle (``split_k``; a config's ``SPLIT_K`` overrides it)."""
     N, K, int4 = _check(x, qweight, scales, mins, group_size)
     M = x.shape[0]
     if bias is not None:
@@ -373,24 +465,30 @@ def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: to
         return wq_gemv.wq_gemv(x, qweight, scales, mins, group_size, bias, N, K, int4, config, pdl)
     assert config is None or "KIND" not in config, \
         "a one-row config (KIND) takes one row of int8 or int4; this product has other rows or FP8 codes"
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = dict(config or default_config(M, N, K, int4))
     block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     assert block_m == 1 or block_m >= 16, "BLOCK_M: 1 (the elementwise path) or a tl.dot tile of 16+"
     group = group_size or 1
     block_k = max(group, min(block_k, triton.next_power_of_2(K)))
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    if block_m == 1:  # (one row of FP8 or a caller's tile: K in one part)
+        cfg.pop("SPLIT_K", None)
+        parts, k_tiles = 1, triton.cdiv(K, block_k)
+    else:
+        parts, k_tiles = _parts(cfg, grid[0] * grid[1], triton.cdiv(K, block_k), x, int4, split)
+    y, out, bias_in = _outputs(x, M, N, parts, bias)
     fp8 = qweight.dtype == torch.float8_e4m3fn
-    _wq_mm_kernel[grid](x, qweight.view(torch.uint8) if fp8 else qweight, scales, scales if mins is None else mins,
-                        bias if bias is not None else scales, y,
-                        M, N, K, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                        INT4=int4, FP8=fp8, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group,
-                        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        PRECISION=dot_precision(x.dtype), **cfg)
-    return y
+    _wq_mm_kernel[(*grid, parts)](x, qweight.view(torch.uint8) if fp8 else qweight, scales,
+                                  scales if mins is None else mins, bias_in if bias_in is not None else scales, out,
+                                  M, N, K, k_tiles, x.stride(0), qweight.stride(0), scales.stride(0),
+                                  out.stride(-2), out.stride(0) if parts > 1 else 0,
+                                  INT4=int4, FP8=fp8, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group,
+                                  HAS_BIAS=bias_in is not None, EVEN_K=K % block_k == 0,
+                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  PRECISION=dot_precision(x.dtype), **cfg)
+    return _sum_parts(out, bias, y) if parts > 1 else y
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,

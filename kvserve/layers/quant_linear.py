@@ -12,7 +12,9 @@ product, never to a whole matrix at rest.
                                                  in steps of 128)
               otherwise                          dequantize to x's dtype, then cuBLAS
           int4 in groups of 128 or more skips the tiled GEMM: the skinny kernel up to
-          ``wq_int4_skinny_max_rows``, then the weight-left GEMM. (At large batches a product
+          ``wq_int4_skinny_max_rows``, then the weight-left GEMM. The skinny, tiled and
+          weight-left products split K over programs where their tiles alone leave the GPU
+          idle (``KernelConfig.wq_split_k``, ``wq_gemm.split_k``). (At large batches a product
           is bound by compute, and cuBLAS's bf16 GEMM beats a Triton GEMM that unpacks; the
           extra pass over the weight is small beside it.)
     CPU   PyTorch's packed CPU kernels: ``_weight_int8pack_mm`` (int8 [N, K], scale [N]) and
@@ -222,9 +224,10 @@ class QuantLinear(nn.Module):
             cfg = None if how == "skinny" else wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
                                                                       self.in_features, int4)
             return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg,
-                                 pdl=kernel.pdl)
+                                 pdl=kernel.pdl, split=kernel.wq_split_k)
         if how == "weight-left":
-            return wq_gemm.wq_mm_wx(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+            return wq_gemm.wq_mm_wx(x, self.qweight, self.scales, self.mins, self.group_size, self.bias,
+                                    split=kernel.wq_split_k)
         w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
         return F.linear(x, w, self.bias)
 

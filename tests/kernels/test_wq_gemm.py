@@ -21,6 +21,9 @@ pytest.importorskip("triton")
 
 from kernelutil import needs_cuda  # noqa: E402
 
+from kvserve.config import KernelConfig  # noqa: E402
+from kvserve.errors import ConfigError  # noqa: E402
+from kvserve.kernels import wq_gemm  # noqa: E402
 from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm, wq_mm_ref, wq_mm_wx, wx_block_k  # noqa: E402
 from kvserve.layers.fp8_linear import quantize_rows  # noqa: E402
 from kvserve.layers.rtn import quantize_int4, quantize_int8  # noqa: E402
@@ -167,6 +170,46 @@ def test_weight_left_gemm(method, group, M, N, device):
     ref = wq_mm_ref(x, *packed, bias=b)
     assert y.shape == (M, N) and not y.isnan().any()
     assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("method,group", FORMATS)
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_split_over_k(method, group, parts, device):
+    """K summed in parts, each into its own float32 slice, then added and rounded once with the
+    bias: the skinny and tiled shapes and the weight-left GEMM, against the reference. Five
+    column steps make parts of 3 + 2, 2 + 2 + 1, and 8 parts become 5 of one step each; the
+    per-channel K (600) ends in a partial step, masked."""
+    K = 600 if group == 0 else 640
+    cfgs = [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}, 5),
+            ({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}, 45)]
+    for dtype in (torch.float32, torch.float16):
+        for cfg, M in cfgs:
+            x, packed, b = _case(M, 40, K, method, group, dtype, device, seed=M + parts + group, bias=True)
+            ref = wq_mm_ref(x, *packed, bias=b)
+            ys = [wq_mm(x, *packed, bias=b, config={**cfg, "SPLIT_K": parts})]
+            if method != "fp8" and wx_block_k(packed[0], group, K, 128):
+                ys.append(wq_mm_wx(x, *packed, bias=b, config={**cfg, "SPLIT_K": parts}))
+            for y in ys:
+                assert y.shape == (M, 40) and y.dtype == dtype and not y.isnan().any()
+                assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+
+
+def test_split_rule():
+    """``split_k``: no split where the tiles fill the GPU; otherwise doubled, never past
+    SPLIT_MAX, each part keeping SPLIT_MIN_TILES column steps; more parts for fewer tiles."""
+    sms = 132
+    assert wq_gemm.split_k(2 * sms, 1000, sms) == 1
+    assert wq_gemm.split_k(1, 1000, sms) == wq_gemm.SPLIT_MAX
+    assert wq_gemm.split_k(8, 2 * wq_gemm.SPLIT_MIN_TILES - 1, sms) == 1
+    for tiles in (1, 16, 64, 96, 200, 448):
+        for k_tiles in (4, 16, 32, 56, 112):
+            parts = wq_gemm.split_k(tiles, k_tiles, sms)
+            assert parts & (parts - 1) == 0 and parts <= wq_gemm.SPLIT_MAX
+            assert parts == 1 or (k_tiles // parts >= wq_gemm.SPLIT_MIN_TILES
+                                  and tiles * parts // 2 < wq_gemm.SPLIT_WAVES * sms)
+            assert parts >= wq_gemm.split_k(2 * tiles, k_tiles, sms)
+    with pytest.raises(ConfigError, match="wq_split_k"):
+        KernelConfig(wq_split_k="no")
 
 
 def test_weight_left_gemm_column_step():
