@@ -19,6 +19,8 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
             the decoded tokens (CUDA graphs, skinny kernels) checked against one prefill of
             prompt + output (eager, the large-batch path): the share it ranks first;
             ``--formats`` picks them, "+wl" for the weight-left GEMM at large batches
+  split     each projection through the product the rule picks, K summed in 1, 2, 4 or 8
+            parts, against bf16 and ``wq_gemm.split_k``'s choice
   peer      PyTorch's weight-only path as gpt-fast uses it (weight_quant_peer.py): a plain
             Llama of the same shape, decode step under torch.compile, bf16 / int8 / int4 g128
 CPU sections (the default model, SmolLM2-135M, float32 activations):
@@ -157,6 +159,86 @@ def run_dispatch(rows_measured: list[int], skinny_sweep: bool = False):
         TABLE.append(f"  measured rule: skinny up to {skinny_max} rows, dequant+cuBLAS from {deq_min} "
                      f"(KernelConfig: {kernel.wq_skinny_max_rows}, {kernel.wq_dequant_min_rows})")
         print("\n".join(TABLE[-len(rows_measured) - 2:]), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+@section("split")
+def run_split(rows_measured: list[int]):
+    """Each projection at each row count through the product the engine's rule picks (skinny,
+    tiled or weight-left, at its default tile), its K summed in 1, 2, 4 or 8 parts, against bf16
+    and the parts ``wq_gemm.split_k`` chooses: microseconds per projection (ten in a CUDA graph)
+    and per layer."""
+    import torch.nn.functional as F
+
+    from kvserve.kernels import wq_gemm
+    from kvserve.kernels.gemv import MAX_ROWS, gemv
+    from kvserve.layers.rtn import quantize_int4, quantize_int8
+    kernel = KernelConfig()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for fmt in ("int8", "int4-g128"):
+        int4 = fmt != "int8"
+        res = {r: {} for r in rows_measured}
+        for shape, (N, K) in SHAPES.items():
+            w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+            if int4:
+                packed = (*quantize_int4(w, 128, torch.bfloat16), 128)
+            else:
+                packed = (*quantize_int8(w, torch.bfloat16), None, 0)
+            l2 = 2 * torch.cuda.get_device_properties(0).L2_cache_size
+            size = sum(t.numel() * t.element_size() for t in packed if isinstance(t, torch.Tensor))
+            packs = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in packed)
+                     for _ in range(min(16, -(-l2 // size)))]
+            dense = [w.clone() for _ in range(min(16, -(-l2 // (w.numel() * 2))))]
+            for r in rows_measured:
+                how = cuda_product(r, kernel, int4, wide=True)
+                if how == "dequant" or r == 1:
+                    continue
+                x = torch.randn(r, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+                if how == "weight-left":
+                    cfg = wq_gemm.wx_config(r)
+                    tiles = triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(r, cfg["BLOCK_M"])
+                    k_tiles = K // wq_gemm.WX_BLOCK_K
+                    product = wq_gemm.wq_mm_wx
+                else:
+                    cfg = wq_gemm.default_config(r if how == "skinny" else wq_gemm.MAX_SKINNY_ROWS + 1, N, K, int4)
+                    tiles = triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(r, cfg["BLOCK_M"])
+                    k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+                    product = wq_gemm.wq_mm
+
+                # In a CUDA graph, as the engine's steps run (the host time of the launches,
+                # which a second kernel doubles, is not the GPU's), over copies of the weight
+                # that together outgrow L2, as 32 layers' weights do.
+                def run(parts, product=product, cfg=cfg):
+                    for p in packs:
+                        product(x, *p, config={**cfg, "SPLIT_K": parts})
+                times = {p: graph_time(lambda p=p: run(p)) / len(packs) * 1e6 for p in (1, 2, 4, 8)}
+                bf16 = graph_time(lambda: [F.linear(x, v) for v in dense]) / len(dense)
+                if r <= MAX_ROWS:
+                    bf16 = min(bf16, graph_time(lambda: [gemv(x, v) for v in dense]) / len(dense))
+                res[r][shape] = {"product": how, "tiles": tiles, "k_tiles": k_tiles, "bf16": bf16 * 1e6,
+                                 "parts_us": times,
+                                 "rule_parts": wq_gemm.split_k(tiles, k_tiles, sms)
+                                 if r <= wq_gemm.SPLIT_MAX_ROWS[int4] else 1}
+            packs = dense = None  # (freed before the next shape's)
+        TABLE.append(f"split {fmt}: rows | projection | product | tiles | bf16 us | K in 1 / 2 / 4 / 8 parts, us | "
+                     f"rule's parts")
+        for r in rows_measured:
+            for shape, d in res[r].items():
+                cells = " / ".join(f"{d['parts_us'][p]:6.1f}" for p in (1, 2, 4, 8))
+                TABLE.append(f"  {r:4d} | {shape:7s} | {d['product']:11s} | {d['tiles']:4d} | {d['bf16']:6.1f} | "
+                             f"{cells} | {d['rule_parts']}")
+            if res[r]:
+                one = sum(d["parts_us"][1] for d in res[r].values())
+                rule = sum(d["parts_us"][d["rule_parts"]] for d in res[r].values())
+                best = sum(min(d["parts_us"].values()) for d in res[r].values())
+                bf = sum(d["bf16"] for d in res[r].values())
+                TABLE.append(f"  {r:4d} | layer   | bf16 {bf:6.1f} | one part {one:6.1f} | rule {rule:6.1f} "
+                             f"({bf / rule:.2f}x bf16) | best {best:6.1f}")
+        out[fmt] = {str(r): v for r, v in res.items()}
+        print("\n".join(TABLE[-(len(rows_measured) * 5 + 1):]), flush=True)
         torch.cuda.empty_cache()
     return out
 
@@ -324,9 +406,11 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
     decode_prompt = [rng.randrange(128000) for _ in range(512)]
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
     for name in formats:
-        fmt = name.removesuffix("+wl").removesuffix("+deq")
+        fmt = name.removesuffix("+wl").removesuffix("+deq").removesuffix("+nosplit")
         kw = dict(GPU_FORMATS[fmt])
-        if name.endswith("+wl"):
+        if name.endswith("+nosplit"):
+            kw["kernel"] = KernelConfig(wq_split_k=False)
+        elif name.endswith("+wl"):
             kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
         elif name.endswith("+deq"):  # the dispatch before the weight-left GEMM was on
             kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
@@ -451,6 +535,7 @@ def main():
                 "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows,
                                              None if args.kv_cache_memory == "auto" else args.kv_cache_memory,
                                              args.max_num_seqs),
+                "split": lambda: run_split([int(r) for r in args.rows.split(",")]),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
                                        args.cpu_formats.split(","))}
