@@ -214,8 +214,9 @@ class KernelConfig:
     # the skinny kernel, from ``wq_dequant_min_rows`` on dequantize-then-cuBLAS, the tiled GEMM
     # with in-register dequantization between. int4 in groups of 128 or more skips the tiled GEMM,
     # which its unpacking makes the slowest there: the skinny kernel up to
-    # ``wq_int4_skinny_max_rows`` rows, then the weight-left GEMM (H100: 0.70x bf16 offline at 48
-    # requests against 0.57x; int8 is faster with the tiled GEMM between, 0.75x against 0.70x).
+    # ``wq_int4_skinny_max_rows`` rows, then the weight-left GEMM (one H100, offline at 48 requests,
+    # before K was split: int4 0.70x bf16 this way, 0.57x through the tiled GEMM; int8 faster with
+    # the tiled GEMM between, 0.75x against 0.70x).
     wq_skinny_max_rows: int = 16
     wq_dequant_min_rows: int = 64
     wq_int4_skinny_max_rows: int = 32
