@@ -19,6 +19,8 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
             the decoded tokens (CUDA graphs, skinny kernels) checked against one prefill of
             prompt + output (eager, the large-batch path): the share it ranks first;
             ``--formats`` picks them, "+wl" for the weight-left GEMM at large batches
+  prefill   one 8,192-token prompt per format (``--formats``): ms, TFLOP/s, and the share of
+            the same run's dense GEMM ceiling (bf16's; FP8's for fp8)
   split     each projection through the product the rule picks, K summed in 1, 2, 4 or 8
             parts, against bf16 and ``wq_gemm.split_k``'s choice
   peer      PyTorch's weight-only path as gpt-fast uses it (weight_quant_peer.py): a plain
@@ -448,6 +450,60 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
     return out
 
 
+def gemm_ceiling(dtype: str, n: int = 8192) -> float:
+    """FLOP/s of a dense n^3 product on this GPU: bf16 through torch.matmul, fp8 through
+    torch._scaled_mm with a scale per row of each operand and bf16 out, as an FP8 layer runs it."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if dtype == "fp8":
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        t = bench(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    else:
+        t = bench(lambda: a @ b)
+    return 2 * n ** 3 / t
+
+
+@section("prefill")
+def run_prefill(formats: list[str]):
+    """One 8,192-token prompt's prefill per format (the median of three, each a fresh prompt: no
+    prefix-cache hits), its model FLOPs (every token through the decoder layers, causal
+    attention, the last row through the head) per second, and that over the same run's dense
+    GEMM ceilings: bf16's, and FP8's for the fp8 format (W8A8)."""
+    run_requests = gpu_check.run_requests
+    ceil = {"bf16": gemm_ceiling("bf16"), "fp8": gemm_ceiling("fp8")}
+    TABLE.append(f"dense GEMM ceilings, 8192^3: bf16 {ceil['bf16'] / 1e12:.0f} TFLOP/s, "
+                 f"fp8 {ceil['fp8'] / 1e12:.0f} TFLOP/s")
+    out = {"ceilings_tflops": {k: v / 1e12 for k, v in ceil.items()}}
+    T = 8192
+    rng = random.Random(3)
+    for name in formats:
+        llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory="16GiB", max_num_seqs=16,
+                  max_num_batched_tokens=T, max_model_len=T + 16, show_progress=False, **GPU_FORMATS[name])
+        a = llm.engine.arch
+        per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim \
+            + a.num_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+        flops = (2 * a.num_layers * per_layer * T + 2 * a.vocab_size * a.hidden_size
+                 + 2 * 2 * a.num_layers * a.num_heads * a.head_dim * T * T / 2)
+        fresh = lambda: [rng.randrange(128000) for _ in range(T)]  # noqa: E731
+        run_requests(llm, [fresh()], 1)  # warm
+        t = sorted(run_requests(llm, [fresh()], 1)["seconds"] for _ in range(3))[1]
+        peak = ceil["fp8" if name == "fp8" else "bf16"]
+        out[name] = {"seconds": t, "tflops": flops / t / 1e12, "of_ceiling": flops / t / peak,
+                     "of_bf16_ceiling": flops / t / ceil["bf16"]}
+        print(f"prefill {name}: {out[name]}", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = out.get("bf16")
+    TABLE.append("prefill, one 8,192-token prompt: format | ms | TFLOP/s | of its GEMM ceiling | x bf16's time")
+    for name in formats:
+        r = out[name]
+        TABLE.append(f"  {name:10s} | {r['seconds'] * 1e3:6.1f} | {r['tflops']:5.0f} | {r['of_ceiling']:.1%} | "
+                     + (f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"))
+    return out
+
+
 @section("peer")
 def run_peer():
     from benchmarks.weight_quant_peer import decode_tok_s
@@ -536,6 +592,7 @@ def main():
                                              None if args.kv_cache_memory == "auto" else args.kv_cache_memory,
                                              args.max_num_seqs),
                 "split": lambda: run_split([int(r) for r in args.rows.split(",")]),
+                "prefill": lambda: run_prefill(args.formats.split(",")),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
                                        args.cpu_formats.split(","))}
