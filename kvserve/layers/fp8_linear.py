@@ -8,7 +8,8 @@ to e4m3 per token at run time, one ``torch._scaled_mm`` for the product.
 448 is e4m3's largest finite value, so the largest element of a row or channel lands on it and
 nothing saturates. ``_scaled_mm`` takes these row-wise scales on Hopper (bfloat16 out) and on
 the CPU in PyTorch 2.13; elsewhere the layer multiplies the dequantized operands in x's dtype
-(``fp8_mm_ref``, the same math) so every device runs it.
+(``fp8_mm_ref``, the same math) so every device runs it. On CUDA the activations are quantized in
+one kernel (``kernels/fp8_quant.py``, the same numbers as ``quantize_rows``).
 
 On a GPU a product of few rows (decode steps, up to the kernel config's ``wq_skinny_max_rows``)
 reads each weight once and does little arithmetic: there the e4m3 weights meet the activations
@@ -77,7 +78,11 @@ class Fp8Linear(nn.Module):
             y = wq_mm(x.contiguous(), self.qweight, self.wscale, bias=self.bias)
             return y.view(*shape[:-1], self.out_features)
         if scaled_mm_supported(x.device, x.dtype):
-            qx, sx = quantize_rows(x)
+            if kernels.available(x):  # one kernel instead of six passes over x
+                from kvserve.kernels.fp8_quant import quantize_rows as quantize_rows_cuda
+                qx, sx = quantize_rows_cuda(x.contiguous())
+            else:
+                qx, sx = quantize_rows(x)
             y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx, scale_b=self.wscale.view(1, -1),
                                  out_dtype=x.dtype)
         else:
