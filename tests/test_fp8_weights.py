@@ -20,6 +20,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import QuantConfig
 from kvserve.errors import ConfigError
+from kvserve.layers import fp8_linear
 from kvserve.layers.fp8_linear import E4M3_MAX, Fp8Linear, fp8_mm_ref
 from kvserve.layers.linear import Linear
 from kvserve.layers.quant_linear import quantize_model
@@ -28,7 +29,13 @@ HELDOUT = os.path.join(os.path.dirname(__file__), "data", "heldout_en.txt")
 
 
 @pytest.mark.parametrize("M,bias", [(1, False), (7, True), (130, False)])
-def test_layer_equals_reference(M, bias):
+@pytest.mark.parametrize("scaled_mm", ["this PyTorch's", "none"])
+def test_layer_equals_reference(M, bias, scaled_mm, monkeypatch):
+    """The layer on the CPU against the reference: through ``_scaled_mm`` where this PyTorch's CPU
+    build takes row-wise scales, and through the dequantized product where it does not (2.11's,
+    forced here with "none")."""
+    if scaled_mm == "none":
+        monkeypatch.setattr(fp8_linear, "cpu_rowwise_scaled_mm", lambda: False)
     g = torch.Generator().manual_seed(M)
     N, K = 96, 576
     lin = Linear(K, N, bias=bias)

@@ -7,9 +7,10 @@ to e4m3 per token at run time, one ``torch._scaled_mm`` for the product.
 
 448 is e4m3's largest finite value, so the largest element of a row or channel lands on it and
 nothing saturates. ``_scaled_mm`` takes these row-wise scales on Hopper (bfloat16 out) and on
-the CPU in PyTorch 2.13; elsewhere the layer multiplies the dequantized operands in x's dtype
-(``fp8_mm_ref``, the same math) so every device runs it. On CUDA the activations are quantized in
-one kernel (``kernels/fp8_quant.py``, the same numbers as ``quantize_rows``).
+the CPU in PyTorch 2.13 (older CPU builds take one scale per tensor); elsewhere the layer
+multiplies the dequantized operands in x's dtype (``fp8_mm_ref``, the same math) so every
+device runs it. On CUDA the activations are quantized in one kernel (``kernels/fp8_quant.py``,
+the same numbers as ``quantize_rows``).
 
 On a GPU a product of few rows (decode steps, up to the kernel config's ``wq_skinny_max_rows``)
 reads each weight once and does little arithmetic: there the e4m3 weights meet the activations
@@ -17,6 +18,8 @@ unquantized (W8A16) in the kernel of the other weight-only formats (``kernels/wq
 decodes them in registers; more rows take ``_scaled_mm``.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -43,12 +46,26 @@ def fp8_mm_ref(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
 
 
 def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``_scaled_mm`` takes row-wise scales here: the CPU, or a CUDA GPU of compute
-    capability 9.0+ with bfloat16 out."""
+    """Whether ``_scaled_mm`` takes row-wise scales here: the CPU where this PyTorch's does
+    (``cpu_rowwise_scaled_mm``), or a CUDA GPU of compute capability 9.0+ with bfloat16 out."""
     if device.type == "cpu":
-        return True
+        return cpu_rowwise_scaled_mm()
     return (device.type == "cuda" and dtype == torch.bfloat16
             and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+@functools.cache
+def cpu_rowwise_scaled_mm() -> bool:
+    """This PyTorch's CPU ``_scaled_mm`` takes a scale per row of each operand (2.13 does; 2.11's
+    takes one scale per tensor and fails an internal assert otherwise): tried once, on a tiny
+    product."""
+    a = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class Fp8Linear(nn.Module):
