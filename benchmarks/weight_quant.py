@@ -222,8 +222,7 @@ def run_split(rows_measured: list[int]):
                     bf16 = min(bf16, graph_time(lambda: [gemv(x, v) for v in dense]) / len(dense))
                 res[r][shape] = {"product": how, "tiles": tiles, "k_tiles": k_tiles, "bf16": bf16 * 1e6,
                                  "parts_us": times,
-                                 "rule_parts": wq_gemm.split_k(tiles, k_tiles, sms)
-                                 if r <= wq_gemm.SPLIT_MAX_ROWS[int4] else 1}
+                                 "rule_parts": wq_gemm.split_k(tiles, k_tiles, sms, r, int4)}
             packs = dense = None  # (freed before the next shape's)
         TABLE.append(f"split {fmt}: rows | projection | product | tiles | bf16 us | K in 1 / 2 / 4 / 8 parts, us | "
                      f"rule's parts")

@@ -349,10 +349,13 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k(tiles: int, k_tiles: int, multiprocessors: int) -> int:
-    """How many parts a product's K is summed in: doubled from 1 while its ``tiles`` programs
-    times the parts stay under SPLIT_WAVES per multiprocessor and each part keeps
-    SPLIT_MIN_TILES of its ``k_tiles`` column steps, at most SPLIT_MAX."""
+def split_k(tiles: int, k_tiles: int, multiprocessors: int, rows: int, int4: bool) -> int:
+    """How many parts a product of ``rows`` rows of x is summed in: one past SPLIT_MAX_ROWS;
+    else doubled from 1 while its ``tiles`` programs times the parts stay under SPLIT_WAVES per
+    multiprocessor and each part keeps SPLIT_MIN_TILES of its ``k_tiles`` column steps, at most
+    SPLIT_MAX."""
+    if rows > SPLIT_MAX_ROWS[int4]:
+        return 1
     parts = 1
     while (parts < SPLIT_MAX and tiles * parts < SPLIT_WAVES * multiprocessors
            and k_tiles >= 2 * parts * SPLIT_MIN_TILES):
@@ -362,12 +365,11 @@ def split_k(tiles: int, k_tiles: int, multiprocessors: int) -> int:
 
 def _parts(cfg: dict, tiles: int, k_tiles: int, x: torch.Tensor, int4: bool, split: bool) -> tuple[int, int]:
     """(parts, column steps a part) for a product: the config's ``SPLIT_K`` (popped) if it has
-    one, else ``split_k``'s on CUDA where ``split`` and x has at most SPLIT_MAX_ROWS rows, else
-    one part."""
+    one, else ``split_k``'s on CUDA where ``split``, else one part."""
     parts = cfg.pop("SPLIT_K", None)
     if parts is None:
-        ok = split and x.device.type == "cuda" and x.shape[0] <= SPLIT_MAX_ROWS[int4]
-        parts = split_k(tiles, k_tiles, _multiprocessors(x.device)) if ok else 1
+        ok = split and x.device.type == "cuda"
+        parts = split_k(tiles, k_tiles, _multiprocessors(x.device), x.shape[0], int4) if ok else 1
     per = triton.cdiv(k_tiles, max(1, min(parts, k_tiles)))
     return triton.cdiv(k_tiles, per), per
 

@@ -195,19 +195,23 @@ def test_split_over_k(method, group, parts, device):
 
 
 def test_split_rule():
-    """``split_k``: no split where the tiles fill the GPU; otherwise doubled, never past
-    SPLIT_MAX, each part keeping SPLIT_MIN_TILES column steps; more parts for fewer tiles."""
+    """``split_k``: no split where the tiles fill the GPU or x has more rows than SPLIT_MAX_ROWS
+    (int8's and int4's own); otherwise doubled, never past SPLIT_MAX, each part keeping
+    SPLIT_MIN_TILES column steps; more parts for fewer tiles."""
     sms = 132
-    assert wq_gemm.split_k(2 * sms, 1000, sms) == 1
-    assert wq_gemm.split_k(1, 1000, sms) == wq_gemm.SPLIT_MAX
-    assert wq_gemm.split_k(8, 2 * wq_gemm.SPLIT_MIN_TILES - 1, sms) == 1
+    for int4, rows in wq_gemm.SPLIT_MAX_ROWS.items():
+        assert wq_gemm.split_k(1, 1000, sms, rows, int4) == wq_gemm.SPLIT_MAX
+        assert wq_gemm.split_k(1, 1000, sms, rows + 1, int4) == 1
+    assert wq_gemm.split_k(2 * sms, 1000, sms, 16, False) == 1
+    assert wq_gemm.split_k(1, 1000, sms, 16, False) == wq_gemm.SPLIT_MAX
+    assert wq_gemm.split_k(8, 2 * wq_gemm.SPLIT_MIN_TILES - 1, sms, 16, False) == 1
     for tiles in (1, 16, 64, 96, 200, 448):
         for k_tiles in (4, 16, 32, 56, 112):
-            parts = wq_gemm.split_k(tiles, k_tiles, sms)
+            parts = wq_gemm.split_k(tiles, k_tiles, sms, 16, False)
             assert parts & (parts - 1) == 0 and parts <= wq_gemm.SPLIT_MAX
             assert parts == 1 or (k_tiles // parts >= wq_gemm.SPLIT_MIN_TILES
                                   and tiles * parts // 2 < wq_gemm.SPLIT_WAVES * sms)
-            assert parts >= wq_gemm.split_k(2 * tiles, k_tiles, sms)
+            assert parts >= wq_gemm.split_k(2 * tiles, k_tiles, sms, 16, False)
     with pytest.raises(ConfigError, match="wq_split_k"):
         KernelConfig(wq_split_k="no")
 
