@@ -5,8 +5,9 @@ run.
 
 Both decode the same prompts greedily (64 new tokens each, EOS ignored), one request at a time:
 kvserve in each configuration ``--sides`` names (default: ``auto``, what a plain ``LLM(path)``
-runs; ``float32``; a side ``DTYPE+QUANT``, e.g. ``auto+none``, also sets ``quantization``, and
-``+compile`` compiles the model for small steps, ``KernelConfig(cpu_compile=True)``),
+runs, its one-sequence steps compiled where that applies; ``float32``; a side ``DTYPE+QUANT``,
+e.g. ``auto+none``, also sets ``quantization``, and ``+eager`` keeps every step eager,
+``KernelConfig(cpu_compile=False)``),
 llama.cpp on the file's own blocks with ``--threads`` threads (default: torch's thread count,
 which kvserve uses). The sides alternate, prompt by prompt, ``--repeats`` rounds; the median of
 each side's tokens per second (new tokens over the whole request, prompt included) is
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     ap.add_argument("--sides", default="auto,float32",
                     help="kvserve's sides, comma-separated: a dtype, or DTYPE+QUANTIZATION (e.g. auto+none), "
-                         "+compile to compile the model for small steps (e.g. auto+compile)")
+                         "+eager to keep every step eager (e.g. auto+eager)")
     ap.add_argument("--batch", type=int, default=16, help="requests at once on each kvserve side (0: skip)")
     ap.add_argument("--prefill-tokens", type=int, default=1000,
                     help="time to the first token of a held-out prompt this long, every side (0: skip)")
@@ -63,11 +64,10 @@ def main() -> None:
     engines, about = {}, {}
     for side in a.sides.split(","):
         d, *rest = side.split("+")
-        compiled = "compile" in rest
-        q = next((r for r in rest if r != "compile"), None)
+        q = next((r for r in rest if r != "eager"), None)
         llm = LLM(path, dtype=d, quantization=q, show_progress=False, kv_cache_memory="256MiB",
                   max_model_len=max(2048, a.perplexity_tokens + 1, a.prefill_tokens + 1),
-                  kernel=KernelConfig(cpu_compile=compiled))
+                  kernel=KernelConfig(cpu_compile=False if "eager" in rest else None))
         rt = llm.engine.runner
         engines[side] = llm
         about[side] = {"dtype": str(rt.dtype).removeprefix("torch."), "gguf_tensors_packed": len(rt.packed_weights),

@@ -233,16 +233,20 @@ class KernelConfig:
     cpu_packed_weights: bool = True
     # CPU: one-token steps (one sequence decoding) run the model compiled by torch.compile
     # (inductor fuses the norms, residuals, RoPE and activations between the products), compiled
-    # at start-up (engine/cpu_compile.py); larger steps stay eager. Models with quantized
-    # projections only: a float model runs eagerly (and says why).
-    cpu_compile: bool = False
+    # at start-up (engine/cpu_compile.py); larger steps stay eager. None (the default): wherever
+    # it applies (quantized projections, the torch attention backend, neither sleep mode nor
+    # tensor parallelism, not enforce_eager, KVSERVE_CPU_COMPILE not 0), eagerly elsewhere; True:
+    # insisted on (settings it cannot work with are refused, a float model says why it runs
+    # eagerly); False: never.
+    cpu_compile: bool | None = None
 
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
         for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "cpu_packed_weights", "cpu_compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
+            if not isinstance(getattr(self, name), bool) and not (name == "cpu_compile" and self.cpu_compile is None):
+                allowed = "True, False or None" if name == "cpu_compile" else "True or False"
+                raise ConfigError(name, f"must be {allowed}, got {getattr(self, name)!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
                              ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
                              ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),

