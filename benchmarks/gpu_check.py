@@ -221,7 +221,8 @@ def run_requests(llm, prompts, max_tokens) -> dict:
     for i, p in enumerate(prompts):
         eng.add_request(f"{base}{i}", {"prompt_token_ids": p}, params)
     torch.cuda.synchronize()
-    gen0 = eng.stats.generation_tokens
+    gen0, prompt0 = eng.stats.generation_tokens, eng.stats.prompt_tokens
+    pre0 = eng.scheduler.num_preemptions
     t0 = time.perf_counter()
     first = None
     steps = 0
@@ -235,7 +236,9 @@ def run_requests(llm, prompts, max_tokens) -> dict:
     end = time.perf_counter()
     n = sum(len(t) for t in toks.values())
     return {"seconds": end - t0, "ttft": first - t0, "decode_seconds": end - first, "output_tokens": n,
-            "steps": steps, "tokens": [toks[f"{base}{i}"] for i in range(len(prompts))]}
+            "steps": steps, "tokens": [toks[f"{base}{i}"] for i in range(len(prompts))],
+            "preemptions": eng.scheduler.num_preemptions - pre0,
+            "prompt_tokens_computed": eng.stats.prompt_tokens - prompt0}
 
 
 @section("parity")

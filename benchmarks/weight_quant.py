@@ -433,7 +433,12 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
         if n_req:  # (--requests 0: batch-1 decode only)
             run_requests(llm, prompts[:32], 8)  # warm
             off = run_requests(llm, prompts, 256)
-            out[name].update(offline_seconds=off["seconds"], offline_out_tok_s=off["output_tokens"] / off["seconds"])
+            out[name].update(offline_seconds=off["seconds"], offline_out_tok_s=off["output_tokens"] / off["seconds"],
+                             offline_steps=off["steps"], offline_preemptions=off["preemptions"],
+                             # prompt tokens computed over those in the prompts: > 1 where preempted
+                             # requests computed theirs again
+                             offline_prefill_ratio=off["prompt_tokens_computed"] / sum(map(len, prompts)),
+                             kv_blocks=llm.engine.kv.pool.num_blocks)
         print(f"engine {name}: {out[name]}", flush=True)
         del llm
         gc.collect()
