@@ -33,7 +33,10 @@ _TINY = torch.finfo(torch.float32).tiny
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, K] -> (e4m3 codes [R, K], float32 scales [R, 1]), one scale per row."""
-    scale = (t.detach().abs().amax(dim=-1, keepdim=True).float() / E4M3_MAX).clamp(min=_TINY)
+    amax = t.detach().abs().amax(dim=-1, keepdim=True).float()
+    # Over a tensor, not a Python number: CUDA divides by a number as a product with its
+    # reciprocal, which can land an ulp off the rounded quotient (the CPU's, the kernel's).
+    scale = (amax / amax.new_tensor(E4M3_MAX)).clamp(min=_TINY)
     q = (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
