@@ -111,13 +111,20 @@ def test_compiled_engines_of_one_model_class_keep_to_their_own_weights():
     assert got[0] != got[1]  # the weights differ, and so do the tokens
 
 
-def test_a_float_model_or_a_failing_compiler_leaves_an_eager_engine(monkeypatch, capsys):
+def test_a_float_model_no_compiler_or_a_failing_one_leaves_an_eager_engine(monkeypatch, capsys):
     # Float projections run faster packed for oneDNN, which a graph cannot hold: not compiled.
     llm = LLM("dummy:tiny", dtype="float32", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
     assert llm.engine.runner.compiled is None
     assert "running eagerly: the projections (layers.0.self_attn.qkv_proj, ...) are float weights" in \
         capsys.readouterr().out
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.packed is not None
+
+    # No compiler: found out before the model is traced (which would take seconds to fail).
+    with monkeypatch.context() as m, torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+        m.setattr(cpu_compile, "CompiledDecode", None)  # (tracing would call it)
+        llm = LLM("dummy:tiny", quantization="int8", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
+    assert llm.engine.runner.compiled is None
+    assert "running eagerly: no working C++ compiler (InvalidCxxCompiler" in capsys.readouterr().out
 
     def fail(runner, compiled, rows):
         raise RuntimeError("no C++ compiler")

@@ -90,6 +90,11 @@ def compile_decode(runner) -> CompiledDecode | None:
         return _eager(config, f"the projections ({dense[0]}, ...) are float weights, which run faster packed for "
                               "oneDNN than in a graph; it takes quantized ones (a GGUF's blocks, --quantization "
                               "int4 or int8)")
+    try:  # before tracing: without a compiler inductor fails only after tens of seconds of it
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - whatever the search raises: the eager model serves
+        return _eager(config, f"no working C++ compiler ({type(e).__name__}: {e})")
     compiled = CompiledDecode(runner.model)
     stats = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     try:
