@@ -92,7 +92,8 @@ def engine(model: str | None, batches, max_tokens: int, repeats: int, kv: str) -
     kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": 2048, "dtype": "float32"}
     if model:
         kw["model"] = model
-    llms = {side: LLM(kernel=KernelConfig(cpu_packed_weights=side == "packed"), **kw) for side in ("dense", "packed")}
+    llms = {side: LLM(kernel=KernelConfig(cpu_packed_weights=side == "packed", cpu_compile=False), **kw)
+            for side in ("dense", "packed")}
     out = []
     for bs in batches:
         prompts = (PROMPTS * (bs // len(PROMPTS) + 1))[:bs]
@@ -115,7 +116,8 @@ def dtypes(model: str | None, batches, max_tokens: int, repeats: int, kv: str, p
     kw = {"show_progress": False, "kv_cache_memory": kv, "max_model_len": max(2048, ppl_tokens + 1)}
     if model:
         kw["model"] = model
-    llms = {d: LLM(dtype=d, **kw) for d in ("float32", "bfloat16")}
+    # both eager (a bfloat16 default model would otherwise compile its one-sequence steps)
+    llms = {d: LLM(dtype=d, kernel=KernelConfig(cpu_compile=False), **kw) for d in ("float32", "bfloat16")}
     out = {"bf16_native": cpu_bf16_native(), "decode": [], "perplexity": {}}
     for bs in batches:
         prompts = (PROMPTS * (bs // len(PROMPTS) + 1))[:bs]
@@ -149,8 +151,8 @@ def main() -> None:
     ap.add_argument("--perplexity-tokens", type=int, default=2048, help="dtype: held-out tokens scored")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    probe = LLM(args.model, show_progress=False, kv_cache_memory="16MiB") if args.model else \
-        LLM(show_progress=False, kv_cache_memory="16MiB")
+    probe_kw = dict(show_progress=False, kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=False))
+    probe = LLM(args.model, **probe_kw) if args.model else LLM(**probe_kw)
     arch = probe.engine.arch
     probe.shutdown()
     batches = [int(b) for b in args.batches.split(",")]

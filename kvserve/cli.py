@@ -78,12 +78,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA (streaming eviction too), the PyTorch reference "
                    "on the CPU and for --kv-eviction snapkv/h2o")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled CPU model")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled CPU model (unless "
+                   "--cpu-compile)")
     g.add_argument("--cpu-compile", action=argparse.BooleanOptionalAction, default=None, help="CPU, quantized "
                    "projections (GGUF blocks, int4, int8): one sequence decodes through the model torch.compile'd "
                    "at start-up (seconds; tens before inductor's cache holds it). Default: where it applies")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars while loading weights and "
-                   "capturing CUDA graphs (they show only on a terminal anyway)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars (loading, CUDA graphs)")
     g.add_argument("--cuda-graph-capture", default="startup", choices=["startup", "lazy", "background"],
                    help="when decode CUDA graphs are captured: startup (all before serving; the default), lazy "
                    "(each batch size after its first step), background (lazy, and the rest in idle gaps)")

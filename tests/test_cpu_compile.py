@@ -119,12 +119,22 @@ def test_a_float_model_no_compiler_or_a_failing_one_leaves_an_eager_engine(monke
         capsys.readouterr().out
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.packed is not None
 
-    # No compiler: found out before the model is traced (which would take seconds to fail).
+    # No compiler, or a Python torch.compile does not take: found out before the model is traced
+    # (which would take seconds to fail).
     with monkeypatch.context() as m, torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
         m.setattr(cpu_compile, "CompiledDecode", None)  # (tracing would call it)
         llm = LLM("dummy:tiny", quantization="int8", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
     assert llm.engine.runner.compiled is None
-    assert "running eagerly: no working C++ compiler (InvalidCxxCompiler" in capsys.readouterr().out
+    assert "running eagerly: torch.compile cannot run here (InvalidCxxCompiler" in capsys.readouterr().out
+
+    def unsupported():
+        raise RuntimeError("Python 3.99+ not yet supported for torch.compile")
+    with monkeypatch.context() as m:  # (as torch.compile says on a Python newer than it knows)
+        m.setattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", unsupported)
+        m.setattr(cpu_compile, "CompiledDecode", None)
+        llm = LLM("dummy:tiny", quantization="int8", kv_cache_memory="16MiB", kernel=KernelConfig(cpu_compile=True))
+    assert llm.engine.runner.compiled is None
+    assert "torch.compile cannot run here (RuntimeError: Python 3.99+" in capsys.readouterr().out
 
     def fail(runner, compiled, rows):
         raise RuntimeError("no C++ compiler")
@@ -159,6 +169,9 @@ def test_default_compiles_where_it_applies_and_runs_eagerly_elsewhere(monkeypatc
     monkeypatch.setenv("KVSERVE_CPU_COMPILE", "1")
     assert LLM("dummy:tiny", dtype="float32", kv_cache_memory="16MiB").engine.runner.compiled is None
     assert LLM("dummy:tiny", enable_sleep_mode=True, **kw).engine.runner.compiled is None
+    # every decode step verifies a draft: a graph of one token would never run
+    spec = {"method": "layer_skip", "draft_layers": 1, "num_speculative_tokens": 2}
+    assert LLM("dummy:tiny", speculative_config=spec, **kw).engine.runner.compiled is None
     assert "running eagerly" not in capsys.readouterr().out
     monkeypatch.setenv("KVSERVE_CPU_COMPILE", "yes")
     with pytest.raises(ConfigError, match="KVSERVE_CPU_COMPILE.*must be 0 or 1; got 'yes'"):

@@ -51,7 +51,7 @@ class CompiledDecode:
         # one, and the guards on the model's modules can go: checking every submodule and
         # parameter on each call cost about a millisecond a step (without them the default model
         # decodes 5-6% faster on a 2-core CPU). The modules do not change while the engine serves
-        # (sleep mode, which frees the weights, is refused with cpu_compile).
+        # (sleep mode, which frees the weights, rules the compiled model out).
         fwd = type(model).forward
         code = fwd.__code__.replace(co_name=f"{fwd.__name__}_compiled_{number}")
         own = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
@@ -73,6 +73,7 @@ def compile_decode(runner) -> CompiledDecode | None:
     or where compiling fails (with the reason logged and printed)."""
     config = runner.config
     asked = config.kernel.cpu_compile
+    default_on = _default_on(config)  # (the variable checked whatever is asked)
     if asked is False:
         return None
     misfit = _misfit(runner)
@@ -80,7 +81,7 @@ def compile_decode(runner) -> CompiledDecode | None:
         if asked:
             raise ConfigError("kernel.cpu_compile", misfit)
         return None
-    if asked is None and not _default_on(config):
+    if asked is None and (not default_on or _never_one_token(config)):
         return None
     head = getattr(runner.model, "lm_head", None)
     dense = [n for n, m in runner.model.named_modules() if type(m) is Linear and m is not head]
@@ -91,13 +92,17 @@ def compile_decode(runner) -> CompiledDecode | None:
                               "oneDNN than in a graph; it takes quantized ones (a GGUF's blocks, --quantization "
                               "int4 or int8)")
     try:  # before tracing: without a compiler inductor fails only after tens of seconds of it
+        torch._dynamo.eval_frame.check_if_dynamo_supported()  # (this Python, this build)
         from torch._inductor.cpp_builder import get_cpp_compiler
         get_cpp_compiler()
-    except Exception as e:  # noqa: BLE001 - whatever the search raises: the eager model serves
-        return _eager(config, f"no working C++ compiler ({type(e).__name__}: {e})")
-    compiled = CompiledDecode(runner.model)
+    except Exception as e:  # noqa: BLE001 - whatever the checks raise: the eager model serves
+        return _eager(config, f"torch.compile cannot run here ({type(e).__name__}: {e})")
+    if config.show_progress:
+        print("compiling the model for one-sequence steps (torch.compile: seconds, tens of seconds the first "
+              "time; --enforce-eager skips it)", flush=True)
     stats = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     try:
+        compiled = CompiledDecode(runner.model)
         _warm(runner, compiled, MAX_ROWS)
     except Exception as e:  # noqa: BLE001 - any compiler failure: the eager model serves
         return _eager(config, f"compiling the model failed ({type(e).__name__}: {e})")
@@ -118,6 +123,15 @@ def _misfit(runner) -> str | None:
     if runner.backend.name != "torch":
         return f"needs the torch attention backend, not {runner.backend.name!r}"
     return None
+
+
+def _never_one_token(config) -> bool:
+    """Whether no step of this engine is one token, so a compiled graph would never run: a
+    draft model's or layer-skip's target verifies several tokens at every decode step, and a
+    prefill-only engine (a KV producer) never decodes."""
+    spec, kt = config.speculative, config.kv_transfer_config
+    return ((spec is not None and spec.method in ("draft_model", "layer_skip"))
+            or (kt is not None and kt.is_producer and not kt.is_consumer))
 
 
 def _default_on(config) -> bool:
