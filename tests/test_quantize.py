@@ -119,15 +119,48 @@ def test_the_mse_observer_never_rounds_a_group_worse_than_its_extremes(symmetric
     w = torch.randn(64, 256, generator=g) * torch.rand(64, 256, generator=g).pow(4) * 3  # heavy tails
     wg = w.view(64, -1, 32)
 
-    def err(grid):
-        s, z = A.group_params(wg, grid)
+    def err(grid, widen=True):
+        s, z = A.group_params(wg, grid, widen)
         q = torch.round(wg / s[..., None] + z[..., None]).clamp(A.QMIN, A.QMAX)
         assert q.min() >= A.QMIN and q.max() <= A.QMAX
         return ((q - z[..., None]) * s[..., None] - wg).pow(2).sum(dim=-1)
-    minmax = err(A.Grid(32, symmetric, torch.float32))
+    minmax = err(A.Grid(32, symmetric, torch.float32), widen=False)  # the extremes' grid
     mse = err(A.Grid(32, symmetric, torch.float32, "mse"))
     assert (mse <= minmax * (1 + 1e-6)).all()
     assert mse.sum() < 0.97 * minmax.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_asymmetric_minmax_steps_align_the_grid_and_clip_nothing(dtype):
+    """Asymmetric groups store an integer zero point, so their levels are multiples of the step
+    and the minimum lies up to half a step off one. The minmax observer's step, chosen among the
+    extremes' (max - min) / 15 and up to 10% wider, rounds every group at least as close as the
+    extremes' step alone (computed here from its definition), many of them closer, and leaves
+    every weight within half a step of a level: nothing clipped."""
+    g = torch.Generator().manual_seed(5)
+    # groups of different spreads and off-centre means (as trained weights' groups are)
+    spread, mean = torch.rand(48, 8, 1, generator=g), 0.3 * torch.randn(48, 8, 1, generator=g)
+    wg = torch.randn(48, 8, 64, generator=g) * spread + mean
+    grid = A.Grid(64, False, dtype)
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    s0 = ((hi - lo) / 15).to(dtype).float()
+    z0 = torch.round(-8 - lo / s0).clamp(-8, 7)
+
+    def rounded(s, z):
+        q = torch.round(wg / s[..., None] + z[..., None]).clamp(-8, 7)
+        return (q - z[..., None]) * s[..., None]
+    plain = (rounded(s0, z0) - wg).pow(2).sum(-1)
+    s, z = A.group_params(wg, grid)
+    assert s.dtype == torch.float32 and torch.equal(s, s.to(dtype).float())  # steps the checkpoint stores exactly
+    assert (z == z.round()).all() and z.min() >= -8 and z.max() <= 7
+    assert (s >= s0).all() and (s <= 1.1 * s0 * (1 + 2 ** -7)).all()
+    got = (rounded(s, z) - wg).pow(2).sum(-1)
+    assert (got <= plain * (1 + 1e-6)).all()
+    assert (got < plain).float().mean() > 0.3 and got.sum() < 0.99 * plain.sum()
+    assert ((rounded(s, z) - wg).abs() <= s[..., None] / 2 * (1 + 1e-5)).all()
+    # the symmetric grid and the mse observer are as before: the extremes' step, then shrunk
+    sym = A.Grid(64, True, dtype)
+    assert torch.equal(A.group_params(wg, sym)[0], A.group_params(wg, sym, widen=False)[0])
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])

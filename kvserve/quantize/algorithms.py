@@ -5,10 +5,13 @@ runs the model and writes the checkpoint is in ``__init__.py``.
 The grid is the one compressed-tensors stores (``int``, ``num_bits`` 4, ``strategy`` group):
 signed codes q in [-8, 7] per group of ``g`` input columns, ``w ~ (q - z) * s``. Symmetric:
 z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetric: the range
-[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. With the ``mse`` observer
-(llm-compressor's name; ``kvserve quantize``'s default for GPTQ) each group's range is also tried
-shrunk by up to 20%, clipping its extremes, and the one whose rounded weights are nearest the
-group's is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
+[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. An integer z makes the levels
+multiples of s, so the group's minimum lies up to half a step off the nearest one; the
+``minmax`` observer also tries steps up to 10% wider (both ends stay within half a step of a
+level: nothing is clipped) and keeps the one whose rounded weights are nearest the group's. With
+the ``mse`` observer (llm-compressor's name; ``kvserve quantize``'s default for GPTQ) each
+group's range is instead tried shrunk by up to 20%, clipping its extremes, and the nearest
+rounding is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
 the scales a reader will use.
 
 References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (per input
@@ -28,6 +31,7 @@ QMIN, QMAX = -8, 7
 
 OBSERVERS = ("minmax", "mse")
 _SHRINK_STEPS, _MAX_SHRINK = 40, 0.2
+_WIDEN_STEPS, _MAX_WIDEN = 10, 0.1
 
 
 @dataclass(frozen=True)
@@ -56,13 +60,25 @@ class Quantized:
         return (self.codes.float() - z) * s
 
 
-def group_params(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, G, g] (or [N, g]) -> (scale, zero) per group, scale rounded to the stored dtype."""
+def group_params(w: torch.Tensor, grid: Grid, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, G, g] (or [N, g]) -> (scale, zero) per group, scale rounded to the stored dtype.
+    ``widen`` False: the minmax observer's plain step, without the wider ones (AWQ's search, which
+    rounds each candidate scaling, compares them on that cheaper grid)."""
     if grid.symmetric:
         lo, hi = None, w.abs().amax(dim=-1)
     else:
         lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
     scale, zero = _range_params(lo, hi, grid)
+    if grid.observer == "minmax" and lo is not None and widen:
+        best = _error(w, scale, zero)
+        for i in range(1, _WIDEN_STEPS + 1):
+            s = ((hi - lo) / (QMAX - QMIN) * (1 + _MAX_WIDEN * i / _WIDEN_STEPS)).to(grid.dtype).float()
+            s = s.clamp(min=torch.finfo(grid.dtype).tiny)
+            z = torch.round(QMIN - lo / s).clamp(QMIN, QMAX)
+            err = _error(w, s, z)
+            better = err < best
+            best = torch.where(better, err, best)
+            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
     if grid.observer == "mse":
         best = _error(w, scale, zero)
         for i in range(1, _SHRINK_STEPS + 1):
@@ -91,18 +107,18 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Te
     return torch.round(w / scale[..., None] + zero[..., None]).clamp(QMIN, QMAX)
 
 
-def rtn(w: torch.Tensor, grid: Grid) -> Quantized:
-    """Round to nearest, per group of contiguous columns."""
+def rtn(w: torch.Tensor, grid: Grid, widen: bool = True) -> Quantized:
+    """Round to nearest, per group of contiguous columns (``widen``: as ``group_params``)."""
     N, K = w.shape
     g = grid.group_size
     wg = w.float().view(N, K // g, g)
-    scale, zero = group_params(wg, grid)
+    scale, zero = group_params(wg, grid, widen)
     q = _codes(wg, scale, zero).view(N, K)
     return Quantized(q.to(torch.int8), scale.to(grid.dtype), zero.to(torch.int8))
 
 
-def fake_quant(w: torch.Tensor, grid: Grid) -> torch.Tensor:
-    return rtn(w, grid).dequantize()
+def fake_quant(w: torch.Tensor, grid: Grid, widen: bool = True) -> torch.Tensor:
+    return rtn(w, grid, widen).dequantize()
 
 
 def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20,
@@ -113,7 +129,9 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20,
     ``x`` [T, K] are the layer's inputs on calibration text. ``tie`` [K]: channels with the same
     index share one scale (from their mean statistics), where the op the scale folds into has
     fewer channels than the layer (o_proj's heads over their shared KV head's v_proj rows).
-    s = 1 (plain RTN) is tried too, so the result is never worse than RTN on these inputs."""
+    s = 1 (plain RTN) is tried too, so the result is never worse than RTN on these inputs. Q is
+    the grid without the minmax observer's wider steps (a tenth of the cost; the weights are then
+    rounded with them)."""
     w, x = w.float(), x.float()
     N, K = w.shape
     g = grid.group_size
@@ -127,12 +145,12 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20,
         spread = (torch.zeros(n).index_add_(0, tie, spread) / count)[tie]
     ref = x @ w.t()
     ones = torch.ones_like(act)
-    best, best_s = (x @ fake_quant(w, grid).t() - ref).pow(2).mean().item(), ones
+    best, best_s = (x @ fake_quant(w, grid, False).t() - ref).pow(2).mean().item(), ones
     for i in range(steps):
         a = i / steps
         s = (act.pow(a) / spread.pow(1 - a)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = (x @ (fake_quant(w * s, grid) / s).t() - ref).pow(2).mean().item()
+        err = (x @ (fake_quant(w * s, grid, False) / s).t() - ref).pow(2).mean().item()
         if err < best:
             best, best_s = err, s
     return best_s
