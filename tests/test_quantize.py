@@ -157,7 +157,10 @@ def test_asymmetric_minmax_steps_align_the_grid_and_clip_nothing(dtype):
     got = (rounded(s, z) - wg).pow(2).sum(-1)
     assert (got <= plain * (1 + 1e-6)).all()
     assert (got < plain).float().mean() > 0.3 and got.sum() < 0.99 * plain.sum()
-    assert ((rounded(s, z) - wg).abs() <= s[..., None] / 2 * (1 + 1e-5)).all()
+    # (a step stored in bfloat16 may round down: 15 steps then fall short of the range by up to
+    # 15 of its relative precision, 2^-8, of a step)
+    slack = 15 * 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert ((rounded(s, z) - wg).abs() <= s[..., None] * (0.5 + slack)).all()
     # the symmetric grid and the mse observer are as before: the extremes' step, then shrunk
     sym = A.Grid(64, True, dtype)
     assert torch.equal(A.group_params(wg, sym)[0], A.group_params(wg, sym, widen=False)[0])

@@ -8,7 +8,8 @@ z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetr
 [min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. An integer z makes the levels
 multiples of s, so the group's minimum lies up to half a step off the nearest one; the
 ``minmax`` observer also tries steps up to 10% wider (both ends stay within half a step of a
-level: nothing is clipped) and keeps the one whose rounded weights are nearest the group's. With
+level, as with the plain step: nothing more is clipped) and keeps the one whose rounded weights
+are nearest the group's. With
 the ``mse`` observer (llm-compressor's name; ``kvserve quantize``'s default for GPTQ) each
 group's range is instead tried shrunk by up to 20%, clipping its extremes, and the nearest
 rounding is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
