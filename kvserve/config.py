@@ -243,10 +243,11 @@ class KernelConfig:
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
-        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "cpu_packed_weights", "cpu_compile"):
-            if not isinstance(getattr(self, name), bool) and not (name == "cpu_compile" and self.cpu_compile is None):
-                allowed = "True, False or None" if name == "cpu_compile" else "True or False"
-                raise ConfigError(name, f"must be {allowed}, got {getattr(self, name)!r}")
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "cpu_packed_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.cpu_compile is not None and not isinstance(self.cpu_compile, bool):
+            raise ConfigError("cpu_compile", f"must be True, False or None, got {self.cpu_compile!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
                              ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
                              ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),

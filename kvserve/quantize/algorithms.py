@@ -71,30 +71,32 @@ def group_params(w: torch.Tensor, grid: Grid, widen: bool = True) -> tuple[torch
         lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
     scale, zero = _range_params(lo, hi, grid)
     if grid.observer == "minmax" and lo is not None and widen:
-        best = _error(w, scale, zero)
-        for i in range(1, _WIDEN_STEPS + 1):
-            s = ((hi - lo) / (QMAX - QMIN) * (1 + _MAX_WIDEN * i / _WIDEN_STEPS)).to(grid.dtype).float()
-            s = s.clamp(min=torch.finfo(grid.dtype).tiny)
-            z = torch.round(QMIN - lo / s).clamp(QMIN, QMAX)
-            err = _error(w, s, z)
-            better = err < best
-            best = torch.where(better, err, best)
-            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+        wider = (1 + _MAX_WIDEN * i / _WIDEN_STEPS for i in range(1, _WIDEN_STEPS + 1))
+        scale, zero = _nearest(w, scale, zero, (_range_params(lo, hi, grid, f) for f in wider))
     if grid.observer == "mse":
-        best = _error(w, scale, zero)
-        for i in range(1, _SHRINK_STEPS + 1):
-            p = 1 - _MAX_SHRINK * i / _SHRINK_STEPS
-            s, z = _range_params(None if lo is None else lo * p, hi * p, grid)
-            err = _error(w, s, z)
-            better = err < best
-            best = torch.where(better, err, best)
-            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+        shrunk = (1 - _MAX_SHRINK * i / _SHRINK_STEPS for i in range(1, _SHRINK_STEPS + 1))
+        scale, zero = _nearest(w, scale, zero, (_range_params(None if lo is None else lo * p, hi * p, grid)
+                                                for p in shrunk))
     return scale, zero
 
 
-def _range_params(lo: torch.Tensor | None, hi: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) spanning [lo, hi] (``lo`` None: symmetric, [-hi, hi])."""
-    scale = hi / ((QMAX - QMIN) / 2) if lo is None else (hi - lo) / (QMAX - QMIN)
+def _nearest(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, candidates) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, of (scale, zero) and each candidate pair, the one whose rounding is nearest w
+    (the first of equals)."""
+    best = _error(w, scale, zero)
+    for s, z in candidates:
+        err = _error(w, s, z)
+        better = err < best
+        best = torch.where(better, err, best)
+        scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+    return scale, zero
+
+
+def _range_params(lo: torch.Tensor | None, hi: torch.Tensor, grid: Grid,
+                  widen: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) spanning [lo, hi] (``lo`` None: symmetric, [-hi, hi]); ``widen``: the
+    asymmetric step that many times (max - min) / 15, its zero rounded for it."""
+    scale = hi / ((QMAX - QMIN) / 2) if lo is None else (hi - lo) / (QMAX - QMIN) * widen
     scale = scale.to(grid.dtype).float().clamp(min=torch.finfo(grid.dtype).tiny)
     zero = torch.zeros_like(scale) if lo is None else torch.round(QMIN - lo / scale).clamp(QMIN, QMAX)
     return scale, zero
