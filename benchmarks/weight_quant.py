@@ -59,7 +59,8 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
                "fp8": {"quantization": "fp8"}, "gguf-Q4_K": {}, "gguf-Q8_0": {}}
 # ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
-# skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there.
+# skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
+# "+nosplit": K never split; "+noreserve" (any format): admission keeps no room for decoding.
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -407,9 +408,11 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
     decode_prompt = [rng.randrange(128000) for _ in range(512)]
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
     for name in formats:
-        fmt = name.removesuffix("+wl").removesuffix("+deq").removesuffix("+nosplit")
+        fmt = name.split("+")[0]
         kw = dict(GPU_FORMATS[fmt])
-        if name.endswith("+nosplit"):
+        if name.endswith("+noreserve"):  # admission keeps no room for decoding (preempts when dry)
+            kw["decode_reserve"] = 0
+        elif name.endswith("+nosplit"):
             kw["kernel"] = KernelConfig(wq_split_k=False)
         elif name.endswith("+wl"):
             kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)

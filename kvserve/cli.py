@@ -50,6 +50,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer across N ranks: worker processes on this host, one GPU each on "
                    "CUDA (N must divide the attention heads and the MLP width)")
     g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--decode-reserve", type=_reserve, default=None, help="share "
+                   "of what running requests may still generate kept free at admission: 0-1, or auto (learned)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -142,6 +144,13 @@ def _json_object(value: str) -> dict:
     return v
 
 
+def _reserve(value: str) -> float | None:
+    try:
+        return None if value == "auto" else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or auto; got {value!r}") from None
+
+
 def _positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
@@ -155,29 +164,21 @@ def _served_name(value: str) -> str:
     return value
 
 
+# The engine options whose flag and LLM argument share a name.
+_LLM_ARGS = """tokenizer chat_template dtype device seed block_size kv_cache_memory kv_cache_dtype kv_group_size
+kv_scales gpu_memory_utilization preemption_mode swap_space window_kv kv_eviction kv_policy kv_quality_floor
+max_num_seqs decode_reserve max_num_batched_tokens max_model_len attention_backend enforce_eager cuda_graph_capture
+async_scheduling speculative_config cpu_kv_memory disk_kv_dir disk_kv_size redis_url idle_offload_seconds
+max_sessions session_ttl_seconds max_pinned_fraction pin_ttl_seconds kv_tier_secret kv_tier_encrypt
+enable_sleep_mode kv_transfer_config quantization quantization_group_size tensor_parallel_size""".split()
+
+
 def _make_llm(args):
     from kvserve.config import KernelConfig
     from kvserve.llm import LLM
-    return LLM(args.model, tokenizer=args.tokenizer, chat_template=args.chat_template, dtype=args.dtype,
-               device=args.device, seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-               kv_cache_dtype=args.kv_cache_dtype, kv_group_size=args.kv_group_size, kv_scales=args.kv_scales,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-               swap_space=args.swap_space, window_kv=args.window_kv, kv_eviction=args.kv_eviction,
-               kv_policy=args.kv_policy, kv_quality_floor=args.kv_quality_floor, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               enable_chunked_prefill=not args.no_chunked_prefill,
-               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-               cuda_graph_capture=args.cuda_graph_capture, show_progress=not args.no_progress,
-               async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
-               cpu_kv_memory=args.cpu_kv_memory, disk_kv_dir=args.disk_kv_dir, disk_kv_size=args.disk_kv_size,
-               redis_url=args.redis_url, idle_offload_seconds=args.idle_offload_seconds,
-               max_sessions=args.max_sessions, session_ttl_seconds=args.session_ttl_seconds,
-               max_pinned_fraction=args.max_pinned_fraction, pin_ttl_seconds=args.pin_ttl_seconds,
-               kv_tier_secret=args.kv_tier_secret, kv_tier_encrypt=args.kv_tier_encrypt,
-               enable_sleep_mode=args.enable_sleep_mode, kv_transfer_config=args.kv_transfer_config,
-               quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-               tensor_parallel_size=args.tensor_parallel_size, kernel=KernelConfig(cpu_compile=args.cpu_compile))
+    return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
+               enable_chunked_prefill=not args.no_chunked_prefill, show_progress=not args.no_progress,
+               kernel=KernelConfig(cpu_compile=args.cpu_compile), **{k: getattr(args, k) for k in _LLM_ARGS})
 
 
 def _params(args, n: int = 1):

@@ -165,8 +165,17 @@ class SchedulerConfig:
     # None: the model's context length.
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # Room admission keeps for the tokens running requests may still generate, as a fraction of
+    # what each may generate (counted up to ``scheduler.RESERVE_TOKENS_CAP`` a request): 0 admits on
+    # the prompt's room alone and preempts the newest when the pool runs dry (vLLM's rule); 1
+    # admits only what can finish unpreempted (TensorRT-LLM's guaranteed-no-evict); None: the
+    # fraction finished requests generated, learned as they finish, starting from 1.
+    decode_reserve: float | None = None
 
     def __post_init__(self):
+        r = self.decode_reserve
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1):
+            raise ConfigError("decode_reserve", f"must be a number in [0, 1] or None (learned); got {r!r}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -33,7 +33,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float = 0.90,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", window_kv: str = "free",
                  kv_eviction: str = "none", kv_policy: str = "manual", swap_space: int | str = "4GiB",
-                 kv_quality_floor: str = "int4", max_num_seqs: int = 256,
+                 kv_quality_floor: str = "int4", max_num_seqs: int = 256, decode_reserve: float | None = None,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, show_progress: bool = True,
                  attention_backend: str = "auto", enforce_eager: bool = False,
@@ -66,7 +66,8 @@ class LLM:
             max_pinned_fraction=max_pinned_fraction, pin_ttl_seconds=pin_ttl_seconds,
             kv_tier_secret=kv_tier_secret, kv_tier_encrypt=kv_tier_encrypt)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
+                                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                                decode_reserve=decode_reserve)
         self.config = EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
                                    cache=cache, scheduler=sched, show_progress=show_progress,
                                    attention_backend=attention_backend, enforce_eager=enforce_eager,

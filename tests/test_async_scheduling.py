@@ -59,10 +59,10 @@ def _check_hashes(engine):
 
 
 def _engine(async_scheduling: bool = True, kv_memory: str = "64MiB", max_num_seqs: int = 8,
-            max_num_batched_tokens: int = 64):
+            max_num_batched_tokens: int = 64, decode_reserve: float | None = None):
     return LLM("dummy:tiny", device="cpu", dtype="float32", kv_cache_memory=kv_memory, block_size=4,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=256,
-               show_progress=False, async_scheduling=async_scheduling).engine
+               show_progress=False, async_scheduling=async_scheduling, decode_reserve=decode_reserve).engine
 
 
 def _drain(eng) -> dict:
@@ -82,7 +82,9 @@ def _drain(eng) -> dict:
 
 
 def _run(async_scheduling: bool, seed: int, kv_memory: str):
-    eng = _engine(async_scheduling, kv_memory, max_num_seqs=6, max_num_batched_tokens=48)
+    # the small pool keeps no decode reserve, so that it preempts
+    eng = _engine(async_scheduling, kv_memory, max_num_seqs=6, max_num_batched_tokens=48,
+                  decode_reserve=0 if kv_memory == "64KiB" else None)
     prompts, params = _workload(seed)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(str(i), p, sp)

@@ -114,7 +114,7 @@ def row_steps(monkeypatch):
     # prompts chunked into steps with verifies (mixed: the prefill shape) and short last chunks
     ("dummy:tiny", NGRAM, {"max_num_batched_tokens": 24}),
     # 24 blocks of 16 fp32 tokens: six requests cannot all hold their KV at once
-    ("dummy:tiny", NGRAM, {"kv_cache_memory": 24 * 16 * 2 * 2 * 2 * 16 * 4, "dtype": "float32"}),
+    ("dummy:tiny", NGRAM, {"kv_cache_memory": 24 * 16 * 2 * 2 * 2 * 16 * 4, "dtype": "float32", "decode_reserve": 0}),
 ], ids=["ngram", "draft_model", "gemma3-window", "mixed-batches", "preemption"])
 def test_speculative_greedy_identical_through_rows(model, spec, kw, row_steps):
     prompts = _prompts(3, 6)

@@ -233,7 +233,7 @@ def test_kivi_forks_and_preemption_keep_residual_rows(qwen):
     plen = (blocks // 4 - 1) * 16
     prompts = [torch.randint(0, 1000, (plen,), generator=gen).tolist() for _ in range(8)]
     small = LLM(qwen, show_progress=False, kv_cache_memory=mem, kv_cache_dtype="int4", block_size=16,
-                max_num_seqs=4, enable_prefix_caching=False, dtype="float32")
+                max_num_seqs=4, enable_prefix_caching=False, dtype="float32", decode_reserve=0)
     assert small.engine.config.scheduler.max_num_seqs == 4
     outs = _run(small, prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
     assert all(len(o) == 48 for o in outs)

@@ -129,7 +129,7 @@ def test_preemption_recomputes_under_the_same_mask(tmp_path):
     model, path = make_llama(tmp_path)
     # A pool of 16 blocks: the full-attention request grows to 14 and pushes the others out.
     llm = LLM(path, show_progress=False, kv_cache_memory="32KiB", block_size=BS, max_num_batched_tokens=64,
-              kv_eviction="streaming", dtype="float32")  # the reference's dtype, on any device
+              kv_eviction="streaming", dtype="float32", decode_reserve=0)  # the reference's dtype, on any device
     eng = llm.engine
     prompts = prompts_of((30, 34, 26), seed=5)
     budgets = (13, None, 9)

@@ -216,7 +216,7 @@ def test_evicted_blocks_are_never_prefix_hits(llama):
 def test_preemption_recomputes_what_decoding_kept(llama):
     model, path = llama
     llm = LLM(path, show_progress=False, kv_cache_memory="32KiB", block_size=BS, max_num_batched_tokens=64,
-              kv_eviction="h2o")
+              kv_eviction="h2o", decode_reserve=0)
     eng = llm.engine
     prompts = prompts_of((30, 34, 26), seed=5)
     budgets = (24, None, 16)

@@ -70,16 +70,18 @@ def test_prefix_caching_matches_transformers(model_path, prompts, reference, pre
     assert_same(run(llm, prompts), reference, prompts)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "reserve"])
 def test_preemption_matches_transformers(model_path, prompts, reference, mode):
-    # The prompts under 600 tokens (~570 tokens, ~40 blocks) in a pool of 48 blocks: all are
-    # admitted, then their growth runs the pool dry and the newest are preempted mid-decode.
+    # The prompts under 600 tokens (~570 tokens, ~40 blocks) in a pool of 48 blocks: without a
+    # decode reserve all are admitted, then their growth runs the pool dry and the newest are
+    # preempted mid-decode; with the default one, learned from 1, admission waits instead.
     keep = [i for i, p in enumerate(prompts) if len(p) < 600]
     block_bytes = 2 * 30 * 3 * 64 * 4 * 16  # K+V, 30 layers, 3 KV heads, head 64, fp32, 16 tokens
-    llm = LLM(model_path, show_progress=False, kv_cache_memory=block_bytes * 48, preemption_mode=mode,
-              swap_space="256MiB", enable_prefix_caching=False)
+    llm = LLM(model_path, show_progress=False, kv_cache_memory=block_bytes * 48,
+              preemption_mode="recompute" if mode == "reserve" else mode, swap_space="256MiB",
+              enable_prefix_caching=False, decode_reserve=None if mode == "reserve" else 0)
     got = run(llm, [prompts[i] for i in keep])
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert (llm.engine.scheduler.num_preemptions > 0) == (mode != "reserve")
     assert_same(got, [reference[i] for i in keep], [prompts[i] for i in keep])
     assert llm.engine.kv.pool.num_used_blocks == 0
 

@@ -55,11 +55,11 @@ class Sim:
                  swap_blocks: int = 0, budget: int = 2048, max_num_seqs: int = 256,
                  chunked: bool = True, caching: bool = True, watermark: float = 0.0,
                  seed: int = 0, vocab: int = 50, windows: tuple[int | None, ...] = (None,),
-                 kv_budgets: tuple[int | None, ...] = (None,)):
+                 kv_budgets: tuple[int | None, ...] = (None,), decode_reserve: float | None = 0.0):
         cache = CacheConfig(block_size=block_size, preemption_mode=mode, watermark=watermark,
                             enable_prefix_caching=caching, swap_space=swap_blocks * 1024)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                enable_chunked_prefill=chunked)
+                                enable_chunked_prefill=chunked, decode_reserve=decode_reserve)
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, caching, hash_extra=b"test", windows=windows)
         self.sched = Scheduler(sched, cache, self.kv, MAX_MODEL_LEN,
@@ -309,8 +309,10 @@ class Sim:
 
 # -- the state machine ------------------------------------------------------------------------
 # The workload every machine draws: token budget, batch size, chunking, prefix caching, vocabulary
-# (2: prompts share prefixes all the time) and the simulator's seed.
+# (2: prompts share prefixes all the time), the room admission keeps for decoding (0: none, so
+# small pools preempt often; None: learned) and the simulator's seed.
 WORKLOAD = dict(
+    decode_reserve=st.sampled_from([0.0, 0.0, None, 0.5]),
     budget=st.sampled_from([7, 16, 64, 2048]),
     max_num_seqs=st.sampled_from([2, 3, 256]),
     chunked=st.booleans(),
@@ -446,11 +448,12 @@ workload = st.lists(
        swap_blocks=st.one_of(st.integers(0, 8), st.just(64)),
        budget=st.sampled_from([16, 64, 2048]),
        chunked=st.booleans(),
+       decode_reserve=st.sampled_from([0.0, None, 1.0]),
        seed=st.integers(0, 2**32 - 1))
 def test_all_requests_finish_fcfs_without_leaks(reqs, block_size, num_blocks, mode, swap_blocks,
-                                                budget, chunked, seed):
+                                                budget, chunked, decode_reserve, seed):
     sim = Sim(num_blocks=num_blocks, block_size=block_size, mode=mode, swap_blocks=swap_blocks,
-              budget=budget, chunked=chunked, seed=seed)
+              budget=budget, chunked=chunked, decode_reserve=decode_reserve, seed=seed)
     rng = random.Random(seed)
     shared = [rng.randrange(50) for _ in range(80)]
     added = []
@@ -541,14 +544,58 @@ def test_prefix_cache_hit_across_steps(finish_first):
 
 
 def test_preemption_happens_in_both_modes():
-    """The small pools of the property tests do preempt (so those tests exercise it)."""
+    """The small pools of the property tests do preempt without a decode reserve (so those tests
+    exercise it); with the default one, learned from 1, the same workload runs unpreempted."""
     for mode in ("recompute", "swap"):
-        sim = Sim(num_blocks=8, block_size=4, mode=mode, swap_blocks=16, seed=1)
+        for reserve, preempts in ((0.0, True), (None, False), (1.0, False)):
+            sim = Sim(num_blocks=8, block_size=4, mode=mode, swap_blocks=16, seed=1, decode_reserve=reserve)
+            for i in range(4):
+                sim.add([i + 1] * 5, max_tokens=20)
+            sim.run_to_completion()
+            assert (sim.sched.num_preemptions > 0) == preempts, (mode, reserve)
+            assert all(r.num_output_tokens == 20 for r in sim.finished)
+
+
+def test_decode_reserve_keeps_room_for_what_running_requests_still_generate():
+    """Four requests of 4 prompt tokens and up to 20 new on a 16-block pool (blocks of 4): each
+    takes 6 blocks at full length. Without a reserve all four are admitted at once (their prompts
+    take a block each) and some are preempted later; reserving all of their tokens admits two (12
+    of 16 blocks) and the others wait, unpreempted; reserving three quarters (15 tokens, 5 blocks
+    each), three."""
+    for reserve, admitted in ((0.0, 4), (1.0, 2), (0.75, 3), (None, 2)):
+        sim = Sim(num_blocks=16, block_size=4, decode_reserve=reserve)
         for i in range(4):
-            sim.add([i + 1] * 5, max_tokens=20)
+            sim.add([i + 1] * 4, max_tokens=20)
+        sim.step()
+        assert len(sim.sched.running) == admitted, reserve
         sim.run_to_completion()
-        assert sim.sched.num_preemptions > 0, mode
-        assert all(r.num_output_tokens == 20 for r in sim.finished)
+        if reserve != 0.75:
+            assert (sim.sched.num_preemptions > 0) == (reserve == 0.0), reserve
+
+
+def test_decode_reserve_learns_from_finished_requests():
+    """The learned fraction follows what finished requests generated of what they could: requests
+    stopping at a tenth of max_tokens bring it down from 1 toward 0.1, aborted ones leave it, and
+    requests running to max_tokens bring it back up. A fixed reserve never moves."""
+    def finish(sim, n, generated, status):
+        for i in range(n):
+            r = sim.add([i + 1] * 4, max_tokens=40)
+            r.output_token_ids.extend([1] * generated)
+            sim.sched.finish(r, status)
+            sim.live.remove(r)
+
+    sim = Sim(num_blocks=64, block_size=4, decode_reserve=None)
+    assert sim.sched.decode_ratio == 1.0
+    finish(sim, 64, 4, RequestStatus.FINISHED_STOPPED)
+    assert 0.1 < sim.sched.decode_ratio < 0.12
+    low = sim.sched.decode_ratio
+    finish(sim, 16, 0, RequestStatus.FINISHED_ABORTED)
+    assert sim.sched.decode_ratio == low
+    finish(sim, 64, 40, RequestStatus.FINISHED_LENGTH)
+    assert sim.sched.decode_ratio > 0.98
+    fixed = Sim(num_blocks=64, block_size=4, decode_reserve=0.25)
+    finish(fixed, 8, 4, RequestStatus.FINISHED_STOPPED)
+    assert fixed.sched.decode_ratio == 0.25
 
 
 def test_swap_keeps_progress():

@@ -152,7 +152,7 @@ def test_preempted_speculative_requests_resume_identically(plain, spec):
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     # 48 blocks of 16 fp32 tokens: the eight requests cannot all hold their KV at once.
-    llm = _tiny(spec, dtype="float32", kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4)
+    llm = _tiny(spec, dtype="float32", kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4, decode_reserve=0)
     assert llm.engine.num_kv_blocks == 48
     assert _stepwise(llm, prompts, params) == want
     assert llm.engine.scheduler.num_preemptions > 0 and llm.stats.spec.spec_decode_num_accepted_tokens > 0

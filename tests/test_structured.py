@@ -149,7 +149,7 @@ def test_async_scheduling_and_preemption_keep_the_grammar(tok_dir, llm):
     sp = [SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=S(json=SCHEMAS[k]))
           for k in ("nested", "array", "recursive", "any_of")] * 2
     ref = _texts(llm.generate(prompts, sp))
-    for kw in (dict(async_scheduling=True), dict(kv_cache_memory="80KiB", max_num_batched_tokens=32)):
+    for kw in (dict(async_scheduling=True), dict(kv_cache_memory="80KiB", max_num_batched_tokens=32, decode_reserve=0)):
         other = _tiny(tok_dir, **kw)
         outs = other.generate(prompts, sp)
         assert _texts(outs) == ref

@@ -77,7 +77,7 @@ def _mixed_batch(temperature=0.0):
     return [k for k, _ in specs], [f"mixed {i} {'x' * i}" for i in range(len(specs))], params
 
 
-@pytest.mark.parametrize("pool", [dict(), dict(kv_cache_memory="80KiB", max_num_batched_tokens=32)],
+@pytest.mark.parametrize("pool", [dict(), dict(kv_cache_memory="80KiB", max_num_batched_tokens=32, decode_reserve=0)],
                          ids=["roomy", "preempting"])
 def test_async_gives_the_synchronous_tokens(tok_dir, pool):
     kinds, prompts, params = _mixed_batch()

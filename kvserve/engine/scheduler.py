@@ -13,6 +13,13 @@ its length finishes and gives its blocks back. Each of those rules is written he
 Order: running requests first, in arrival order (they hold KV), then waiting ones, FCFS. When the
 pool runs dry the newest running request is preempted and put at the head of the queue; nothing
 is admitted in a step that preempted, so an old request is never overtaken for long.
+
+Admission keeps room for what the running requests will still need (``decode_reserve``): the rest
+of their prompts and a fraction of the tokens each may still generate. Without it a long queue
+fills the pool with prompts, the decodes that follow run it dry, and the preempted requests
+compute their prompts again. The fraction is learned from finished requests (generated over
+allowed, a moving average), so a workload that stops early at end-of-text keeps little room and
+one that runs to ``max_tokens`` keeps it all; preemption stays the fallback when it is too low.
 """
 from __future__ import annotations
 
@@ -30,6 +37,12 @@ from kvserve.engine.step import (
     SchedulerOutput,
 )
 
+# A request's future tokens counted at most, in the room admission keeps: one without max_tokens
+# may generate the whole context, which would otherwise keep a request's worth of a long-context
+# model's pool per running request.
+RESERVE_TOKENS_CAP = 4096
+RESERVE_LEARNING = 1 / 16  # the moving average's weight of each finished request
+
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager,
@@ -44,9 +57,12 @@ class Scheduler:
         self.swap_used_blocks: dict[str, int] = {}
         self.watermark_blocks = int(cache.watermark * kv.pool.num_blocks)
         self.num_preemptions = 0
+        # The fraction of a running request's remaining tokens that admission keeps room for.
+        self.decode_ratio = 1.0 if sched.decode_reserve is None else float(sched.decode_reserve)
         # Every unfinished request by group (a request with n > 1 and its forks): for aborts.
         self.groups: dict[str, list[Request]] = {}
         self.tiers = tiers  # kvserve.kvtier.TierConnector, or None
+        self._global_groups = sum(1 for w in kv.windows if w is None)
         if tiers is not None:
             kv.pool.record_evictions = True
             kv.pool.record_sealed = tiers.writes_through
@@ -132,6 +148,7 @@ class Scheduler:
             break  # req itself was preempted; the running list ends here
 
         idx = 0
+        owed = None  # blocks the running requests are still expected to take (computed when needed)
         while (idx < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[idx]
@@ -159,9 +176,17 @@ class Scheduler:
                     n = min(n, budget)
                 if req.params.kv_budget is not None:  # admitted on its budget, not its length
                     n = self.kv.step_tokens(req, n, computed)
-            # The watermark keeps room for running requests to grow; alone, a request may use it all.
-            reserve = self.watermark_blocks if self.running else 0
+            # The watermark and the decode reserve keep room for running requests to grow (and this
+            # one, once admitted); alone, a request may use it all.
+            reserve = 0
             n_loaded = len(run) * self.kv.block_size
+            if self.running:
+                if owed is None:
+                    owed = sum(self._owed_blocks(r) for r in self.running) if self.decode_ratio else 0
+                reserve = self.watermark_blocks + owed
+                if self.decode_ratio:
+                    after = req.num_computed_tokens if req.swapped_out else n_hit + n_loaded
+                    reserve += self._owed_blocks(req, self.kv.blocks_for(after + n))
             if not self.kv.allocate_slots(req, n_loaded + n, computed, reserve_blocks=reserve):
                 if run:
                     self.tiers.release(run)
@@ -183,6 +208,8 @@ class Scheduler:
                     self.kv.record_prefix_lookup(req.num_prompt_tokens, len(computed) * self.kv.block_size)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if owed is not None and self.decode_ratio:
+                owed += self._owed_blocks(req, self.kv.blocks_for(req.num_computed_tokens + n))
             scheduled.append(ScheduledRequest(req, n, self.kv.table(req), group_tables=self._group_tables(req)))
             budget -= n
 
@@ -194,6 +221,27 @@ class Scheduler:
             sealed, self.kv.pool.sealed = self.kv.pool.sealed, []
             out.writes = self.tiers.to_write(sealed)
         return out
+
+    def _owed_blocks(self, req: Request, held: int | None = None) -> int:
+        """Blocks ``req`` is expected to take beyond the ``held`` it spans (None: its table): the
+        rest of its prompt and ``decode_ratio`` of the tokens it may still generate (forks to
+        come counted as their own), in each full-attention KV group. Sliding-window groups hold
+        at most their window and a request with a ``kv_budget`` at most its budget: neither grows
+        with its length, so neither is counted."""
+        if req.params.kv_budget is not None:
+            return 0
+        left = min(req.max_tokens - req.num_output_tokens, RESERVE_TOKENS_CAP) * (1 + req.pending_forks)
+        target = self.kv.blocks_for(req.num_tokens + int(self.decode_ratio * left + 0.5))
+        if held is None:
+            held = len(self.kv.table(req))
+        return max(0, target - held) * self._global_groups
+
+    def _learn_decode_ratio(self, req: Request) -> None:
+        """Move the learned fraction toward what a finished request generated of what it could."""
+        allowed = min(req.max_tokens, RESERVE_TOKENS_CAP)
+        if self.config.decode_reserve is None and allowed > 0:
+            frac = min(1.0, req.num_output_tokens / allowed)
+            self.decode_ratio += (frac - self.decode_ratio) * RESERVE_LEARNING
 
     def _group_tables(self, req: Request) -> list[list[int]] | None:
         return self.kv.tables_of(req) if len(self.kv.windows) > 1 else None
@@ -334,6 +382,8 @@ class Scheduler:
         group leaves ``groups`` once all its requests have finished."""
         req.status = status
         req.metrics.finished_time = time.time()
+        if status != RequestStatus.FINISHED_ABORTED:
+            self._learn_decode_ratio(req)
         if self.tiers is not None:
             self.tiers.forget(req)
         self.kv.free(req)
