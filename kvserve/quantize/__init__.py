@@ -10,9 +10,11 @@ activations; GPTQ implementations that re-run each layer on the quantized layers
 slightly different inputs. What the hooks keep is bounded (``calibration_memory``; a hook adds
 its call's temporaries, X^T X in float32 and float64, while it runs): the layers are taken in
 runs that fit, one pass over the text per run, each run quantized and its statistics dropped
-before the next (an 8B model's Hessians are 65.5 GB in all; the default 8 GiB takes four of
-its layers a pass, 8.2 GB). The engine's weights are never changed: AWQ folds its scales into
-copies of the layer's tensors.
+before the next (an 8B model's Hessians are 65.5 GB in all, 2.05 GB a layer; the default 2 GiB
+takes one of its layers a pass, three of Qwen2.5-1.5B's). A pass runs only its own layers: it
+starts from the hidden states the pass before ended with and stops after its last layer
+(``_Carry``), so the passes cost one forward over the model together. The engine's weights are
+never changed: AWQ folds its scales into copies of the layer's tensors.
 
 AWQ's scales are folded where the model stays equivalent: the input projections' into the RMSNorm
 before them, down_proj's into up_proj's rows, o_proj's into v_proj's rows. Under grouped-query
@@ -61,7 +63,7 @@ def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: 
 # Calibration inputs kept per projection for AWQ's search (every n-th token, over the whole
 # text); GPTQ's X^T X sums every token.
 AWQ_ROWS = 1024
-CALIBRATION_MEMORY = 8 << 30  # bytes of calibration statistics held at once (quantize's default)
+CALIBRATION_MEMORY = 2 << 30  # bytes of calibration statistics held at once (quantize's default)
 
 
 def _calibration_bytes(a, method: str) -> int:
@@ -124,10 +126,41 @@ class _Inputs:
         return torch.cat(self.rows)
 
 
+class _Carry:
+    """The model's forward cut to a run of layers: a step whose tokens were seen by the run
+    before starts from the hidden state that run ended with, not from the embedding, and every
+    step stops after the run's last layer (calibration samples one token a prompt and drops it),
+    so runs of layers cost one pass over the model in all rather than one each. A step's state is
+    keyed by its tokens and positions (the same prompts are scheduled the same way every pass: no
+    prefix cache); a step not seen before runs from the embedding. The layers see exactly the
+    activations the whole forward gives them."""
+
+    def __init__(self, model):
+        self.model, self.states, self.start = model, {}, 0
+
+    def run(self, layers: range):
+        model, start, stop, seen, kept = self.model, self.start, layers[-1] + 1, self.states, {}
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            key = (input_ids.cpu().numpy().tobytes(), positions.cpu().numpy().tobytes())
+            x, residual = seen.get(key, (None, None))
+            first = start if x is not None else 0
+            if x is None:
+                x = model.embed_tokens(input_ids)
+            for layer in model.layers[first:stop]:
+                x, residual = layer(positions, x, residual)
+            kept[key] = (x, residual)
+            return x
+
+        self.states, self.start = kept, stop
+        return forward
+
+
 def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gram: bool = True,
-              layers: range | None = None) -> dict[str, _Inputs]:
+              layers: range | None = None, carry: _Carry | None = None) -> dict[str, _Inputs]:
     """One pass of the engine over ``ids`` (prompts of ``chunk`` tokens) with hooks on the
-    projections of ``layers`` (None: every layer)."""
+    projections of ``layers`` (None: every layer). ``carry``: runs of layers taken in order start
+    where the last one stopped (``_Carry``)."""
     model = llm.engine.runner.model
     inputs, handles = {}, []
     stride = max(1, len(ids) // keep)
@@ -137,12 +170,15 @@ def calibrate(llm, ids: list[int], chunk: int, keep: int, rows: bool = True, gra
             inputs[name] = _Inputs(stride, rows, gram)
             handles.append(model.get_submodule(name).register_forward_pre_hook(inputs[name]))
     from kvserve.sampling_params import SamplingParams
+    if carry is not None and layers is not None:
+        model.forward = carry.run(layers)
     try:
         prompts = [{"prompt_token_ids": ids[i:i + chunk]} for i in range(0, len(ids), chunk)]
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     finally:
         for h in handles:
             h.remove()
+        model.__dict__.pop("forward", None)
     return inputs
 
 
@@ -195,10 +231,11 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     packed: dict[str, Quantized] = {}
     per_layer = max(1, _calibration_bytes(a, method))
     run = a.num_layers if method == "rtn" else max(1, min(a.num_layers, calibration_memory // per_layer))
+    carry = _Carry(eng.runner.model)
     for first in range(0, a.num_layers, run):
         layers = range(first, min(a.num_layers, first + run))
         inputs = {} if method == "rtn" else calibrate(llm, ids, chunk, AWQ_ROWS, rows=method == "awq",
-                                                        gram=method == "gptq", layers=layers)
+                                                        gram=method == "gptq", layers=layers, carry=carry)
         for i in layers:
             pre = f"layers.{i}."
             if method == "awq":
