@@ -48,9 +48,10 @@ FP8_UNIT = tl.constexpr(256.0)  # what ``_e4m3``'s codes are multiplied by (in t
 
 @triton.jit
 def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr,
-           EVEN_K: tl.constexpr):
+           EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] codes of W at column k0, as float32 (int4: 0..15; int8: -127..127;
-    FP8: the e4m3 value / 256, exact, see ``_e4m3``)."""
+    FP8: the e4m3 value / 256, exact, see ``_e4m3``). ``MAGIC``: int8 codes without the
+    conversion instruction (below)."""
     if INT4:
         b = _int4_bytes(W, rn_safe, k0, K, stride_wn, BLOCK_K, EVEN_K)
         return tl.interleave(b & 15, b >> 4).to(tl.float32)
@@ -61,6 +62,13 @@ def _codes(W, rn_safe, k0, rk, K, stride_wn, INT4: tl.constexpr, FP8: tl.constex
         b = tl.load(ptrs, mask=(k0 + rk < K)[None, :], other=0)
     if FP8:
         return _e4m3(b)
+    if MAGIC:
+        # the code + 128 under 2^23's exponent, read as a float32, less 2^23 + 128 (exact): an
+        # integer operation and a subtraction for the conversion instruction, which runs at a
+        # quarter of the float rate. The weight-left GEMM, which decodes each tile once per tile
+        # of x rows beside the tensor cores, gains from it; the few-row kernels, bound by their
+        # bytes, do not (BENCHMARKS.md, "Weight quantization").
+        return ((b.to(tl.int32) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - _INT8_OFF
     return b.to(tl.float32)
 
 
@@ -104,6 +112,7 @@ def _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K: tl.constexpr, EVEN_K
     return tl.interleave(tl.reshape(lo, [BN, BLOCK_K // 2]), tl.reshape(hi, [BN, BLOCK_K // 2]))
 
 
+_INT8_OFF = tl.constexpr(8388736.0)  # 2^23 + 128 (``_codes``)
 _TWO_100 = tl.constexpr(2.0 ** 100)
 _TWO_49 = tl.constexpr(2.0 ** 49)
 _TWO_M49 = tl.constexpr(2.0 ** -49)
@@ -155,7 +164,7 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stri
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, NG] if GROUPED else [BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
+            q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K, False)
             if EVEN_K:
                 x = tl.load(X + k0 + rk).to(tl.float32)
             else:
@@ -186,14 +195,14 @@ def _wq_mm_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stri
                 s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
                 w = _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K, EVEN_K, DOWN)
             elif GROUPED:
-                q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
+                q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K, False)
                 s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
                 w = tl.reshape(q, [BLOCK_N, NG, GROUP]) * s[:, :, None]
                 if HAS_MIN:
                     w += z[:, :, None]
                 w = tl.reshape(w, [BLOCK_N, BLOCK_K])
             else:
-                w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K)
+                w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, EVEN_K, False)
             acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=PRECISION)
         y = acc
         if INT4 and DOWN != 0:
@@ -217,7 +226,7 @@ def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     rk = tl.arange(0, BLOCK_K)
-    q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, False)
+    q = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, FP8, BLOCK_K, False, False)
     if GROUPED:
         NG: tl.constexpr = BLOCK_K // GROUP
         s, z = _group_params(S, Z, rn_safe, k0, K, stride_sn, GROUP, BLOCK_K, HAS_MIN)
@@ -261,7 +270,7 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stri
             z = tl.load(Z + rn_safe * stride_sn + g).to(tl.float32)[:, None]
             w = _int4_tile(W, rn_safe, k0, K, stride_wn, s, z, BLOCK_K, True, DOWN)
         else:
-            w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, False, BLOCK_K, True)
+            w = _codes(W, rn_safe, k0, rk, K, stride_wn, INT4, False, BLOCK_K, True, True)
             if GROUPED:
                 g = k0 // GROUP
                 w = w * tl.load(S + rn_safe * stride_sn + g).to(tl.float32)[:, None]

@@ -127,6 +127,24 @@ def test_one_row_code_extremes(device):
     torch.testing.assert_close(ys.cpu().view(-1), codes[0::7].float() * 0.25 - 1.0, rtol=0, atol=0)
 
 
+def test_weight_left_int8_code_extremes(device):
+    """The weight-left GEMM reads int8 codes without a conversion instruction (each byte under
+    2^23's exponent): every code -128..127, per channel and in groups of 32 with mins (GGUF's
+    Q8_0 with a min), against x = the identity, gives each code times its scale (plus min)."""
+    K = 256
+    q8 = torch.arange(-128, 128, dtype=torch.int8).view(1, K).repeat(3, 1)
+    q8[1] = q8[1].flip(0)
+    x = torch.eye(K).to(device)
+    s8 = torch.tensor([1.0, 0.5, 2.0])
+    y = wq_gemm.wq_mm_wx(x, q8.to(device), s8.to(device))
+    torch.testing.assert_close(y.cpu(), (q8.float() * s8[:, None]).t(), rtol=0, atol=0)
+    sg = torch.tensor([0.25, 0.5, 1.0, 2.0] * 6).view(3, K // 32)
+    zg = torch.tensor([-1.0, 0.5, 3.0] * 8).view(3, K // 32)
+    y = wq_gemm.wq_mm_wx(x, q8.to(device), sg.to(device), zg.to(device), 32)
+    want = q8.float() * sg.repeat_interleave(32, 1) + zg.repeat_interleave(32, 1)
+    torch.testing.assert_close(y.cpu(), want.t(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("method,group", FORMATS)
 @pytest.mark.parametrize("M", [2, 7, 16, 32])
 @pytest.mark.parametrize("N,K", [(37, 384), (70, 256)])
