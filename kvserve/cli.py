@@ -145,8 +145,8 @@ def _json_object(value: str) -> dict:
 
 
 def _reserve(value: str) -> float | None:
-    try:
-        return None if value == "auto" else float(value)
+    try:  # (the range is the engine's check, ``SchedulerConfig``)
+        return None if value.strip().lower() == "auto" else float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or auto; got {value!r}") from None
 

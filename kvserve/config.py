@@ -168,8 +168,10 @@ class SchedulerConfig:
     # Room admission keeps for the tokens running requests may still generate, as a fraction of
     # what each may generate (counted up to ``scheduler.RESERVE_TOKENS_CAP`` a request): 0 admits on
     # the prompt's room alone and preempts the newest when the pool runs dry (vLLM's rule); 1
-    # admits only what can finish unpreempted (TensorRT-LLM's guaranteed-no-evict); None: the
-    # fraction finished requests generated, learned as they finish, starting from 1.
+    # admits only what can finish unpreempted (TensorRT-LLM's guaranteed-no-evict; speculative
+    # drafts and requests with more than the cap left aside); None: the fraction finished
+    # requests generated, learned as they finish, starting from 1. Admission stays first come,
+    # first served: a request whose room is not there holds the queue behind it.
     decode_reserve: float | None = None
 
     def __post_init__(self):

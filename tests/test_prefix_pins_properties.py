@@ -69,7 +69,7 @@ class PinMachine(RuleBasedStateMachine):
             keys = self.pins.keys_of(ids[:n], salt)
             want = set()
             for g in range(len(self.kv.windows)):
-                for h in keys[self.kv._first_needed(g, n):]:
+                for h in keys[self.kv.first_needed(g, n):]:
                     want.add(self.kv.pool.lookup(group_key(h, g)))
             assert None not in want and want <= set(self.pins.refs)
 

@@ -573,6 +573,34 @@ def test_decode_reserve_keeps_room_for_what_running_requests_still_generate():
             assert (sim.sched.num_preemptions > 0) == (reserve == 0.0), reserve
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=workload,
+       block_size=st.sampled_from([4, 16]),
+       num_blocks=st.integers(8, 40),
+       windows=st.sampled_from([(None,), (None, 6), (9,), (None, 5, 5), (12, None)]),
+       budget=st.sampled_from([7, 16, 64, 2048]),
+       chunked=st.booleans(),
+       caching=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_full_decode_reserve_never_preempts(reqs, block_size, num_blocks, windows, budget, chunked, caching,
+                                            seed):
+    """With all of every request's remaining tokens reserved (``decode_reserve=1``), no request
+    is ever preempted, whatever the prompts, forks (n > 1), shared prefixes, chunking and KV
+    groups with sliding windows: the reserve counts what each will hold at its largest, as
+    ``blocks_to_finish`` does."""
+    sim = Sim(num_blocks=num_blocks, block_size=block_size, budget=budget, chunked=chunked, caching=caching,
+              windows=windows, decode_reserve=1.0, seed=seed)
+    rng = random.Random(seed)
+    shared = [rng.randrange(50) for _ in range(80)]
+    for length, max_tokens, n, prefix_kind in reqs:
+        prompt = [rng.randrange(50) for _ in range(length)]
+        if prefix_kind:
+            prompt = shared[:16 * prefix_kind] + prompt
+        sim.add(prompt, max_tokens, n)
+    sim.run_to_completion()
+    assert sim.sched.num_preemptions == 0
+
+
 def test_decode_reserve_learns_from_finished_requests():
     """The learned fraction follows what finished requests generated of what they could: requests
     stopping at a tenth of max_tokens bring it down from 1 toward 0.1, aborted ones leave it, and

@@ -64,7 +64,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
 
 # 6 layers, 5 local to 1 global (Gemma 3's ratio): six groups of one layer; 8 layers, 6 local and
 # 2 global: four groups of two; every layer local (Mistral's pattern): one local group. ``small``:
-# a pool that preempts with freeing on.
+# a pool that preempts with freeing on (admission keeping no room for decoding).
 @pytest.mark.parametrize("layer_types,num_groups,small", [
     ([LOCAL] * 5 + [GLOBAL], 6, "128KiB"), ([LOCAL] * 3, 1, "64KiB"),
     pytest.param([LOCAL, LOCAL, GLOBAL, LOCAL] * 2, 4, "192KiB", marks=pytest.mark.slow)])
@@ -75,7 +75,7 @@ def test_freeing_changes_no_output(tmp_path, layer_types, num_groups, small):
     for mode, mem in (("free", "1MiB"), ("keep", "1MiB"), ("free", small)):
         # A small budget chunks the prompts.
         llm = LLM(path, show_progress=False, kv_cache_memory=mem, block_size=8, max_num_batched_tokens=32,
-                  window_kv=mode)
+                  window_kv=mode, decode_reserve=0 if mem == small else None)
         assert llm.engine.kv_plan.groups.num_groups == (num_groups if mode == "free" else 1)
         got, peak = run(llm, prompts)
         if mem == small:

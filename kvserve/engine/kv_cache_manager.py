@@ -106,7 +106,7 @@ class KVCacheManager(BlockEviction):
             parent = hashes[-1] if hashes else salt_root(req.cache_salt)
             hashes.append(hash_block(parent, self.hash_extra, tokens))
 
-    def _first_needed(self, group: int, num_tokens: int) -> int:
+    def first_needed(self, group: int, num_tokens: int) -> int:
         """The first block of ``group`` a query after ``num_tokens`` computed tokens may read."""
         w = self.windows[group]
         return 0 if w is None else max(0, num_tokens - w + 1) // self.block_size
@@ -116,7 +116,7 @@ class KVCacheManager(BlockEviction):
         window no longer reaches), or None if one it needs is not cached."""
         out = []
         for g in range(len(self.windows)):
-            lo = self._first_needed(g, num_blocks * self.block_size)
+            lo = self.first_needed(g, num_blocks * self.block_size)
             hits = [NULL] * lo
             for h in req.block_hashes[lo:num_blocks]:
                 bid = self.pool.lookup(group_key(h, g))
@@ -158,12 +158,12 @@ class KVCacheManager(BlockEviction):
             for g, w in enumerate(self.windows):
                 if w is None:
                     continue
-                missing = [i for i in range(self._first_needed(g, n * self.block_size), n) if found[g][i] is None]
+                missing = [i for i in range(self.first_needed(g, n * self.block_size), n) if found[g][i] is None]
                 if missing:
                     n, changed = missing[-1], True
         if not n:
             return []
-        lo = self._first_needed(0, n * self.block_size)
+        lo = self.first_needed(0, n * self.block_size)
         return [NULL] * lo + found[0][lo:n]
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -242,7 +242,7 @@ class KVCacheManager(BlockEviction):
             table = self.group_tables[g].get(req.request_id)
             if w is None or not table:
                 continue
-            stop = min(self._first_needed(g, req.num_computed_tokens), len(table))
+            stop = min(self.first_needed(g, req.num_computed_tokens), len(table))
             freed += null_before(table, stop)  # tail first, as ``free`` does; NULLs are a prefix
         self.pool.free(freed)
         return len(freed)
@@ -423,7 +423,7 @@ class KVCacheManager(BlockEviction):
                     assert all(b == NULL for b in table[:nulls]), (rid, g, table)
                 if nulls and budget is None:
                     assert self.windows[g] is not None, (rid, g)
-                    assert nulls <= self._first_needed(g, req.num_computed_tokens), (rid, g, nulls)
+                    assert nulls <= self.first_needed(g, req.num_computed_tokens), (rid, g, nulls)
                 for i in range(self._num_hashed[rid]):
                     want = req.block_hashes[i]
                     if table[i] != NULL and self.pool.blocks[table[i]].block_hash is not None:

@@ -65,7 +65,7 @@ class PrefixPins:
         """Every group's cached block a hit of all of ``keys`` needs, or None if one is missing."""
         out = []
         for g in range(len(self.kv.windows)):
-            for h in keys[self.kv._first_needed(g, len(keys) * self.kv.block_size):]:
+            for h in keys[self.kv.first_needed(g, len(keys) * self.kv.block_size):]:
                 bid = self.kv.pool.lookup(group_key(h, g))
                 if bid is None:
                     return None

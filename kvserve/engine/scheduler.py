@@ -28,6 +28,7 @@ from collections import deque
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.kv_groups import NULL
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.step import (
     EngineCoreOutput,
@@ -62,7 +63,6 @@ class Scheduler:
         # Every unfinished request by group (a request with n > 1 and its forks): for aborts.
         self.groups: dict[str, list[Request]] = {}
         self.tiers = tiers  # kvserve.kvtier.TierConnector, or None
-        self._global_groups = sum(1 for w in kv.windows if w is None)
         if tiers is not None:
             kv.pool.record_evictions = True
             kv.pool.record_sealed = tiers.writes_through
@@ -185,8 +185,8 @@ class Scheduler:
                     owed = sum(self._owed_blocks(r) for r in self.running) if self.decode_ratio else 0
                 reserve = self.watermark_blocks + owed
                 if self.decode_ratio:
-                    after = req.num_computed_tokens if req.swapped_out else n_hit + n_loaded
-                    reserve += self._owed_blocks(req, self.kv.blocks_for(after + n))
+                    after = (req.num_computed_tokens if req.swapped_out else n_hit) + n  # (hits and loads)
+                    reserve += self._owed_blocks(req, self.kv.blocks_for(after), after)
             if not self.kv.allocate_slots(req, n_loaded + n, computed, reserve_blocks=reserve):
                 if run:
                     self.tiers.release(run)
@@ -209,7 +209,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if owed is not None and self.decode_ratio:
-                owed += self._owed_blocks(req, self.kv.blocks_for(req.num_computed_tokens + n))
+                c = req.num_computed_tokens + n
+                owed += self._owed_blocks(req, self.kv.blocks_for(c), c)
             scheduled.append(ScheduledRequest(req, n, self.kv.table(req), group_tables=self._group_tables(req)))
             budget -= n
 
@@ -222,19 +223,46 @@ class Scheduler:
             out.writes = self.tiers.to_write(sealed)
         return out
 
-    def _owed_blocks(self, req: Request, held: int | None = None) -> int:
-        """Blocks ``req`` is expected to take beyond the ``held`` it spans (None: its table): the
-        rest of its prompt and ``decode_ratio`` of the tokens it may still generate (forks to
-        come counted as their own), in each full-attention KV group. Sliding-window groups hold
-        at most their window and a request with a ``kv_budget`` at most its budget: neither grows
-        with its length, so neither is counted."""
+    def _owed_blocks(self, req: Request, held: int | None = None, computed: int | None = None) -> int:
+        """Blocks ``req`` is expected to take beyond what it holds with ``held`` blocks spanned and
+        ``computed`` tokens computed (None: as it stands): the rest of its prompt and
+        ``decode_ratio`` of the tokens it may still generate, and for each fork to come its copy
+        of the last prompt block and its own tokens; in each KV group, a sliding-window group at
+        most its window and a step (as ``blocks_to_finish``), less the blocks it still holds (those
+        its window reaches). A request with a ``kv_budget`` holds at most its budget's blocks:
+        nothing is counted."""
         if req.params.kv_budget is not None:
             return 0
-        left = min(req.max_tokens - req.num_output_tokens, RESERVE_TOKENS_CAP) * (1 + req.pending_forks)
-        target = self.kv.blocks_for(req.num_tokens + int(self.decode_ratio * left + 0.5))
+        kv, bs = self.kv, self.kv.block_size
+        left = int(self.decode_ratio * min(req.max_tokens - req.num_output_tokens, RESERVE_TOKENS_CAP) + 0.5)
+        target = kv.blocks_for(req.num_tokens + left)
+        fork = target - req.num_tokens // bs
         if held is None:
-            held = len(self.kv.table(req))
-        return max(0, target - held) * self._global_groups
+            held, computed = len(kv.table(req)), req.num_computed_tokens
+        step = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill:
+            step = max(step, req.num_prompt_tokens)
+        owed = 0
+        for g, w in enumerate(kv.windows):
+            if w is None:
+                owed += max(0, target - held) + req.pending_forks * fork
+            else:
+                cap = min(target, kv.blocks_for(w - 1 + step) + 1)
+                own = self._own_window_blocks(req, g, held, computed)
+                owed += max(0, cap - own) + req.pending_forks * min(fork, cap)
+        return owed
+
+    def _own_window_blocks(self, req: Request, g: int, held: int, computed: int) -> int:
+        """The blocks of a sliding-window group ``req`` holds alone within its window. Blocks it
+        shares (a fork's prompt, a prefix-cache hit) do not count: as the window moves past
+        them each sharer takes blocks of its own. A request being admitted (``held`` past its
+        table) holds none yet."""
+        tables = self.kv.tables_of(req) if req.request_id in self.kv.tables else None
+        if tables is None or len(tables[g]) < held:
+            return 0
+        blocks = self.kv.pool.blocks
+        return sum(1 for b in tables[g][self.kv.first_needed(g, computed):held]
+                   if b != NULL and blocks[b].ref_cnt == 1)
 
     def _learn_decode_ratio(self, req: Request) -> None:
         """Move the learned fraction toward what a finished request generated of what it could."""
