@@ -23,7 +23,9 @@ N_NEW = 16
 # Chunked prefill (prompts longer than the step's 32 tokens), a shared 24-token prefix (three
 # full blocks), and a pool of 24 blocks per rank at TP = 2 that cannot hold every request at
 # once (preemption); at TP = 1 the same bytes hold 12 blocks, still one whole request.
-ENGINE = dict(show_progress=False, device="cpu", kv_cache_memory="72KiB", block_size=8, max_num_batched_tokens=32)
+# A pool small enough to preempt (admission keeping no room for decoding), prompts chunked.
+ENGINE = dict(show_progress=False, device="cpu", kv_cache_memory="72KiB", block_size=8, max_num_batched_tokens=32,
+              decode_reserve=0)
 
 
 def _prompts() -> list[list[int]]:
