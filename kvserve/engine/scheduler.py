@@ -95,15 +95,22 @@ class Scheduler:
             if self.cache_config.kv_eviction == "snapkv":
                 per_seq = max(per_seq, self.kv.blocks_for(num_prompt_tokens))
             held = min(n * per_seq, full)
-        step = self.config.max_num_batched_tokens  # a prompt over it runs whole only unchunked
-        if not self.config.enable_chunked_prefill:
-            step = max(step, num_prompt_tokens)
+        step = self._largest_step(num_prompt_tokens)
         if kv_budget is not None and self.cache_config.kv_eviction in ("streaming", "h2o"):
             # ``KVCacheManager.step_tokens`` cuts such a request's steps to its budget's free blocks
             # and the rest of its last one (a SnapKV prompt runs to its end uncut)
             step = min(step, kv_budget + self.kv.block_size - 1)
-        return sum(held if w is None else min(full, n * (self.kv.blocks_for(w - 1 + step) + 1))
-                   for w in self.kv.windows)
+        return sum(held if w is None else min(full, n * self._window_blocks(w, step)) for w in self.kv.windows)
+
+    def _largest_step(self, num_prompt_tokens: int) -> int:
+        """The most tokens one step computes for a request: the token budget (a prompt over it
+        runs whole only unchunked)."""
+        step = self.config.max_num_batched_tokens
+        return step if self.config.enable_chunked_prefill else max(step, num_prompt_tokens)
+
+    def _window_blocks(self, window: int, step: int) -> int:
+        """The most blocks a sliding-window group holds for one sequence: its window and a step."""
+        return self.kv.blocks_for(window - 1 + step) + 1
 
     @property
     def num_unfinished(self) -> int:
@@ -239,15 +246,13 @@ class Scheduler:
         fork = target - req.num_tokens // bs
         if held is None:
             held, computed = len(kv.table(req)), req.num_computed_tokens
-        step = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill:
-            step = max(step, req.num_prompt_tokens)
+        step = self._largest_step(req.num_prompt_tokens)
         owed = 0
         for g, w in enumerate(kv.windows):
             if w is None:
                 owed += max(0, target - held) + req.pending_forks * fork
             else:
-                cap = min(target, kv.blocks_for(w - 1 + step) + 1)
+                cap = min(target, self._window_blocks(w, step))
                 own = self._own_window_blocks(req, g, held, computed)
                 owed += max(0, cap - own) + req.pending_forks * min(fork, cap)
         return owed
@@ -257,12 +262,11 @@ class Scheduler:
         shares (a fork's prompt, a prefix-cache hit) do not count: as the window moves past
         them each sharer takes blocks of its own. A request being admitted (``held`` past its
         table) holds none yet."""
-        tables = self.kv.tables_of(req) if req.request_id in self.kv.tables else None
-        if tables is None or len(tables[g]) < held:
+        table = self.kv.group_tables[g].get(req.request_id)
+        if table is None or len(table) < held:
             return 0
         blocks = self.kv.pool.blocks
-        return sum(1 for b in tables[g][self.kv.first_needed(g, computed):held]
-                   if b != NULL and blocks[b].ref_cnt == 1)
+        return sum(1 for b in table[self.kv.first_needed(g, computed):held] if b != NULL and blocks[b].ref_cnt == 1)
 
     def _learn_decode_ratio(self, req: Request) -> None:
         """Move the learned fraction toward what a finished request generated of what it could."""
