@@ -9,9 +9,9 @@ memory and are dequantized in registers, tile by tile (formats: ``kvserve/layers
     int4  W [N, K/2] uint8 (2 codes a byte),   y[m, n] = sum_groups scale[n, j] * sum_(k in j) x[m, k] q[n, k]
           scale, min [N, K/g]                                  + min[n, j] * sum_(k in j) x[m, k]
 
-One kernel, three shapes of program, by the rows of x (one row of int8 or int4 goes to
-``wq_gemv.py``, which decodes the codes by integer operations instead of conversions; here one
-row is FP8's, or a caller's explicit tile):
+One kernel, three shapes of program, by the rows of x (one row whose weight rows are whole
+words goes to ``wq_gemv.py``, which decodes the codes with few instructions; here one row is a
+caller's explicit tile, or an FP8 weight of another width):
 
     rows = 1     each program owns BLOCK_N output features and streams their packed rows over K
                  (as ``gemv.py``): codes times x elementwise, summed per group, then scaled;
@@ -41,9 +41,9 @@ import triton.language as tl
 
 from kvserve.kernels import wq_gemv
 from kvserve.kernels.common import dot_precision
+from kvserve.kernels.wq_gemv import FP8_UNIT, _e4m3
 
 MAX_SKINNY_ROWS = 32  # rows the one-wave skinny shape takes; more: the tiled GEMM
-FP8_UNIT = tl.constexpr(256.0)  # what ``_e4m3``'s codes are multiplied by (in the scale) to give e4m3 values
 
 
 @triton.jit
@@ -116,17 +116,6 @@ _INT8_OFF = tl.constexpr(8388736.0)  # 2^23 + 128 (``_codes``)
 _TWO_100 = tl.constexpr(2.0 ** 100)
 _TWO_49 = tl.constexpr(2.0 ** 49)
 _TWO_M49 = tl.constexpr(2.0 ** -49)
-
-
-@triton.jit
-def _e4m3(b):
-    """e4m3 bytes (W passed as uint8) -> their values / 256 in float32. The byte's exponent and
-    mantissa bits, moved under float16's, read as a float16 (exponent bias 15 instead of 7,
-    subnormals alike) give the value times 2^-8; the 2^8 goes into the scale (``FP8_UNIT``).
-    A few integer operations, and no conversion instruction the interpreter lacks."""
-    h = b.to(tl.uint16)
-    h = ((h & 0x7F) << 7) | ((h & 0x80) << 8)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -475,7 +464,7 @@ def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: to
     if M == 1 and (config is None or "KIND" in config) and wq_gemv.takes(qweight, group_size):
         return wq_gemv.wq_gemv(x, qweight, scales, mins, group_size, bias, N, K, int4, config, pdl)
     assert config is None or "KIND" not in config, \
-        "a one-row config (KIND) takes one row of int8 or int4; this product has other rows or FP8 codes"
+        "a one-row config (KIND) takes one row of int8, int4 or FP8 in whole words; this product does not"
     if M == 0:
         return torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = dict(config or default_config(M, N, K, int4))

@@ -1,7 +1,7 @@
 """One-row weight-only quantized products, ``y = x @ dequant(W).T (+ bias)`` for x [1, K]: a
 batch-1 decode step's projections, where the packed weights stream once through the SMs and the
 product is bound by instruction issue unless each code costs very few instructions (formats:
-``wq_gemm.py``; FP8's e4m3 codes stay there).
+``wq_gemm.py``: int8, int4 and FP8's e4m3 codes with a scale per row).
 
 **Codes to float32 without a conversion instruction**, which Hopper issues at a quarter of its
 float rate. int8 (and the Triton kernel's int4): the code's bits go under the mantissa of 2^23
@@ -16,7 +16,10 @@ that leave every product the same float:
 
 (the xor adds 128 to every signed byte of the word at once; a byte permute then places each
 under the exponent). Per code, int4: one and an eighth integer instructions and the fused
-multiply-add with x; int8: one and a quarter, a subtraction and the multiply-add.
+multiply-add with x; int8: one and a quarter, a subtraction and the multiply-add. FP8's e4m3
+codes have no such reading (a sign bit apart from the magnitude): the Gluon kernel converts two
+at a time to float16 (``cvt.rn.f16x2.e4m3x2``, compute capability 8.9 on) and widens each to
+float32, both exact; the Triton kernel moves the bits under float16's (``_e4m3``).
 
 **The Gluon kernel** (CUDA) fixes the layout Triton would not: a thread holds 16 contiguous
 bytes (4 words) of every one of the program's ``BLOCK_N`` rows, and the 32 (int4) or 16 (int8)
@@ -34,6 +37,8 @@ vectors) does the same arithmetic on byte tiles whose layout the compiler choose
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +52,18 @@ from kvserve.kernels.common import capability, launch_pdl, pdl_kw, wait_inputs
 # for int8 (stored plus 128); shared by both kernels.
 INT4_OFF = tl.constexpr(8388608.0)
 INT8_OFF = tl.constexpr(8388736.0)
+FP8_UNIT = tl.constexpr(256.0)  # what ``_e4m3``'s codes are multiplied by (in the scale) to give e4m3 values
+
+
+@triton.jit
+def _e4m3(b):
+    """e4m3 bytes (W passed as uint8) -> their values / 256 in float32. The byte's exponent and
+    mantissa bits, moved under float16's, read as a float16 (exponent bias 15 instead of 7,
+    subnormals alike) give the value times 2^-8; the 2^8 goes into the scale (``FP8_UNIT``).
+    A few integer operations, and no conversion instruction the interpreter lacks."""
+    h = b.to(tl.uint16)
+    h = ((h & 0x7F) << 7) | ((h & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -74,10 +91,13 @@ def _btile(W, S, Z, rn, k0, K, stride_wn, stride_sn, rb, rg, INT4: tl.constexpr,
 
 
 @triton.jit
-def _bdecode(b, INT4: tl.constexpr):
+def _bdecode(b, INT4: tl.constexpr, FP8: tl.constexpr):
     """Bytes (uint8) -> their codes as exact float32: int4, [..., 2] (a byte's low and high nibble,
-    its two columns, side by side); int8, the byte read as two's complement."""
-    if INT4:
+    its two columns, side by side); int8, the byte read as two's complement; FP8, the e4m3 value
+    / 256 (``_e4m3``)."""
+    if FP8:
+        q = _e4m3(b)
+    elif INT4:
         lo = ((b & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - INT4_OFF
         hi = ((b >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - INT4_OFF
         q = tl.join(lo, hi)
@@ -88,9 +108,9 @@ def _bdecode(b, INT4: tl.constexpr):
 
 @triton.jit
 def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
-                   INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                   INT4: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     tl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
@@ -113,9 +133,9 @@ def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
         else:
             x = tl.load(X + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         if INT4:  # [BN, BK/2, 2]: a byte's two codes meet x's pairs
-            qx = _bdecode(b, INT4) * tl.reshape(x, [BLOCK_K // 2, 2])[None, :, :]
+            qx = _bdecode(b, INT4, FP8) * tl.reshape(x, [BLOCK_K // 2, 2])[None, :, :]
         else:
-            qx = _bdecode(b, INT4) * x[None, :]
+            qx = _bdecode(b, INT4, FP8) * x[None, :]
         if GROUPED:
             acc += tl.sum(tl.reshape(qx, [BLOCK_N, NG, GROUP]), axis=2) * s
             if HAS_MIN:
@@ -129,6 +149,8 @@ def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
     y = tl.sum(acc, axis=1)
     if not GROUPED:
         y = y * tl.load(S + rn_safe).to(tl.float32)
+        if FP8:
+            y = y * FP8_UNIT
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
@@ -206,6 +228,21 @@ prmt.b32 $1, t, c, 0x7541;
 prmt.b32 $2, t, c, 0x7542;
 prmt.b32 $3, t, c, 0x7543;
 }""")
+# FP8: a word's four e4m3 codes -> their float32 values (exact): each half-word's two codes to a
+# float16 pair in one conversion (the upper byte to the upper half), each half widened.
+_FP8_ASM = gl.constexpr("""{
+.reg .b16 l, h, a0, a1, b0, b1;
+.reg .b32 a, b;
+mov.b32 {l, h}, $4;
+cvt.rn.f16x2.e4m3x2 a, l;
+cvt.rn.f16x2.e4m3x2 b, h;
+mov.b32 {a0, a1}, a;
+mov.b32 {b0, b1}, b;
+cvt.f32.f16 $0, a0;
+cvt.f32.f16 $1, a1;
+cvt.f32.f16 $2, b0;
+cvt.f32.f16 $3, b1;
+}""")
 
 
 @gluon.jit
@@ -217,7 +254,7 @@ def _gl_fma(acc, c, xj, OFF: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
-def _gl_dot_words(w, x, INT4: gl.constexpr, LW: gl.constexpr):
+def _gl_dot_words(w, x, INT4: gl.constexpr, FP8: gl.constexpr, LW: gl.constexpr):
     """sum over each thread's words and codes of code * x: words [BLOCK_N, NT, VEC], x [NT, VEC, P]
     (float32, in the registers of the thread holding the words) -> [BLOCK_N, NT]. x splits into
     its P columns in registers (column p = 4a + 2b + c, split c first), one per code position."""
@@ -241,24 +278,25 @@ def _gl_dot_words(w, x, INT4: gl.constexpr, LW: gl.constexpr):
         t = _gl_fma(t, c5, x101, 0.0, LW)
         t = _gl_fma(t, c6, x011, 0.0, LW)
         t = _gl_fma(t, c7, x111, 0.0, LW)
-    else:
+    else:  # int8 or FP8: four codes a word
+        OFF: gl.constexpr = 0.0 if FP8 else INT8_OFF
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            _INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=[gl.float32] * 4, is_pure=True, pack=1)
+            _FP8_ASM if FP8 else _INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=[gl.float32] * 4, is_pure=True, pack=1)
         x0, x1 = gl.split(gl.reshape(x, [NT, VEC, 2, 2]))  # c
         x00, x01 = gl.split(x0)  # b: x{c}{b} is column 2b + c
         x10, x11 = gl.split(x1)
-        t = (c0 - INT8_OFF) * gl.expand_dims(gl.convert_layout(x00, gl.SliceLayout(0, LW)), 0)
-        t = _gl_fma(t, c1, x10, INT8_OFF, LW)
-        t = _gl_fma(t, c2, x01, INT8_OFF, LW)
-        t = _gl_fma(t, c3, x11, INT8_OFF, LW)
+        t = (c0 - OFF if OFF != 0.0 else c0) * gl.expand_dims(gl.convert_layout(x00, gl.SliceLayout(0, LW)), 0)
+        t = _gl_fma(t, c1, x10, OFF, LW)
+        t = _gl_fma(t, c2, x01, OFF, LW)
+        t = _gl_fma(t, c3, x11, OFF, LW)
     return gl.sum(t, axis=2)
 
 
 @gluon.jit
 def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
-                   INT4: gl.constexpr, GROUPED: gl.constexpr, HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   WPG: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
+                   INT4: gl.constexpr, FP8: gl.constexpr, GROUPED: gl.constexpr, HAS_MIN: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, WPG: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
     gl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
     P: gl.constexpr = 8 if INT4 else 4  # codes a word
     NT: gl.constexpr = 32 * NUM_WARPS  # threads: each holds VEC words (16 bytes) of every row
@@ -291,7 +329,7 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
                               GROUPED, HAS_MIN, WPG, VEC, True)
         xk = v0 * VEC * P + xoff
         x = gl.load(X + xk, mask=xk < KV * VEC * P, other=0.0).to(gl.float32)
-        part = _gl_dot_words(w, x * xm if INT4 else x, INT4, LW)
+        part = _gl_dot_words(w, x * xm if INT4 else x, INT4, FP8, LW)
         if GROUPED:
             acc += part * (s * UNSCALE) if INT4 else part * s
             if HAS_MIN:
@@ -313,19 +351,30 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
 
 
 def takes(qweight: torch.Tensor, group_size: int) -> bool:
-    """This kernel takes the packed weight: int4, or int8 whose rows are whole words (FP8's e4m3
-    codes go to ``wq_gemm``)."""
+    """This kernel takes the packed weight: int4, or int8 (or FP8's e4m3 codes, one scale a row)
+    whose rows are whole words."""
     if qweight.dtype == torch.uint8:
         return True
+    if qweight.dtype == torch.float8_e4m3fn:
+        return qweight.shape[1] % 4 == 0 and group_size == 0
     return qweight.dtype == torch.int8 and qweight.shape[1] % 4 == 0 and (group_size == 0 or group_size % 4 == 0)
+
+
+@functools.cache
+def _fp8_conversions(index: int) -> bool:
+    """The GPU converts e4m3 to float16 in one instruction (compute capability 8.9 on)."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def gluon_takes(x: torch.Tensor, qweight: torch.Tensor, K: int, int4: bool) -> bool:
     """The Gluon kernel's conditions: a CUDA GPU of compute capability 8.0 or later (it is built
-    and measured on 9.0), not the interpreter, rows of whole 16-byte vectors, each row starting on
-    a 4-byte boundary (read as 32-bit words)."""
-    return (x.is_cuda and not interpreting() and capability(x.device) >= 8 and K % (32 if int4 else 16) == 0
-            and qweight.stride(0) % 4 == 0 and qweight.storage_offset() % 4 == 0)
+    and measured on 9.0; 8.9 or later for FP8's conversion), not the interpreter, rows of whole
+    16-byte vectors, each row starting on a 4-byte boundary (read as 32-bit words)."""
+    ok = (x.is_cuda and not interpreting() and capability(x.device) >= 8 and K % (32 if int4 else 16) == 0
+          and qweight.stride(0) % 4 == 0 and qweight.storage_offset() % 4 == 0)
+    if ok and qweight.dtype == torch.float8_e4m3fn:
+        return _fp8_conversions(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return ok
 
 
 def default_config(x: torch.Tensor, qweight: torch.Tensor, K: int, int4: bool, group_size: int) -> dict:
@@ -350,7 +399,8 @@ def wq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, block_n),)
     bias_arg, mins_arg = bias if bias is not None else scales, scales if mins is None else mins
-    flags = dict(INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, HAS_BIAS=bias is not None,
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    flags = dict(INT4=int4, FP8=fp8, GROUPED=group_size > 0, HAS_MIN=mins is not None, HAS_BIAS=bias is not None,
                  BLOCK_N=block_n, PREFETCH=prefetch, num_warps=nw)
     if kind == "gluon":
         per_word = 8 if int4 else 4

@@ -14,8 +14,9 @@ the same numbers as ``quantize_rows``).
 
 On a GPU a product of few rows (decode steps, up to the kernel config's ``wq_skinny_max_rows``)
 reads each weight once and does little arithmetic: there the e4m3 weights meet the activations
-unquantized (W8A16) in the kernel of the other weight-only formats (``kernels/wq_gemm.py``), which
-decodes them in registers; more rows take ``_scaled_mm``.
+unquantized (W8A16) in the kernels of the other weight-only formats (``kernels/wq_gemm.py``; one
+row in ``kernels/wq_gemv.py``, as int8's), which decode them in registers; more rows take
+``_scaled_mm``.
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def test_one_row(method, group, N, K, dtype, device):
     _check(1, N, K, method, group, dtype, device, seed=N + K + group, bias=N == 37)
 
 
-@pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
+@pytest.mark.parametrize("method,group", FORMATS)
 @pytest.mark.parametrize("cfg", [{"KIND": "triton", "BLOCK_N": 2, "TILE_BYTES": 128, "PREFETCH": 1, "num_warps": 2},
                                  {"KIND": "triton", "BLOCK_N": 8, "TILE_BYTES": 256, "PREFETCH": 2, "num_warps": 4}],
                          ids=["p1", "p2"])
@@ -88,13 +88,13 @@ def test_one_row_tiles(method, group, cfg, N, K, device):
 
 
 def test_one_row_config_is_refused_elsewhere(device):
-    """A one-row tile (``KIND``) given to a product of several rows, or of FP8 codes, is a clear
-    error, not a missing key deep in the launcher."""
+    """A one-row tile (``KIND``) given to a product of several rows, or of FP8 codes whose rows are
+    not whole words, is a clear error, not a missing key deep in the launcher."""
     x, packed, _ = _case(2, 8, 64, "int8", 0, torch.float32, device, seed=1)
     cfg = {"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 64, "PREFETCH": 1, "num_warps": 2}
     with pytest.raises(AssertionError, match="one-row config"):
         wq_mm(x, *packed, config=cfg)
-    x, packed, _ = _case(1, 8, 64, "fp8", 0, torch.float32, device, seed=1)
+    x, packed, _ = _case(1, 8, 66, "fp8", 0, torch.float32, device, seed=1)
     with pytest.raises(AssertionError, match="one-row config"):
         wq_mm(x, *packed, config=cfg)
 
@@ -125,6 +125,21 @@ def test_one_row_code_extremes(device):
     ys = torch.cat([wq_mm(x[i:i + 1].to(device), q4.to(device), s4.to(device), z4.to(device), 32)
                     for i in range(0, K, 7)])
     torch.testing.assert_close(ys.cpu().view(-1), codes[0::7].float() * 0.25 - 1.0, rtol=0, atol=0)
+
+
+def test_one_row_fp8_codes(device):
+    """Every e4m3 code but NaN (normals, subnormals, both zeros, ±448) decodes exactly in the
+    one-row kernels: a weight that holds each one, against x = one-hot columns, gives its value
+    (PyTorch's float8_e4m3fn conversion) times the row's scale."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaNs
+    w = codes.to(torch.uint8).view(torch.float8_e4m3fn).view(1, 256).repeat(3, 1)
+    s = torch.tensor([1.0, 0.5, 2.0])
+    x = torch.eye(256)
+    cols = list(range(0, 256, 3)) + [1, 2, 7, 8, 0x7E, 0x80, 0x81, 0x87, 0xFE]
+    ys = torch.cat([wq_mm(x[i:i + 1].to(device), w.to(device), s.to(device)) for i in cols])
+    ref = (w.float() * s[:, None]).t()[cols]
+    torch.testing.assert_close(ys.cpu(), ref, rtol=0, atol=0)
 
 
 def test_weight_left_int8_code_extremes(device):
@@ -297,11 +312,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels.wq_gemv import _gl_row_kernel as K
-int4, group = sys.argv[1] == "int4", int(sys.argv[2])
+int4, fp8, group = sys.argv[1] == "int4", sys.argv[1] == "fp8", int(sys.argv[2])
 names = K.arg_names
-ptr = dict(X="*bf16", W="*i32", S="*bf16", Z="*bf16", B="*bf16", Y="*bf16")
-const = dict(INT4=int4, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False, WPG=group // (8 if int4 else 4) or 1,
-             BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
+ptr = dict(X="*bf16", W="*i32", S="*fp32" if fp8 else "*bf16", Z="*bf16", B="*bf16", Y="*bf16")
+const = dict(INT4=int4, FP8=fp8, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False,
+             WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
 sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
 div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const}
 src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
@@ -311,23 +326,24 @@ loop = ptx[ptx.index("griddepcontrol.wait"):]
 ints = ("s8", "u8", "s16", "u16", "s32", "u32")
 print(ptx.count("ld.local") + ptx.count("st.local"), sum(loop.count(f"cvt.rn.f32.{t}") for t in ints),
       ptx.count("ld.global.v4.b32") + ptx.count("ld.global.nc.v4.b32"), ptx.count("griddepcontrol.wait"),
-      ptx.count(".ftz"))
+      ptx.count(".ftz"), loop.count("cvt.rn.f16x2.e4m3x2"))
 """
 
 
-@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32)])
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32), ("fp8", 0)])
 def test_gluon_row_kernel_compiles_for_sm90(fmt, group):
     """The CUDA one-row kernel, compiled for sm90 in a subprocess (no GPU): nothing spilled to local
     memory, no integer-to-float conversion instruction on the codes (their bits are read as
     subnormal floats), no float operation that flushes subnormals to zero (which would zero every
     code), the weights read as 16-byte vectors, and the wait on the previous kernel present once
-    (programmatic dependent launch)."""
+    (programmatic dependent launch). FP8's codes take the paired e4m3 conversion, the others none."""
     p = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(group)], capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "0"})
     assert p.returncode == 0, p.stderr[-2000:]
-    spills, conversions, vector_loads, waits, flushes = map(int, p.stdout.split())
+    spills, conversions, vector_loads, waits, flushes, e4m3_pairs = map(int, p.stdout.split())
     assert spills == 0 and conversions == 0 and waits == 1 and flushes == 0
     assert vector_loads >= 1
+    assert (e4m3_pairs > 0) == (fmt == "fp8")
 
 
 @pytest.mark.parametrize("method, group, expect", [
