@@ -178,7 +178,8 @@ def test_dtype_auto_on_the_cpu_is_bfloat16_where_native(monkeypatch, native):
     llm.shutdown()
     for fixed, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         monkeypatch.setenv("KVSERVE_CPU_DTYPE", fixed)
-        llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB")
+        llm = LLM("dummy:tiny", show_progress=False, kv_cache_memory="16MiB",
+                  kernel=KernelConfig(cpu_packed_weights=False))
         assert llm.engine.runner.dtype == dtype and llm.engine.runner.model.embed_tokens.weight.dtype == dtype
         llm.shutdown()
     # An explicit dtype wins over the variable.

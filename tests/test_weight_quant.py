@@ -71,6 +71,7 @@ def test_cpu_int4_layout_unpacks_to_the_codes(N, K, group):
         lin.weight.copy_(torch.randn(N, K, generator=g) * 0.05)
         lin.bias.copy_(torch.randn(N, generator=g))
     layer = QuantLinear.from_linear(lin, QuantConfig("int4", group))
+    assert layer._cpu_layout is not None  # (x86 and scalar kernels: a layout the layer reads)
     q, s, z = quantize_int4(lin.weight.detach(), group, torch.float32)
     want = dequantize_ref(q, s, z, group)
     torch.testing.assert_close(layer._cpu_int4_dequantized(torch.float32), want, rtol=0, atol=1e-6)
@@ -84,6 +85,56 @@ def test_cpu_int4_layout_unpacks_to_the_codes(N, K, group):
     xb = x.bfloat16()
     yb = layer(xb)  # in bfloat16: the weight rounded once more than in the kernel
     assert ((yb.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+_LAYOUT_CHECK = """
+import torch
+from kvserve.layers import quant_linear as ql
+layout = ql._cpu_int4_layout()
+assert layout is not None, torch.backends.cpu.get_cpu_capability()
+g = torch.Generator().manual_seed(3)
+N, K = 4 * ql._CPU_INT4_LAYOUTS[layout], 96
+codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, ql._CPU_INT4_INNER_K_TILES)
+assert torch.equal(ql._cpu_int4_codes(packed, N, K, layout).int(), codes)
+print(torch.backends.cpu.get_cpu_capability(), layout)
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", None])
+def test_cpu_int4_layout_is_read_under_each_dispatch(capability):
+    """PyTorch packs CPU int4 weights in a layout that follows the vector width its kernels were
+    dispatched for (``ATEN_CPU_CAPABILITY``): the layer recognises the one of this process, and
+    reads random codes back exactly, under the scalar kernels and under this CPU's own."""
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    out = subprocess.run([sys.executable, "-c", _LAYOUT_CHECK], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cap, layout = out.stdout.split()
+    assert layout in ("avx512", "avx2", "scalar")
+    assert (layout == "scalar") == (cap == "DEFAULT")
+
+
+def test_cpu_int4_of_an_unknown_layout_stays_in_the_kernel(monkeypatch):
+    """Where the layout is none the layer reads, a prefill's int4 product is PyTorch's kernel's,
+    still equal to dequantize-then-matmul."""
+    from kvserve.layers import quant_linear
+    monkeypatch.setattr(quant_linear, "_cpu_int4_layout", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(128, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 128, generator=g) * 0.05)
+    layer = QuantLinear.from_linear(lin, QuantConfig("int4", 32))
+    assert layer._cpu_layout is None
+    x = torch.randn(quant_linear._CPU_DEQUANT_MIN_ROWS, 128, generator=g)
+    q, s, z = quantize_int4(lin.weight.detach(), 32, torch.float32)
+    ref = wq_mm_ref(x, q, s, z, 32)
+    assert ((layer(x).double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32)])

@@ -21,7 +21,8 @@ product, never to a whole matrix at rest.
           ``_weight_int4pack_mm_for_cpu`` (its own int4 layout, converted once at load, with
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
           (q - 8) * scale + zero); from ``_CPU_DEQUANT_MIN_ROWS`` rows on (prefill), the int4
-          weight dequantized to x's dtype and one matmul. Group-wise int8 (GGUF's Q8_0, Q6_K,
+          weight dequantized to x's dtype and one matmul where this module reads PyTorch's
+          layout (``_CPU_INT4_LAYOUTS``: it follows the CPU's vector width). Group-wise int8 (GGUF's Q8_0, Q6_K,
           fused projections of mixed GGUF types), which neither packed CPU kernel takes, dequantizes
           ``_CPU_TILE_ROWS`` rows at a time into a float tile and multiplies that, so no whole
           float matrix exists.
@@ -65,6 +66,50 @@ def cuda_product(rows: int, kernel: KernelConfig, int4: bool, wide: bool) -> str
     return "weight-left" if wide and rows <= kernel.wq_weight_left_max_rows else "dequant"
 
 
+# PyTorch's CPU int4 layouts (``_convert_weight_to_int4pack_for_cpu``), which follow the vector
+# width its kernels were dispatched for, as rows per block of output rows:
+#   "avx512" 64: for each 64 rows, [K/2, 64] bytes; byte (k // 2, n % 32 + 32 * (k % 2)) holds row
+#                n's code k, in its low nibble for n % 64 < 32, else in its high one.
+#   "avx2"   32: for each 32 rows, [K, 16] bytes; byte (k, n % 16) holds row n's code k, in its
+#                low nibble for n % 32 < 16, else in its high one.
+#   "scalar" 32: for each 32 rows, [K, 16] bytes; byte (k, (n % 32) // 2) holds row n's code k,
+#                in its low nibble for even n, else in its high one.
+_CPU_INT4_LAYOUTS = {"avx512": 64, "avx2": 32, "scalar": 32}
+
+
+def _cpu_int4_codes(packed: torch.Tensor, N: int, K: int, layout: str) -> torch.Tensor:
+    """The codes [N, K] (uint8) packed in ``layout`` (``_CPU_INT4_LAYOUTS``)."""
+    if layout == "avx512":
+        b = packed.view(N // 64, K // 2, 64)
+        lo, hi = b & 15, b >> 4
+        even = torch.cat((lo[..., :32], hi[..., :32]), dim=-1)  # codes 2j of the 64 rows
+        odd = torch.cat((lo[..., 32:], hi[..., 32:]), dim=-1)
+        return torch.stack((even, odd), dim=2).view(N // 64, K, 64).transpose(1, 2).reshape(N, K)
+    b = packed.view(N // 32, K, 16)
+    if layout == "avx2":
+        q = torch.cat((b & 15, b >> 4), dim=-1)
+    else:
+        q = torch.stack((b & 15, b >> 4), dim=-1).view(N // 32, K, 32)
+    return q.transpose(1, 2).reshape(N, K)
+
+
+@functools.cache
+def _cpu_int4_layout() -> str | None:
+    """The layout this process's PyTorch packs int4 weights in for the CPU, found by packing
+    random codes and reading them back with each known one; None where none reads them back (the
+    int4 kernel then takes every product)."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 256), generator=g, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _CPU_INT4_INNER_K_TILES)
+    for layout in _CPU_INT4_LAYOUTS:
+        try:
+            if torch.equal(_cpu_int4_codes(packed, 64, 256, layout).int(), codes):
+                return layout
+        except RuntimeError:  # (not that layout's size)
+            pass
+    return None
+
+
 class QuantLinear(nn.Module):
     """``x @ dequant(W).T + bias`` with W packed for its device (see the module's docstring)."""
 
@@ -76,10 +121,14 @@ class QuantLinear(nn.Module):
         self.group_size = group_size  # int8: 0 per output channel, else group-wise
         self.fmt = fmt or method  # what the weights came as, e.g. "gguf Q4_K"
         self.cpu = qweight.device.type == "cpu"
+        self._cpu_layout: str | None = None  # a CPU int4 weight's, where this module reads it
         if self.cpu and method == "int4":
             codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).view(out_features, in_features)
             qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32),
                                                                          _CPU_INT4_INNER_K_TILES)
+            layout = _cpu_int4_layout()
+            if layout and out_features % _CPU_INT4_LAYOUTS[layout] == 0:
+                self._cpu_layout = layout  # (else the prefill products stay in PyTorch's kernel)
             # (q - 8) * s + (min + 8 s): equal to q * s + min up to float32 rounding
             scales = torch.stack((scales, mins + 8 * scales), dim=-1).transpose(0, 1).contiguous()
             mins = None
@@ -156,7 +205,7 @@ class QuantLinear(nn.Module):
             y = self._cpu_grouped_int8(x)
         elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self._scales_as(x.dtype))
-        elif x.shape[0] >= _CPU_DEQUANT_MIN_ROWS and self.out_features % 64 == 0:
+        elif x.shape[0] >= _CPU_DEQUANT_MIN_ROWS and self._cpu_layout:
             y = F.linear(x, self._cpu_int4_dequantized(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
@@ -164,17 +213,11 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _cpu_int4_dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The int4 weight [N, K] in ``dtype``, from the CPU kernel's layout and the scales it
-        applies: q * scale + (zero - 8 * scale), one rounding to ``dtype`` more than the kernel's.
-        That layout, for each 64 output rows, is [K/2, 64] bytes: byte (k // 2, n % 32 + 32 *
-        (k % 2)) holds row n's code k in its low nibble for n % 64 < 32, in its high nibble
-        otherwise (the tests check it against PyTorch's conversion)."""
+        """The int4 weight [N, K] in ``dtype``, from the CPU kernel's layout (``_cpu_int4_codes``)
+        and the scales it applies: q * scale + (zero - 8 * scale), one rounding to ``dtype`` more
+        than the kernel's."""
         N, K, g = self.out_features, self.in_features, self.group_size
-        b = self.qweight.view(N // 64, K // 2, 64)
-        lo, hi = b & 15, b >> 4
-        even = torch.cat((lo[..., :32], hi[..., :32]), dim=-1)  # codes 2j of the 64 rows
-        odd = torch.cat((lo[..., 32:], hi[..., 32:]), dim=-1)
-        q = torch.stack((even, odd), dim=2).view(N // 64, K, 64).transpose(1, 2).reshape(N, K // g, g)
+        q = _cpu_int4_codes(self.qweight, N, K, self._cpu_layout).view(N, K // g, g)
         sz = self._scales_as(dtype).float()  # [K/g, N, 2]: (scale, zero)
         scale = sz[..., 0].t().contiguous()[..., None]  # [N, K/g, 1]
         shift = sz[..., 1].t().contiguous()[..., None] - 8 * scale
