@@ -238,6 +238,15 @@ def test_bad_options(kw, option):
     assert e.value.option == option, str(e.value)
 
 
+def test_a_group_size_that_does_not_divide_names_the_ones_that_do():
+    """dummy:tiny's projections take 64 input features or a multiple: the error for 128 lists
+    only the supported sizes that divide every layer's width (32, 64), not every supported one."""
+    with pytest.raises(ConfigError) as e:
+        LLM("dummy:tiny", show_progress=False, quantization="int4", quantization_group_size=128)
+    assert e.value.option == "quantization_group_size"
+    assert "does not divide" in str(e.value) and str(e.value).endswith("every layer's: 32, 64")
+
+
 def test_already_quantized_checkpoint(tmp_path):
     from kvserve.models.presets import DUMMY_PRESETS
     cfg = {**DUMMY_PRESETS["tiny"], "quantization_config": {"quant_method": "awq", "bits": 4}}

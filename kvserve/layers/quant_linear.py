@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.config import KernelConfig, QuantConfig
+from kvserve.config import INT4_GROUP_SIZES, KernelConfig, QuantConfig
 from kvserve.errors import ConfigError
 from kvserve.layers.forward_context import kernel_config
 from kvserve.layers.linear import Linear, unpack_cpu_weights
@@ -293,9 +293,12 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     if quant.method == "int4":
         for name, mod in targets:
             if mod.in_features % quant.group_size:
+                fits = [g for g in INT4_GROUP_SIZES if all(m.in_features % g == 0 for _, m in targets)]
+                hint = (f"choose one that divides every layer's: {', '.join(map(str, fits))}" if fits else
+                        f"none of {', '.join(map(str, INT4_GROUP_SIZES))} divides every layer's: use int8")
                 raise ConfigError("quantization_group_size",
                                   f"{quant.group_size} does not divide {name}'s {mod.in_features} input "
-                                  f"features; choose a group size that does (32, 64 or 128)")
+                                  f"features; {hint}")
     for name, mod in targets:
         assert isinstance(mod, Linear), f"{name} is {type(mod).__name__}, not a Linear"
         parent, _, attr = name.rpartition(".")
