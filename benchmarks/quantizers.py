@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the default model)")
     ap.add_argument("--out", default="benchmarks/results/quantizers_cpu")
     ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="held-out tokens skipped before those scored (a second slice, to check a change on "
+                         "text it was not chosen on)")
     ap.add_argument("--calibration-tokens", type=int, default=16384)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--observer", default=None, help="how kvserve quantize picks each group's range: minmax, mse "
@@ -50,14 +53,15 @@ def main() -> None:
     model = a.model or default_model_path()
     res = {"model": os.path.basename(model), "group_size": a.group_size, "calibration_tokens": a.calibration_tokens,
            "observer": a.observer, "rows": {}}
-    ref = LLM(model, dtype="float32", quantization="none", show_progress=False, max_model_len=4096)
-    ids = heldout_ids(ref.get_tokenizer(), a.tokens)
-    res["heldout_tokens"] = len(ids)
+    max_len = max(4096, a.tokens + 1)  # (the scored text is one prompt, plus the token it asks for)
+    ref = LLM(model, dtype="float32", quantization="none", show_progress=False, max_model_len=max_len)
+    ids = heldout_ids(ref.get_tokenizer(), a.offset + a.tokens)[a.offset:]
+    res["heldout_tokens"], res["heldout_offset"] = len(ids), a.offset
     res["rows"]["fp32"] = {"perplexity": perplexity(ref, ids)}
     del ref
     gc.collect()
     llm = LLM(model, dtype="float32", quantization="int4", quantization_group_size=a.group_size,
-              show_progress=False, max_model_len=4096)
+              show_progress=False, max_model_len=max_len)
     res["rows"]["int4 at load (RTN, asymmetric)"] = {"perplexity": perplexity(llm, ids)}
     del llm
     gc.collect()
@@ -69,7 +73,7 @@ def main() -> None:
             config = quantize(model, out, group_size=a.group_size, num_tokens=a.calibration_tokens,
                               observer=a.observer, **METHODS[name])
             seconds = time.perf_counter() - t0
-            llm = LLM(out, dtype="float32", show_progress=False, max_model_len=4096)  # (as the fp32 row)
+            llm = LLM(out, dtype="float32", show_progress=False, max_model_len=max_len)  # (as the fp32 row)
             res["rows"][f"kvserve quantize {name}"] = {
                 "perplexity": perplexity(llm, ids), "quantize_s": seconds,
                 "observer": config["config_groups"]["group_0"]["weights"]["observer"],

@@ -111,6 +111,27 @@ def test_gptq_and_awq_beat_round_to_nearest_on_their_inputs(symmetric):
                        * ordered.scales.float().repeat_interleave(32, 1))
 
 
+def test_weighted_ranges_round_no_worse_on_the_layers_output():
+    """AWQ's rounding: with each column's importance (its scaled inputs' mean squares) each group's range
+    is chosen on the weighted error, which is then never above the unweighted choice's, and the
+    layer's output on its inputs is rounded closer."""
+    w, x = _layer(4)
+    grid = A.Grid(32, False, torch.float32)
+    imp = x.pow(2).mean(dim=0)
+    wg = w.view(w.shape[0], -1, 32)
+
+    def weighted(s, z):
+        q = torch.round(wg / s[..., None] + z[..., None]).clamp(A.QMIN, A.QMAX)
+        return (((q - z[..., None]) * s[..., None] - wg).pow(2) * imp.view(-1, 32)).sum(dim=-1)
+    plain = weighted(*A.group_params(wg, grid))
+    chosen = weighted(*A.group_params(wg, grid, importance=imp.view(-1, 32)))
+    assert (chosen <= plain * (1 + 1e-6)).all() and chosen.sum() < plain.sum()
+    ref = x @ w.t()
+    out = {k: (x @ A.rtn(w, grid, importance=v).dequantize().t() - ref).pow(2).sum().item() for k, v in
+           (("plain", None), ("weighted", imp))}
+    assert out["weighted"] < out["plain"]
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_the_mse_observer_never_rounds_a_group_worse_than_its_extremes(symmetric):
     """Heavy-tailed rows (as trained weights are): a group's range shrunk to clip its extremes

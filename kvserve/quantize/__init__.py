@@ -19,8 +19,10 @@ never changed: AWQ folds its scales into copies of the layer's tensors.
 AWQ's scales are folded where the model stays equivalent: the input projections' into the RMSNorm
 before them, down_proj's into up_proj's rows, o_proj's into v_proj's rows. Under grouped-query
 attention the query heads that share a KV head share o_proj's scales (AutoAWQ leaves o_proj
-unscaled there). Only Llama-family models (a plain RMSNorm before each block) are
-quantized: Gemma 3's (1 + w) norms are not handled.
+unscaled there). The scaled weights are then rounded with each asymmetric group's range chosen
+on the layer's output error (its scaled inputs' mean squares per column), not the weights' own.
+Only Llama-family models (a plain RMSNorm before each block) are quantized: Gemma 3's (1 + w)
+norms are not handled.
 """
 from __future__ import annotations
 
@@ -238,14 +240,13 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
                                                         gram=method == "gptq", layers=layers, carry=carry)
         for i in layers:
             pre = f"layers.{i}."
-            if method == "awq":
-                _awq_layer(params, inputs, pre, a, grid)
+            importance = _awq_layer(params, inputs, pre, a, grid) if method == "awq" else {}
             for p in _PROJ:
                 w = params.pop(f"{pre}{p}.weight")
                 if method == "gptq":
                     packed[pre + p] = algorithms.gptq(w, inputs[pre + p].gram, grid, act_order)
                 else:
-                    packed[pre + p] = algorithms.rtn(w, grid)
+                    packed[pre + p] = algorithms.rtn(w, grid, importance=importance.get(p))
         del inputs
     config = _ct_config(group_size, symmetric, act_order, observer)
     _write(out, src, eng, a, params, packed, config,
@@ -253,24 +254,29 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     return config
 
 
-def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
+def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> dict[str, torch.Tensor]:
     """Search and fold AWQ's scales for one decoder layer (down first: its scale moves into
-    up_proj's rows before gate_up is searched), into copies of the layer's tensors."""
+    up_proj's rows before gate_up is searched), into copies of the layer's tensors. Returns, per
+    projection, the mean square of each input channel of the scaled layer (x / s): what a squared
+    error in that column of the scaled weights costs the output (``algorithms.rtn``'s ``importance``)."""
     for k in [k for k in params if k.startswith(pre)]:
         params[k] = params[k].clone()
     inter = a.intermediate_size
-    w = params[pre + "mlp.down_proj.weight"]
-    s = algorithms.awq_scales(w, inputs[pre + "mlp.down_proj"].x(), grid)
+    importance = {}
+    w, x = params[pre + "mlp.down_proj.weight"], inputs[pre + "mlp.down_proj"].x()
+    s = algorithms.awq_scales(w, x, grid)
     params[pre + "mlp.down_proj.weight"] = w * s
+    importance["mlp.down_proj"] = (x / s).pow(2).mean(dim=0)
     params[pre + "mlp.gate_up_proj.weight"][inter:] /= s[:, None]
     # o_proj's input channel (head h, dim j) folds into v_proj's row (KV head h // group, j): under
     # grouped-query attention the heads of a group share one scale.
     d, group = a.head_dim, a.num_heads // a.num_kv_heads
     c = torch.arange(a.num_heads * d)
     tie = (c // d) // group * d + c % d
-    w = params[pre + "self_attn.o_proj.weight"]
-    s = algorithms.awq_scales(w, inputs[pre + "self_attn.o_proj"].x(), grid, tie=tie if group > 1 else None)
+    w, x = params[pre + "self_attn.o_proj.weight"], inputs[pre + "self_attn.o_proj"].x()
+    s = algorithms.awq_scales(w, x, grid, tie=tie if group > 1 else None)
     params[pre + "self_attn.o_proj.weight"] = w * s
+    importance["self_attn.o_proj"] = (x / s).pow(2).mean(dim=0)
     sv = s.view(a.num_kv_heads, group, d)[:, 0].reshape(-1)
     kv = a.num_kv_heads * d
     qkv = params[pre + "self_attn.qkv_proj.weight"]
@@ -279,10 +285,12 @@ def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> None:
     if bias is not None:
         bias[bias.shape[0] - kv:] /= sv
     for proj, norm in (("mlp.gate_up_proj", "post_attention_layernorm"), ("self_attn.qkv_proj", "input_layernorm")):
-        w = params[f"{pre}{proj}.weight"]
-        s = algorithms.awq_scales(w, inputs[pre + proj].x(), grid)
+        w, x = params[f"{pre}{proj}.weight"], inputs[pre + proj].x()
+        s = algorithms.awq_scales(w, x, grid)
         params[f"{pre}{proj}.weight"] = w * s
         params[f"{pre}{norm}.weight"] /= s
+        importance[proj] = (x / s).pow(2).mean(dim=0)
+    return importance
 
 
 def _ct_config(group_size: int, symmetric: bool, act_order: bool, observer: str) -> dict:

@@ -9,11 +9,14 @@ z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetr
 multiples of s, so the group's minimum lies up to half a step off the nearest one; the
 ``minmax`` observer also tries steps up to 10% wider (both ends stay within half a step of a
 level, as with the plain step: nothing more is clipped) and keeps the one whose rounded weights
-are nearest the group's. With
-the ``mse`` observer (llm-compressor's name; ``kvserve quantize``'s default for GPTQ) each
-group's range is instead tried shrunk by up to 20%, clipping its extremes, and the nearest
-rounding is kept. Scales are rounded to the checkpoint's dtype before the codes are chosen, so codes fit
-the scales a reader will use.
+are nearest the group's. Given each column's importance (AWQ passes its scaled inputs' mean
+squares, the diagonal of X^T X / T), "nearest" is weighted by it, which measures the layer's
+output error rather than the weights', and ranges shrunk by up to 5% are tried as well: a column
+whose inputs are small costs little when its extreme is clipped. With the ``mse`` observer
+(llm-compressor's name; ``kvserve quantize``'s default for GPTQ) each group's range is instead
+tried shrunk by up to 20%, clipping its extremes, and the nearest rounding is kept. Scales are
+rounded to the checkpoint's dtype before the codes are chosen, so codes fit the scales a reader
+will use.
 
 References for the methods (the code is ours): AWQ, Lin et al. 2023, arXiv:2306.00978 (per input
 channel scales from the activations' and weights' mean magnitudes, their exponent searched on a
@@ -33,6 +36,7 @@ QMIN, QMAX = -8, 7
 OBSERVERS = ("minmax", "mse")
 _SHRINK_STEPS, _MAX_SHRINK = 40, 0.2
 _WIDEN_STEPS, _MAX_WIDEN = 10, 0.1
+_WEIGHTED_SHRINK_STEPS, _MAX_WEIGHTED_SHRINK = 5, 0.05
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,13 @@ class Quantized:
         return (self.codes.float() - z) * s
 
 
-def group_params(w: torch.Tensor, grid: Grid, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, grid: Grid, widen: bool = True,
+                 importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, G, g] (or [N, g]) -> (scale, zero) per group, scale rounded to the stored dtype.
     ``widen`` False: the minmax observer's plain step, without the wider ones (AWQ's search, which
-    rounds each candidate scaling, compares them on that cheaper grid)."""
+    rounds each candidate scaling, compares them on that cheaper grid). ``importance`` [G, g]
+    (or [g]), with the asymmetric minmax observer and ``widen``: each column's cost per squared
+    error (non-negative); the candidates, ranges shrunk by up to 5% among them, are compared on it."""
     if grid.symmetric:
         lo, hi = None, w.abs().amax(dim=-1)
     else:
@@ -72,7 +79,12 @@ def group_params(w: torch.Tensor, grid: Grid, widen: bool = True) -> tuple[torch
     scale, zero = _range_params(lo, hi, grid)
     if grid.observer == "minmax" and lo is not None and widen:
         wider = (1 + _MAX_WIDEN * i / _WIDEN_STEPS for i in range(1, _WIDEN_STEPS + 1))
-        scale, zero = _nearest(w, scale, zero, (_range_params(lo, hi, grid, f) for f in wider))
+        candidates = [_range_params(lo, hi, grid, f) for f in wider]
+        if importance is not None:
+            shrunk = (1 - _MAX_WEIGHTED_SHRINK * i / _WEIGHTED_SHRINK_STEPS
+                      for i in range(1, _WEIGHTED_SHRINK_STEPS + 1))
+            candidates += [_range_params(lo * p, hi * p, grid) for p in shrunk]
+        scale, zero = _nearest(w, scale, zero, candidates, importance)
     if grid.observer == "mse":
         shrunk = (1 - _MAX_SHRINK * i / _SHRINK_STEPS for i in range(1, _SHRINK_STEPS + 1))
         scale, zero = _nearest(w, scale, zero, (_range_params(None if lo is None else lo * p, hi * p, grid)
@@ -80,12 +92,13 @@ def group_params(w: torch.Tensor, grid: Grid, widen: bool = True) -> tuple[torch
     return scale, zero
 
 
-def _nearest(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, candidates) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group, of (scale, zero) and each candidate pair, the one whose rounding is nearest w
-    (the first of equals)."""
-    best = _error(w, scale, zero)
+def _nearest(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, candidates,
+             importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, of (scale, zero) and each candidate pair, the one whose rounding is nearest w,
+    its squared errors times ``importance`` where given (the first of equals)."""
+    best = _error(w, scale, zero, importance)
     for s, z in candidates:
-        err = _error(w, s, z)
+        err = _error(w, s, z, importance)
         better = err < best
         best = torch.where(better, err, best)
         scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
@@ -102,20 +115,24 @@ def _range_params(lo: torch.Tensor | None, hi: torch.Tensor, grid: Grid,
     return scale, zero
 
 
-def _error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return ((_codes(w, scale, zero) - zero[..., None]) * scale[..., None] - w).pow(2).sum(dim=-1)
+def _error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+           importance: torch.Tensor | None = None) -> torch.Tensor:
+    err = ((_codes(w, scale, zero) - zero[..., None]) * scale[..., None] - w).pow(2)
+    return (err if importance is None else err * importance).sum(dim=-1)
 
 
 def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return torch.round(w / scale[..., None] + zero[..., None]).clamp(QMIN, QMAX)
 
 
-def rtn(w: torch.Tensor, grid: Grid, widen: bool = True) -> Quantized:
-    """Round to nearest, per group of contiguous columns (``widen``: as ``group_params``)."""
+def rtn(w: torch.Tensor, grid: Grid, widen: bool = True,
+        importance: torch.Tensor | None = None) -> Quantized:
+    """Round to nearest, per group of contiguous columns (``widen``; ``importance``
+    [K], each column's cost per squared error: as ``group_params``)."""
     N, K = w.shape
     g = grid.group_size
     wg = w.float().view(N, K // g, g)
-    scale, zero = group_params(wg, grid, widen)
+    scale, zero = group_params(wg, grid, widen, None if importance is None else importance.float().view(K // g, g))
     q = _codes(wg, scale, zero).view(N, K)
     return Quantized(q.to(torch.int8), scale.to(grid.dtype), zero.to(torch.int8))
 
@@ -134,7 +151,8 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20,
     fewer channels than the layer (o_proj's heads over their shared KV head's v_proj rows).
     s = 1 (plain RTN) is tried too, so the result is never worse than RTN on these inputs. Q is
     the grid without the minmax observer's wider steps (a tenth of the cost; the weights are then
-    rounded with them)."""
+    rounded with them, and the ranges chosen on the scaled inputs' mean squares: ``rtn``'s
+    ``importance``)."""
     w, x = w.float(), x.float()
     N, K = w.shape
     g = grid.group_size
