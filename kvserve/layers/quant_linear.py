@@ -22,10 +22,10 @@ product, never to a whole matrix at rest.
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
           (q - 8) * scale + zero); from ``_CPU_DEQUANT_MIN_ROWS`` rows on (prefill), the int4
           weight dequantized to x's dtype and one matmul where this module reads PyTorch's
-          layout (``_CPU_INT4_LAYOUTS``: it follows the CPU's vector width). Group-wise int8 (GGUF's Q8_0, Q6_K,
-          fused projections of mixed GGUF types), which neither packed CPU kernel takes, dequantizes
-          ``_CPU_TILE_ROWS`` rows at a time into a float tile and multiplies that, so no whole
-          float matrix exists.
+          layout (``_CPU_INT4_LAYOUTS``: it follows the CPU's vector width). Group-wise int8
+          (GGUF's Q8_0, Q6_K, fused projections of mixed GGUF types), which neither packed CPU
+          kernel takes, dequantizes ``_CPU_TILE_ROWS`` rows at a time into a float tile and
+          multiplies that, so no whole float matrix exists.
 
 ``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
 (or with ``fp8_linear.Fp8Linear``) at load; the embedding and the output head keep the model's dtype.
