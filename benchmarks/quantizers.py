@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,awq,gptq,gptq act-order",
                     help=f"comma-separated, of: {', '.join(METHODS)}")
     a = ap.parse_args()
+    if a.offset < 0 or a.tokens < 2:
+        ap.error(f"--offset must be >= 0 and --tokens >= 2; got {a.offset} and {a.tokens}")
     model = a.model or default_model_path()
     res = {"model": os.path.basename(model), "group_size": a.group_size, "calibration_tokens": a.calibration_tokens,
            "observer": a.observer, "rows": {}}
