@@ -60,10 +60,13 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
-# "+nosplit": K never split; "+noreserve" (any format): admission keeps no room for decoding.
+# "+nosplit": K never split; "+int8head": the output head in int8; "+noreserve" (any format):
+# admission keeps no room for decoding.
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
+               "int8-head": {"quantization": "int8", "quantization_head": "int8"},
+               "int4-g32-head": {"quantization": "int4", "quantization_group_size": 32, "quantization_head": "int8"},
                "int4-g64": {"quantization": "int4", "quantization_group_size": 64},
                "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
                "fp8": {"quantization": "fp8"}}
@@ -416,6 +419,8 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
             kw["kernel"] = KernelConfig(wq_split_k=False)
         elif name.endswith("+wl"):
             kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
+        elif name.endswith("+int8head"):  # the output head in int8 (bf16 by default)
+            kw["quantization_head"] = "int8"
         elif name.endswith("+deq"):  # the dispatch before the weight-left GEMM was on
             kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
         t0 = time.perf_counter()

@@ -11,8 +11,9 @@ projections in one of three forms:
            (g = 128, asymmetric: w = (q - 8) * scale + zero), the weight converted by
            _convert_weight_to_int4pack from two codes a byte (even column in the high nibble)
 
-Each form is checked against its dequantized weight once before timing (``check_error``), so a
-layout mistake shows in the table instead of a fast wrong number.
+The output head takes the projections' form (gpt-fast quantizes every ``nn.Linear``, its output
+layer among them). Each form is checked against its dequantized weight once before timing
+(``check_error``), so a layout mistake shows in the table instead of a fast wrong number.
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ class PeerLlama(nn.Module):
         self.nh, self.kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = h // self.nh
         self.embed = (torch.randn(v, h, device=device) * 0.02).to(torch.bfloat16)
-        self.lm_head = (torch.randn(v, h, device=device) * 0.02).to(torch.bfloat16)
+        # the output head in the layers' form, as gpt-fast's quantize.py replaces every Linear
+        self.lm_head = PeerLinear(torch.randn(v, h, device=device) * 0.02, mode)
         self.layers = nn.ModuleList()
         qkv = (self.nh + 2 * self.kvh) * self.hd
         for _ in range(cfg["num_hidden_layers"]):
@@ -123,7 +125,7 @@ class PeerLlama(nn.Module):
             x = x + lay.wo(o.transpose(1, 2).reshape(1, T, -1))
             g, u = lay.w13(rms(x, lay.n2)).chunk(2, -1)
             x = x + lay.w2(F.silu(g) * u)
-        return F.linear(rms(x[:, -1], self.norm), self.lm_head)
+        return self.lm_head(rms(x[:, -1], self.norm))
 
 
 def check_error(mode: str, device="cuda") -> float:

@@ -278,6 +278,7 @@ class KernelConfig:
 CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")  # a checkpoint's own packed weights
 QUANT_METHODS = ("int8", "int4", "fp8", *CHECKPOINT_METHODS, "gguf", "none")
 INT4_GROUP_SIZES = (32, 64, 128)
+HEAD_FORMATS = ("none", "int8")  # QuantConfig.head
 
 
 @dataclass(frozen=True)
@@ -289,13 +290,26 @@ class QuantConfig:
     awq, gptq, compressed-tensors: such a 4-bit checkpoint's own weights, repacked
     (models/awq_gptq.py; ``kvserve quantize`` writes compressed-tensors).
     gguf: a GGUF's blocks kept packed; none: float weights. Without a QuantConfig a GGUF keeps its
-    blocks on CUDA and is dequantized on the CPU, where float GEMMs outrun the packed ones."""
+    blocks on CUDA and is dequantized on the CPU, where float GEMMs outrun the packed ones.
+
+    ``head``: the output head's weights under the methods that quantize at load (int8, int4,
+    fp8): "none" (the model's dtype) or "int8" (one scale per vocabulary row; a head tied to the
+    embedding gets its own int8 copy). A batch-1 step on a GPU reads the head's bytes every token
+    as it reads the layers' (the head is Llama-3-8B's largest matrix), so an int8 head cuts them;
+    its rounding costs a little perplexity and moves near-tied top-1 tokens (BENCHMARKS.md), and
+    on the CPU PyTorch's int8 product is slower than oneDNN's float one: off by default."""
     method: str
     group_size: int | None = None  # int4 only; None: 128
+    head: str = "none"
 
     def __post_init__(self):
         if not isinstance(self.method, str) or self.method not in QUANT_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANT_METHODS)} or None; got {self.method!r}")
+        if not isinstance(self.head, str) or self.head not in HEAD_FORMATS:
+            raise ConfigError("quantization_head", f"must be one of {', '.join(HEAD_FORMATS)}; got {self.head!r}")
+        if self.head != "none" and self.method not in ("int8", "int4", "fp8"):
+            raise ConfigError("quantization_head", f"applies to the formats quantized at load (int8, int4, fp8); "
+                              f"{self.method} keeps the head as the model has it")
         g = self.group_size
         if self.method in ("int8", "fp8", *CHECKPOINT_METHODS, "gguf", "none"):
             if g is not None:

@@ -50,7 +50,7 @@ class LLM:
                  enable_sleep_mode: bool = False,
                  kv_transfer_config: dict | str | KVTransferConfig | None = None,
                  quantization: str | None = None, quantization_group_size: int | None = None,
-                 tensor_parallel_size: int = 1):
+                 quantization_head: str | None = None, tensor_parallel_size: int = 1):
         cache = CacheConfig(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_group_size=kv_group_size, kv_scales=kv_scales,
             kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory, "kv_cache_memory"),
@@ -76,7 +76,10 @@ class LLM:
                                    kernel=kernel or KernelConfig(), enable_sleep_mode=enable_sleep_mode,
                                    tensor_parallel_size=tensor_parallel_size,
                                    quantization=(None if quantization is None and quantization_group_size is None
-                                                 else QuantConfig(quantization, quantization_group_size)),
+                                                 and quantization_head is None
+                                                 else QuantConfig(quantization, quantization_group_size,
+                                                                  "none" if quantization_head is None
+                                                                  else quantization_head)),
                                    speculative=(speculative_config
                                                 if isinstance(speculative_config, (SpeculativeConfig, type(None)))
                                                 else SpeculativeConfig.from_dict(speculative_config)),

@@ -124,6 +124,18 @@ def test_quantizing_a_packed_model_uses_its_dense_weights():
     assert isinstance(m.qkv_proj, QuantLinear)
     x = torch.randn(4, 96)
     assert torch.equal(m.qkv_proj(x), ref.qkv_proj(x))
+    assert isinstance(m.lm_head, Linear)  # the output head stays float unless asked
+
+
+def test_an_int8_head_of_a_packed_model_uses_its_dense_weight():
+    m = _model(4)
+    ref = copy.deepcopy(m)
+    pack_cpu_weights(m)
+    quant = QuantConfig("int8", head="int8")
+    assert quantize_model(m, quant) == 3 and quantize_model(ref, quant) == 3
+    assert isinstance(m.lm_head, QuantLinear)
+    x = torch.randn(4, 96)
+    assert torch.equal(m.lm_head(x), ref.lm_head(x))
 
 
 def test_a_cpu_engine_packs_its_projections_and_sleep_mode_does_not():

@@ -143,7 +143,10 @@ class PackedCopy:
 
 def head_logits(hidden: torch.Tensor, embed_tokens: nn.Module, lm_head: nn.Module | None) -> torch.Tensor:
     """``hidden @ W.T`` for the output head W: ``lm_head``'s weight, or the embedding's when the
-    two are tied; through the packed copy where ``pack_cpu_weights`` made one."""
+    two are tied; through the packed copy where ``pack_cpu_weights`` made one; a quantized head
+    (``quant_linear.quantize_model``) computes its own product."""
+    if lm_head is not None and not isinstance(lm_head, nn.Linear):
+        return lm_head(hidden)
     if lm_head is None:
         packed = getattr(embed_tokens, "packed_head", None)
         packed = None if packed is None else packed.packed

@@ -28,7 +28,9 @@ product, never to a whole matrix at rest.
           multiplies that, so no whole float matrix exists.
 
 ``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
-(or with ``fp8_linear.Fp8Linear``) at load; the embedding and the output head keep the model's dtype.
+(or with ``fp8_linear.Fp8Linear``) at load, and the output head with an int8 one where
+``QuantConfig.head`` asks (a head tied to the embedding gets its own quantized copy: the lookups
+keep reading the embedding in the model's dtype).
 """
 from __future__ import annotations
 
@@ -305,4 +307,22 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         with torch.no_grad():
             new = Fp8Linear.from_linear(mod) if quant.method == "fp8" else QuantLinear.from_linear(mod, quant)
             setattr(model.get_submodule(parent), attr, new)
-    return len(targets)
+    return len(targets) + (quant.head == "int8" and _quantize_head(model))
+
+
+def _quantize_head(model: nn.Module) -> bool:
+    """The output head as an int8 ``QuantLinear`` (per vocabulary row) in ``model.lm_head``; a tied
+    head's from the embedding's weight, which stays for the lookups. False where the model has
+    no head of its own to quantize (a draft sharing its target's)."""
+    head = getattr(model, "lm_head", False)
+    if head is None:  # tied: the embedding's rows (this rank's, split across ranks)
+        emb = getattr(model, "embed_tokens", None)
+        if emb is None:
+            return False
+        head = nn.Linear(emb.weight.shape[1], emb.weight.shape[0], bias=False, device="meta")
+        head.weight = emb.weight
+    elif type(head) is not Linear:
+        return False
+    with torch.no_grad():
+        model.lm_head = QuantLinear.from_linear(head, QuantConfig("int8"))
+    return True
