@@ -60,6 +60,34 @@ def test_cpu_layer_equals_dequantize_then_matmul(method, group, M, bias):
     assert ((y.double() - exact).norm() / exact.norm()).item() < (0.02 if method == "int8" else 0.15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 7])
+def test_cpu_int8_by_tiles_in_float32_and_the_kernel_in_bfloat16(monkeypatch, dtype, M):
+    """Per-channel int8 on the CPU: in float32, where PyTorch's packed int8 kernel runs scalar
+    code, tiles of codes converted to float32 (here 1,100 rows: two whole tiles and a partial
+    one) and the scale on the product's columns; in bfloat16 the packed kernel. Both equal
+    dequantize-then-matmul in float64 (within bfloat16's rounding for bfloat16)."""
+    from kvserve.layers import quant_linear
+    g = torch.Generator().manual_seed(M)
+    N, K = 2 * quant_linear._CPU_TILE_ROWS + 76, 192
+    lin = Linear(K, N, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(N, generator=g))
+    lin = lin.to(dtype)
+    layer = QuantLinear.from_linear(lin, QuantConfig("int8"))
+    kernel, calls = torch.ops.aten._weight_int8pack_mm, []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(1) or kernel(*a))
+    x = torch.randn(M, K, generator=g)
+    q, s = quantize_int8(lin.weight.detach(), torch.float32)
+    ref = wq_mm_ref(x.to(dtype), q, s, bias=lin.bias)
+    y = layer(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert bool(calls) == (dtype == torch.bfloat16)
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
 @pytest.mark.parametrize("N,K,group", [(128, 256, 32), (192, 384, 64), (64, 512, 128)])
 def test_cpu_int4_layout_unpacks_to_the_codes(N, K, group):
     """An int4 product of many rows on the CPU (a prefill chunk) dequantizes the weight from

@@ -22,10 +22,14 @@ product, never to a whole matrix at rest.
           [K/g, N, 2] (scale, zero) pairs where zero = min + 8 * scale, as it computes
           (q - 8) * scale + zero); from ``_CPU_DEQUANT_MIN_ROWS`` rows on (prefill), the int4
           weight dequantized to x's dtype and one matmul where this module reads PyTorch's
-          layout (``_CPU_INT4_LAYOUTS``: it follows the CPU's vector width). Group-wise int8
-          (GGUF's Q8_0, Q6_K, fused projections of mixed GGUF types), which neither packed CPU
-          kernel takes, dequantizes ``_CPU_TILE_ROWS`` rows at a time into a float tile and
-          multiplies that, so no whole float matrix exists.
+          layout (``_CPU_INT4_LAYOUTS``: it follows the CPU's vector width). Both kernels are
+          vectorized for bfloat16 only: in float32 (the CPU's reference mode, and its dtype
+          where bfloat16 is not native) they run scalar code, 2.5x (int8) to 20x (int4) a
+          dequantized product's time at one row and growing with the rows, so there int8
+          takes the tiles below and int4 is dequantized from 2 rows on. int8 by tiles
+          (group-wise: GGUF's Q8_0, Q6_K, fused projections of mixed GGUF types, which neither
+          kernel takes; per channel in float32): ``_CPU_TILE_ROWS`` rows of codes at a time
+          converted to x's dtype, so no whole float matrix exists.
 
 ``quantize_model`` replaces the decoder layers' projections (q/k/v, o, gate/up, down) with these
 (or with ``fp8_linear.Fp8Linear``) at load, and the output head with an int8 one where
@@ -48,7 +52,7 @@ from kvserve.layers.linear import Linear, unpack_cpu_weights
 from kvserve.layers.rtn import quantize_int4, quantize_int8
 
 _CPU_INT4_INNER_K_TILES = 2  # the CPU int4 layout's inner tiling (2, 4 or 8: the same numbers)
-_CPU_TILE_ROWS = 512  # rows of a group-wise int8 weight dequantized at a time on the CPU
+_CPU_TILE_ROWS = 512  # rows of an int8 weight converted at a time on the CPU (``_cpu_int8_tiles``)
 # From this many rows of x on (a prefill chunk), an int4 product on the CPU dequantizes the weight
 # to x's dtype and multiplies once: PyTorch's int4 kernel is bound by its unpacking, its time
 # grows with the rows at about 2.5x a bfloat16 GEMM's, and the dequantization (a few passes over
@@ -203,11 +207,11 @@ class QuantLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if self.method == "int8" and self.group_size:
-            y = self._cpu_grouped_int8(x)
+        if self.method == "int8" and (self.group_size or x.dtype != torch.bfloat16):
+            y = self._cpu_int8_tiles(x)
         elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self._scales_as(x.dtype))
-        elif x.shape[0] >= _CPU_DEQUANT_MIN_ROWS and self._cpu_layout:
+        elif self._cpu_layout and x.shape[0] >= (_CPU_DEQUANT_MIN_ROWS if x.dtype == torch.bfloat16 else 2):
             y = F.linear(x, self._cpu_int4_dequantized(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
@@ -243,15 +247,22 @@ class QuantLinear(nn.Module):
             self._cast, self._cast_key, self._cast_dtype = s.to(dtype), key, dtype
         return self._cast
 
-    def _cpu_grouped_int8(self, x: torch.Tensor) -> torch.Tensor:
+    def _cpu_int8_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """int8 by tiles of ``_CPU_TILE_ROWS`` weight rows: the codes converted to x's dtype
+        (exact), group scales (and mins) applied to the tile, a per-channel scale to the tile's
+        columns of the product."""
         N, K, g = self.out_features, self.in_features, self.group_size
         y = torch.empty(x.shape[0], N, dtype=x.dtype)
         for n0 in range(0, N, _CPU_TILE_ROWS):
             q = self.qweight[n0:n0 + _CPU_TILE_ROWS]
-            w = q.view(q.shape[0], K // g, g).to(x.dtype) * self.scales[n0:n0 + q.shape[0], :, None].to(x.dtype)
+            n = q.shape[0]
+            if not g:
+                torch.mul(x @ q.to(x.dtype).t(), self._scales_as(x.dtype)[n0:n0 + n], out=y[:, n0:n0 + n])
+                continue
+            w = q.view(n, K // g, g).to(x.dtype) * self.scales[n0:n0 + n, :, None].to(x.dtype)
             if self.mins is not None:
-                w += self.mins[n0:n0 + q.shape[0], :, None].to(x.dtype)
-            y[:, n0:n0 + q.shape[0]] = x @ w.view(q.shape[0], K).t()
+                w += self.mins[n0:n0 + n, :, None].to(x.dtype)
+            y[:, n0:n0 + n] = x @ w.view(n, K).t()
         return y
 
     @functools.cached_property
