@@ -242,3 +242,49 @@ def test_first_requests_compile_no_triton_kernel():
         triton.knobs.runtime.jit_cache_hook = before
     assert llm.stats.spec.spec_decode_num_drafts > 0
     assert compiled == [], f"compiled after start-up: {sorted(set(compiled))}"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int8_output_head_every_product_and_graphs(method):
+    """An int8 output head on CUDA, in bfloat16 (dummy SmolLM2-135M: a 49,152-row head tied to the
+    embedding): at 1 to 300 rows of x (the one-row kernel, the skinny kernel, the tiled GEMM,
+    dequantize-then-cuBLAS; at Llama-3-8B's head shape the weight-left GEMM too) its product
+    equals x times the head dequantized in plain PyTorch in float32, within bfloat16's rounding;
+    the embedding lookups keep the float table; greedy decoding through CUDA graphs gives the
+    eager engine's tokens."""
+    from kvserve.config import QuantConfig
+    from kvserve.kernels.wq_gemm import dequantize_ref
+    from kvserve.layers.quant_linear import QuantLinear
+    kw = dict(device="cuda", dtype="bfloat16", show_progress=False, kv_cache_memory="256MiB", quantization=method,
+              quantization_group_size=64 if method == "int4" else None, quantization_head="int8")
+    llm = LLM("dummy:smollm2-135m", **kw)
+    model = llm.engine.runner.model
+    head = model.lm_head
+    assert isinstance(head, QuantLinear) and head.method == "int8" and head.qweight.dtype == torch.int8
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    w = dequantize_ref(head.qweight, head.scales).float()
+    assert w.shape == model.embed_tokens.weight.shape
+    emb = model.embed_tokens.weight.float()
+    assert ((w - emb).norm() / emb.norm()).item() < 0.02  # the head is the table, rounded to int8
+    # And Llama-3-8B's head (K = 4,096: the weight-left GEMM takes 64 to 256 rows), as
+    # ``quantization_head`` builds it from a float head.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.nn.Linear(4096, 128256, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        big.weight.normal_(0.0, 0.02, generator=gen)
+    big = QuantLinear.from_linear(big, QuantConfig("int8"))
+    with torch.inference_mode():
+        for layer, w_ref in ((head, w), (big, dequantize_ref(big.qweight, big.scales).float())):
+            for rows in (1, 5, 40, 100, 300):
+                x = torch.randn(rows, w_ref.shape[1], device="cuda", dtype=torch.bfloat16, generator=gen)
+                want = x.float() @ w_ref.T
+                got = layer(x).float()
+                assert ((got - want).norm() / want.norm()).item() < 1e-2, (layer.out_features, rows)
+    prompts = [[int(t) for t in torch.randint(1, 40000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 17, 60)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    graphs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.runner.graphs is not None
+    eager = LLM("dummy:smollm2-135m", enforce_eager=True, **kw)
+    assert eager.engine.runner.graphs is None
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == graphs
