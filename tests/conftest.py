@@ -52,6 +52,62 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter.interpreter_builder.options = dataclasses.replace(_interpreter.interpreter_builder.options,
                                                                    sanitize_overflow=False)
 
+    # A launch patches the language modules its kernel sees (triton.language, .core) with the
+    # interpreter's semantics and restores them when it ends; every call of a @triton.jit helper
+    # inside it (tl.zeros and tl.max among them) patches the modules that helper sees all over
+    # again, a walk over each one's members, though the launch or an earlier helper has patched
+    # them the same way (a helper's patches are never undone): a third of a kernel test's time.
+    # A helper whose modules the running launch has all patched skips that; every kernel
+    # computes exactly the same. Installed once (test modules import this file again).
+    if not getattr(_interpreter.GridExecutor.__call__, "tracks_patched_langs", False):
+        _launch_langs: list[set[int]] = []  # ids of the modules each launch in progress has patched
+        _langs_of: dict[object, frozenset[int]] = {}
+
+        def _langs(fn) -> frozenset[int]:
+            if fn not in _langs_of:
+                lang = (_interpreter.tl, _interpreter.tl.core)
+                _langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in lang))
+            return _langs_of[fn]
+
+        _grid_call = _interpreter.GridExecutor.__call__
+
+        def _launch(self, *args, **kwargs):
+            _launch_langs.append(set(_langs(self.fn)))
+            try:
+                return _grid_call(self, *args, **kwargs)
+            finally:
+                _launch_langs.pop()
+
+        def _device_call(self, *args, **kwargs):  # InterpretedFunction.__call__ but for the patch
+            langs = _langs(self.fn)
+            if not (_launch_langs and langs and langs <= _launch_langs[-1]):
+                _interpreter._patch_lang(self.fn)
+                if _launch_langs:
+                    _launch_langs[-1] |= langs
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise _interpreter.InterpreterError(repr(e)) from e
+
+        # The numpy dtype of a Triton type: the interpreter builds its table of every scalar
+        # type anew at each ask (once or more per operation); here, once per scalar type.
+        _np_dtype_of: dict[object, object] = {}
+        _np_dtype = _interpreter._get_np_dtype
+
+        def _get_np_dtype(tt_dtype):
+            scalar = tt_dtype.element_ty if isinstance(tt_dtype, _interpreter.tl.block_type) else tt_dtype
+            if isinstance(scalar, _interpreter.tl.pointer_type):
+                return _np_dtype(scalar)
+            if scalar not in _np_dtype_of:
+                _np_dtype_of[scalar] = _np_dtype(scalar)
+            return _np_dtype_of[scalar]
+
+        _launch.tracks_patched_langs = True
+        _interpreter.GridExecutor.__call__ = _launch
+        _interpreter.InterpretedFunction.__call__ = _device_call
+        _interpreter._get_np_dtype = _get_np_dtype
+
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "kernels", "e2e")
 UNIT_FILES = {"test_block_pool.py", "test_sampler.py", "test_sampling_rows.py", "test_scheduler_properties.py",
@@ -230,13 +286,39 @@ def model_path() -> str:
     return default_model_path()
 
 
+def hf_from_gguf(path: str):
+    """transformers' own model for a GGUF file, read by its own GGUF reader and dequantization,
+    float32, in eval mode. transformers parses the file's header twice while it loads (the
+    config, then the weights) and builds the gguf package's tensor-name map again for every
+    module (hundreds of times over the same arguments): here, for this one call, the same parse
+    and the same map serve every ask, which leaves the model and its config exactly as they
+    were, at a third of the time."""
+    import functools
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = {}
+
+    def parse_once(p, *args, **kwargs):
+        key = (os.path.realpath(p), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = reader(p, *args, **kwargs)
+        return parsed[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parse_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    return m.eval()
+
+
 @pytest.fixture(scope="session")
 def hf_model(model_path):
     """transformers' own Llama on the same GGUF weights, float32: the reference we did not write."""
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-                                             dtype=torch.float32)
-    return m.eval()
+    return hf_from_gguf(model_path)
 
 
 @pytest.fixture(scope="session")

@@ -87,14 +87,20 @@ def _copy_with_q8_0_values(src: str, dst: str) -> None:
     w.close()
 
 
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> str:
+    """The default model's file with Q8_0 ``attn_v`` tensors (``_copy_with_q8_0_values``)."""
+    from kvserve.models.loader import default_model_path
+    path = str(tmp_path_factory.mktemp("mixed") / "mixed.gguf")
+    _copy_with_q8_0_values(default_model_path(), path)
+    return path
+
+
 @pytest.mark.slow
-def test_mixed_type_projection_packed_equals_dequantized_at_load(tmp_path):
+def test_mixed_type_projection_packed_equals_dequantized_at_load(mixed_gguf):
     """A file whose q/k/v parts differ in type (Q4_1 q and k, Q8_0 v) keeps them packed, in one
     group-wise int8 layout, and computes what dequantizing at load computes."""
-    from kvserve.models.loader import default_model_path
-    path = str(tmp_path / "mixed.gguf")
-    _copy_with_q8_0_values(default_model_path(), path)
-    kw = dict(model=path, show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
+    kw = dict(model=mixed_gguf, show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
     packed, floats = LLM(quantization="gguf", **kw), LLM(quantization="none", **kw)
     for layer in packed.engine.runner.model.layers:
         qkv = layer.self_attn.qkv_proj
@@ -112,16 +118,13 @@ def test_mixed_type_projection_packed_equals_dequantized_at_load(tmp_path):
 
 
 @pytest.mark.slow
-def test_bfloat16_keeps_4_bit_blocks_packed_by_default(tmp_path):
+def test_bfloat16_keeps_4_bit_blocks_packed_by_default(mixed_gguf):
     """Without ``quantization``, a CPU engine in bfloat16 keeps the 4-bit blocks packed (the
     int4 kernel reads a third of bfloat16's bytes) and dequantizes a projection with an 8-bit
     part (the CPU's group-wise int8 path rebuilds float tiles at every product); in float32, the
     reference mode, nothing stays packed. The packed engine's logits stay within bfloat16's
     rounding of the dequantized one's."""
-    from kvserve.models.loader import default_model_path
-    path = str(tmp_path / "mixed.gguf")
-    _copy_with_q8_0_values(default_model_path(), path)
-    kw = dict(model=path, show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
+    kw = dict(model=mixed_gguf, show_progress=False, kv_cache_memory="64MiB", max_model_len=512)
     packed, floats = LLM(dtype="bfloat16", **kw), LLM(dtype="bfloat16", quantization="none", **kw)
     assert LLM(dtype="float32", **kw).engine.runner.packed_weights == frozenset()
     layers = packed.engine.runner.model.layers

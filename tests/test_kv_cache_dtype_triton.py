@@ -16,7 +16,12 @@ from tests.test_parity_qwen import _make
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    return _make(tmp_path_factory.mktemp("qwen"), "qwen2", layers=2)[1]
+    """Four query heads on two KV heads of 16 channels (the kernels' general path; the prefill
+    kernel runs a program per query head, so more heads would only repeat the interpreter's
+    work). Seed 12: each format's rounding, and a 5% error in the attention's scale, changes
+    some of this model's greedy tokens."""
+    return _make(tmp_path_factory.mktemp("qwen"), "qwen2", layers=2, seed=12, num_attention_heads=4,
+                 head_dim=16)[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +44,9 @@ def test_triton_backend_matches_reference_path(qwen, qwen_prompts, fmt):
     llm = LLM(qwen, attention_backend="triton", **kw)
     got = _run(llm, qwen_prompts, params)
     assert got == want
-    if fmt == "int2":  # the compression is real: 2-bit keys change this model's choices
-        full = _run(LLM(qwen, attention_backend="torch", **{**kw, "kv_cache_dtype": "auto"}), qwen_prompts, params)
-        assert greedy_agreement(got, full) < 1.0
+    # The compression is real: each format's keys and values change this model's choices.
+    full = _run(LLM(qwen, attention_backend="torch", **{**kw, "kv_cache_dtype": "auto"}), qwen_prompts, params)
+    assert greedy_agreement(got, full) < 1.0
     # A prompt alone attends through SDPA on its own K/V in full precision where the cache is
     # compressed, as the reference path does. One format per route (8-bit, KIVI), and three tokens:
     # a lone decode step takes the most splits, each the interpreter's time.
@@ -72,7 +77,9 @@ def test_kivi_16_token_blocks_in_float16_triton(qwen3, qwen_prompts):
     assert llm.engine.runner.kv_format.block_size == 16
     prompts = qwen_prompts[:3]  # up to 45 tokens: two chunks, blocks sealed while prefilling and decoding
     want = _run(LLM(qwen3, attention_backend="torch", **kw), prompts)
-    got = _run(llm, prompts)
+    # Free-running, it decodes (8 tokens: the prompts of 11 and 45 seal a block on the way);
+    # the agreement is measured over the reference's 16 tokens a prompt.
+    got = _run(llm, prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert teacher_forced_agreement(llm, prompts, want) >= 0.7, (got, want)
     assert llm.engine.kv.pool.num_used_blocks == 0
 

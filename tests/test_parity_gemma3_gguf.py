@@ -5,14 +5,12 @@ reader and dequantization), fp32: prompts shorter than the 512-token window and 
 from __future__ import annotations
 
 import argparse
-import os
 import unittest
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import hf_from_gguf, hf_greedy
 from tests.prompts import LONG_DOC, RAW_PROMPTS, ZEN
 
 MAX_NEW = 8
@@ -29,10 +27,7 @@ def gguf_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hf_gemma3(gguf_path):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                             dtype=torch.float32)
-    return m.eval()
+    return hf_from_gguf(gguf_path)
 
 
 def test_gemma3_270m_matches_transformers(gguf_path, hf_gemma3):

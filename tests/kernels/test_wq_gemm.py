@@ -308,39 +308,62 @@ def test_real_size_weight_left_bf16(method, group, M):
 
 _COMPILE = r"""
 import sys
+import traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels.wq_gemv import _gl_row_kernel as K
-int4, fp8, group = sys.argv[1] == "int4", sys.argv[1] == "fp8", int(sys.argv[2])
 names = K.arg_names
-ptr = dict(X="*bf16", W="*i32", S="*fp32" if fp8 else "*bf16", Z="*bf16", B="*bf16", Y="*bf16")
-const = dict(INT4=int4, FP8=fp8, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False,
-             WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
-sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
-div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const}
-src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = k.asm["ptx"]
-loop = ptx[ptx.index("griddepcontrol.wait"):]
-ints = ("s8", "u8", "s16", "u16", "s32", "u32")
-print(ptx.count("ld.local") + ptx.count("st.local"), sum(loop.count(f"cvt.rn.f32.{t}") for t in ints),
-      ptx.count("ld.global.v4.b32") + ptx.count("ld.global.nc.v4.b32"), ptx.count("griddepcontrol.wait"),
-      ptx.count(".ftz"), loop.count("cvt.rn.f16x2.e4m3x2"))
+
+
+def counts(fmt, group):
+    int4, fp8 = fmt == "int4", fmt == "fp8"
+    ptr = dict(X="*bf16", W="*i32", S="*fp32" if fp8 else "*bf16", Z="*bf16", B="*bf16", Y="*bf16")
+    const = dict(INT4=int4, FP8=fp8, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False,
+                 WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
+    sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
+    div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const}
+    src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    loop = ptx[ptx.index("griddepcontrol.wait"):]
+    ints = ("s8", "u8", "s16", "u16", "s32", "u32")
+    return (ptx.count("ld.local") + ptx.count("st.local"), sum(loop.count(f"cvt.rn.f32.{t}") for t in ints),
+            ptx.count("ld.global.v4.b32") + ptx.count("ld.global.nc.v4.b32"), ptx.count("griddepcontrol.wait"),
+            ptx.count(".ftz"), loop.count("cvt.rn.f16x2.e4m3x2"))
+
+
+for case in sys.argv[1:]:  # one line each; a case that fails to compile says why on stderr
+    fmt, group = case.split(":")
+    try:
+        print(case, *counts(fmt, int(group)), flush=True)
+    except Exception:
+        print(case, traceback.format_exc(), file=sys.stderr, flush=True)
 """
+GLUON_ROW_CASES = [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32), ("fp8", 0)]
 
 
-@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32), ("fp8", 0)])
-def test_gluon_row_kernel_compiles_for_sm90(fmt, group):
+@pytest.fixture(scope="module")
+def gluon_row_ptx():
+    """Each case's counts from its PTX, all compiled in one subprocess (its imports once)."""
+    p = subprocess.run([sys.executable, "-c", _COMPILE, *(f"{f}:{g}" for f, g in GLUON_ROW_CASES)],
+                       capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    cases = {f"{f}:{g}" for f, g in GLUON_ROW_CASES}
+    counts = {words[0]: tuple(map(int, words[1:])) for words in map(str.split, p.stdout.splitlines())
+              if len(words) == 7 and words[0] in cases}
+    return counts, p
+
+
+@pytest.mark.parametrize("fmt,group", GLUON_ROW_CASES)
+def test_gluon_row_kernel_compiles_for_sm90(gluon_row_ptx, fmt, group):
     """The CUDA one-row kernel, compiled for sm90 in a subprocess (no GPU): nothing spilled to local
     memory, no integer-to-float conversion instruction on the codes (their bits are read as
     subnormal floats), no float operation that flushes subnormals to zero (which would zero every
     code), the weights read as 16-byte vectors, and the wait on the previous kernel present once
     (programmatic dependent launch). FP8's codes take the paired e4m3 conversion, the others none."""
-    p = subprocess.run([sys.executable, "-c", _COMPILE, fmt, str(group)], capture_output=True, text=True,
-                       env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert p.returncode == 0, p.stderr[-2000:]
-    spills, conversions, vector_loads, waits, flushes, e4m3_pairs = map(int, p.stdout.split())
+    counts, p = gluon_row_ptx
+    assert f"{fmt}:{group}" in counts, f"exit {p.returncode}: {p.stderr[-2000:]}"
+    spills, conversions, vector_loads, waits, flushes, e4m3_pairs = counts[f"{fmt}:{group}"]
     assert spills == 0 and conversions == 0 and waits == 1 and flushes == 0
     assert vector_loads >= 1
     assert (e4m3_pairs > 0) == (fmt == "fp8")
