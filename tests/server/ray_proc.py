@@ -17,9 +17,34 @@ from kvserve.cluster.launch import PROBE_DEADLINES
 REPLICA_PROCESS = "ray::ServeReplica:kvserve:EngineReplica"  # Ray's title for a replica's process
 
 
+_SERVERS: list[int] = []  # the pids of the servers ``ray_server`` has running in this process
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    return parents
+
+
 def replica_pids() -> list[int]:
+    """The replica processes of the Ray instance this process's server started: its descendants
+    (Ray's processes are children of the driver, replicas their children). Another test file's
+    Ray instance, beside this one on another worker, has replicas of the same title."""
     out = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    parents, roots, mine = _parents(), set(_SERVERS), []
+    for pid in map(int, out.split()):
+        p = pid
+        while p > 1 and p not in roots:
+            p = parents.get(p, 0)
+        if p in roots:
+            mine.append(pid)
+    return mine
 
 
 @contextlib.contextmanager
@@ -40,6 +65,7 @@ def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
+    _SERVERS.append(proc.pid)
     try:
         while True:
             assert proc.poll() is None, f"the server exited {proc.returncode}:\n{open(log.name).read()}"
@@ -57,6 +83,7 @@ def ray_server(*args: str, wait_healthy: bool = True, timeout: float = 240):
             time.sleep(0.5)
         yield url
     finally:
+        _SERVERS.remove(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
