@@ -56,8 +56,10 @@ _CPU_TILE_ROWS = 512  # rows of an int8 weight converted at a time on the CPU (`
 # From this many rows of x on (a prefill chunk), an int4 product on the CPU dequantizes the weight
 # to x's dtype and multiplies once: PyTorch's int4 kernel is bound by its unpacking, its time
 # grows with the rows at about 2.5x a bfloat16 GEMM's, and the dequantization (a few passes over
-# the weight) is repaid from a few hundred rows on.
+# the weight) is repaid from a few hundred rows on. In float32 (any dtype but bfloat16) the kernel
+# runs scalar code, and dequantizing costs no more than it already at one row.
 _CPU_DEQUANT_MIN_ROWS = 512
+_CPU_FLOAT32_DEQUANT_MIN_ROWS = 2
 
 
 def cuda_product(rows: int, kernel: KernelConfig, int4: bool, wide: bool) -> str:
@@ -211,7 +213,8 @@ class QuantLinear(nn.Module):
             y = self._cpu_int8_tiles(x)
         elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self._scales_as(x.dtype))
-        elif self._cpu_layout and x.shape[0] >= (_CPU_DEQUANT_MIN_ROWS if x.dtype == torch.bfloat16 else 2):
+        elif self._cpu_layout and x.shape[0] >= (_CPU_DEQUANT_MIN_ROWS if x.dtype == torch.bfloat16
+                                                 else _CPU_FLOAT32_DEQUANT_MIN_ROWS):
             y = F.linear(x, self._cpu_int4_dequantized(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size,
