@@ -3,6 +3,7 @@ block format where a kernel reads it (``pack_projections``), every other tensor 
 ``gguf``."""
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
@@ -49,8 +50,29 @@ _READERS: dict[tuple, object] = {}
 _READERS_KEPT = 2
 
 
+@functools.cache
+def reader_class():
+    from gguf.gguf_reader import GGUFReader
+
+    class Reader(GGUFReader):
+        """``gguf.GGUFReader`` over the file's bytes as a plain ndarray rather than the
+        ``np.memmap`` it opens: memmap's slicing runs Python code (``__getitem__``,
+        ``__array_finalize__``) on each of the million-odd small reads that parse a large
+        vocabulary, and again on every row group of a tensor's dequantization. The plain
+        view's base is the memmap, which keeps the mapping open; read-only as before. Parsing
+        Gemma 3's 262,144-token header: 16 s -> 6.5 s on one core."""
+
+        @property
+        def data(self):
+            return self._bytes
+
+        @data.setter
+        def data(self, value):
+            self._bytes = value.view(np.ndarray)
+    return Reader
+
+
 def open_reader(path: str):
-    import gguf
     try:
         st = os.stat(path)
         key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
@@ -59,7 +81,7 @@ def open_reader(path: str):
     reader = _READERS.pop(key, None)
     if reader is None:
         try:
-            reader = gguf.GGUFReader(path)
+            reader = reader_class()(path)
         except Exception as e:  # the reader raises ValueError, IndexError, struct.error... on bad files
             raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     _READERS[key] = reader  # most recent last
