@@ -163,15 +163,16 @@ def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale:
     kv_format.write_tokens(views, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     acc = torch.float32 if q.device.type == "cpu" else q.dtype
-    plain_prompt = len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1
-    for i, table in enumerate(meta.seq_tables):
+    n = len(meta.seq_tables)
+    if len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1:
+        stored = iter([(k, v)])  # a plain prompt
+    else:
+        stored = kv_format.read_kv_many(views, meta.seq_tables, meta.seq_lens[:n],
+                                        meta.res_slots[:n] if f.kivi else [-1] * n)
+    for i, (keys, vals) in enumerate(stored):
         s, e = meta.query_start[i], meta.query_start[i + 1]
-        L = meta.seq_lens[i]
-        if plain_prompt:
-            keys, vals = k[s:e], v[s:e]
-        else:
-            keys, vals = kv_format.read_kv(views, table, L, meta.res_slots[i] if f.kivi else -1)
-        out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), L, scale, window).to(out.dtype)
+        out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), meta.seq_lens[i], scale,
+                           window).to(out.dtype)
     return out
 
 

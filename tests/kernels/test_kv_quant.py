@@ -297,6 +297,42 @@ def _compressed_batch(gen, f, batch, H, nb, slots_per_seq=None):
     return views, tables.to(DEV), kd, vd, torch.tensor(res_slots, dtype=torch.int32, device=DEV)
 
 
+def test_e4m3_codes_read_as_pytorch_converts_them():
+    """``codes_float`` (e4m3 by its bits on the CPU) against PyTorch's own float8 conversion:
+    every one of the 256 codes, NaN where PyTorch gives NaN, and in a shape of the cache's."""
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    got, want = kf.codes_float(every), every.float()
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    ok = ~want.isnan()
+    assert torch.equal(got[ok], want[ok])
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 16, 2, 32, generator=gen) * 50).to(torch.float8_e4m3fn)
+    assert torch.equal(kf.codes_float(x), x.float())
+    assert kf.codes_float(x[:0]).shape == (0, 16, 2, 32)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8-static", "int4"])
+def test_sequences_read_together_equal_each_read_alone(name, monkeypatch):
+    """``read_kv_many`` (the CPU path's read of a step's sequences, their blocks gathered and
+    dequantized together, split where they pass ``READ_TOKENS``) gives each sequence exactly
+    ``read_kv``'s K and V, KIVI's unsealed keys from its own residual row."""
+    if DEV != "cpu":
+        pytest.skip("the CPU reference path")
+    gen = torch.Generator().manual_seed(7)
+    f = _fmt(name)
+    batch = [(5, 3), (40, 1), (0, 16), (17, 2), (31, 1)]
+    views, tables, _, _, rs = _compressed_batch(gen, f, batch, 4, nb=24)
+    lens = [c + n for c, n in batch]
+    alone = [kf.read_kv(views, tables[i], L, int(rs[i])) for i, L in enumerate(lens)]
+    for budget in (10_000, 40, 1):  # one gather; a few; one sequence each
+        monkeypatch.setattr(kf, "READ_TOKENS", budget)
+        together = list(kf.read_kv_many(views, list(tables), lens, [int(r) for r in rs]))
+        assert len(together) == len(batch)
+        for (k, v), (ka, va), L in zip(together, alone, lens):
+            assert k.shape == (L, f.num_kv_heads, f.head_dim)
+            assert torch.equal(k, ka) and torch.equal(v, va)
+
+
 def _decode_against_ref(gen, f, batch, H, nb, tol, gluon=False, **launch):
     """Decode attention over a cache filled by ``_compressed_batch`` (the output poisoned first)
     against float64 attention over the dequantized cache. q in the format's model dtype.
