@@ -293,20 +293,24 @@ def hf_from_gguf(path: str):
     module (hundreds of times over the same arguments): here, for this one call, the same parse
     and the same map serve every ask, which leaves the model and its config exactly as they
     were, at a third of the time. The parse is the gguf package's own, over the file's bytes as
-    a plain ndarray instead of a memmap (``gguf_loader.reader_class``: the same values, faster)."""
+    a plain ndarray instead of a memmap, and the one kvserve keeps for the file
+    (``gguf_loader.open_reader``: read only, by both; an engine on the file right after parses
+    nothing)."""
     import functools
 
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from kvserve.models.gguf_loader import reader_class
+    from kvserve.models.gguf_loader import open_reader
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     parsed = {}
 
     def parse_once(p, *args, **kwargs):
+        if not args and not kwargs:
+            return open_reader(str(p))
         key = (os.path.realpath(p), args, tuple(sorted(kwargs.items())))
         if key not in parsed:
-            parsed[key] = reader_class()(p, *args, **kwargs)
+            parsed[key] = reader(p, *args, **kwargs)
         return parsed[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = parse_once, functools.lru_cache(maxsize=None)(name_map)

@@ -63,10 +63,12 @@ def test_8bit_greedy_agreement(default_prompts, full_precision_64, fmt):
     rest of that continuation elsewhere."""
     llm = LLM(show_progress=False, kv_cache_memory="256MiB", kv_cache_dtype=fmt)
     forced = teacher_forced_agreement(llm, default_prompts, full_precision_64)
-    free = greedy_agreement(_run(llm, default_prompts, SamplingParams(max_tokens=64, temperature=0,
-                                                                     ignore_eos=True)), full_precision_64)
-    print(f"{fmt}: greedy agreement with full precision over 64 tokens: {forced:.1%} per step, "
-          f"{free:.1%} free-running")
+    # free-running over the first 32 tokens: the compressed cache's decode steps, at half the time
+    free = greedy_agreement(_run(llm, default_prompts, SamplingParams(max_tokens=32, temperature=0,
+                                                                     ignore_eos=True)),
+                            [t[:32] for t in full_precision_64])
+    print(f"{fmt}: greedy agreement with full precision: {forced:.1%} per step over 64 tokens, "
+          f"{free:.1%} free-running over 32")
     assert forced >= 0.90, f"{fmt}: only {forced:.1%} of greedy steps agree"
     assert free > 0.3  # and free-running continuations do follow the same text for a while
 
