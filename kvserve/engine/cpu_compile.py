@@ -27,7 +27,6 @@ import logging
 import types
 
 import torch
-from torch._dynamo.utils import counters
 
 from kvserve import envs
 from kvserve.engine.kv_cache import KVCache
@@ -91,6 +90,10 @@ def compile_decode(runner) -> CompiledDecode | None:
         return _eager(config, f"the projections ({dense[0]}, ...) are float weights, which run faster packed for "
                               "oneDNN than in a graph; it takes quantized ones (a GGUF's blocks, --quantization "
                               "int4 or int8)")
+    # Imported here, where a compile follows: torch._dynamo takes seconds to import, and most
+    # CPU engines (float weights, compile off) never compile.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
     try:  # before tracing: without a compiler inductor fails only after tens of seconds of it
         torch._dynamo.eval_frame.check_if_dynamo_supported()  # (this Python, this build)
         from torch._inductor.cpp_builder import get_cpp_compiler
