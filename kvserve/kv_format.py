@@ -288,7 +288,7 @@ def codes_float(codes: torch.Tensor) -> torch.Tensor:
     """Symmetric codes as float32. e4m3 on the CPU by its bits: PyTorch converts float8 there one
     element at a time (about 5 ns a code on an AVX2 core); the code's exponent and mantissa moved
     under float16's read as its value times 2^-8 (bias 15 instead of 7, subnormals alike), a
-    handful of vectorized integer operations (under 1 ns), exact. e4m3fn's NaN (S.1111.111)
+    handful of vectorized integer operations (about 1 ns), exact. e4m3fn's NaN (S.1111.111)
     reads as +-480, past its largest finite value (448): looked for in one pass, made NaN again."""
     if codes.dtype != torch.float8_e4m3fn or codes.device.type != "cpu":
         return codes.float()
@@ -424,19 +424,19 @@ def read_kv_many(views: KVViews, tables: list[torch.Tensor], seq_lens: list[int]
     of many short sequences is most of the work's Python and launch cost."""
     f = views.fmt
     bs = f.block_size
+    counts = [-(-L // bs) for L in seq_lens]  # each sequence's blocks
     i = 0
     while i < len(tables):
-        j, tokens = i, 0
-        while j < len(tables) and (j == i or tokens + seq_lens[j] <= READ_TOKENS):
-            tokens += -(-seq_lens[j] // bs) * bs
+        j, tokens = i + 1, counts[i] * bs
+        while j < len(tables) and tokens + counts[j] * bs <= READ_TOKENS:
+            tokens += counts[j] * bs
             j += 1
-        counts = [-(-seq_lens[s] // bs) for s in range(i, j)]
-        blocks = torch.cat([tables[s][:n] for s, n in zip(range(i, j), counts)]).long()
+        blocks = torch.cat([tables[s][:counts[s]] for s in range(i, j)]).long()
         k, v = dequantize_blocks(views, blocks, f)
         kvh, D = k.shape[2], k.shape[3]
         b0 = 0
-        for s, n in zip(range(i, j), counts):
-            L = seq_lens[s]
+        for s in range(i, j):
+            L, n = seq_lens[s], counts[s]
             ks, vs = k[b0:b0 + n].reshape(-1, kvh, D)[:L], v[b0:b0 + n].reshape(-1, kvh, D)[:L]
             b0 += n
             full = L // bs * bs

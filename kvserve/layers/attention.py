@@ -163,12 +163,11 @@ def _forward_compressed(q, k, v, views: KVViews, meta: AttentionMetadata, scale:
     kv_format.write_tokens(views, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     acc = torch.float32 if q.device.type == "cpu" else q.dtype
-    n = len(meta.seq_tables)
     if len(meta.seq_lens) == 1 and meta.query_lens[0] == meta.seq_lens[0] > 1:
         stored = iter([(k, v)])  # a plain prompt
     else:
-        stored = kv_format.read_kv_many(views, meta.seq_tables, meta.seq_lens[:n],
-                                        meta.res_slots[:n] if f.kivi else [-1] * n)
+        stored = kv_format.read_kv_many(views, meta.seq_tables, meta.seq_lens,
+                                        meta.res_slots if f.kivi else [-1] * len(meta.seq_lens))
     for i, (keys, vals) in enumerate(stored):
         s, e = meta.query_start[i], meta.query_start[i + 1]
         out[s:e] = _attend(q[s:e].to(acc), keys.to(acc), vals.to(acc), meta.seq_lens[i], scale,

@@ -57,7 +57,7 @@ _CPU_TILE_ROWS = 512  # rows of an int8 weight converted at a time on the CPU (`
 # to x's dtype and multiplies once: PyTorch's int4 kernel is bound by its unpacking, its time
 # grows with the rows at about 2.5x a bfloat16 GEMM's, and the dequantization (a few passes over
 # the weight) is repaid from a few hundred rows on. In float32 (any dtype but bfloat16) the kernel
-# runs scalar code, and dequantizing costs no more than it already at one row.
+# runs scalar code, slower than the dequantization from two rows on.
 _CPU_DEQUANT_MIN_ROWS = 512
 _CPU_FLOAT32_DEQUANT_MIN_ROWS = 2
 

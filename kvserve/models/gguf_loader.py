@@ -51,7 +51,7 @@ _READERS_KEPT = 2
 
 
 @functools.cache
-def reader_class():
+def _reader_class():
     from gguf.gguf_reader import GGUFReader
 
     class Reader(GGUFReader):
@@ -81,7 +81,7 @@ def open_reader(path: str):
     reader = _READERS.pop(key, None)
     if reader is None:
         try:
-            reader = reader_class()(path)
+            reader = _reader_class()(path)
         except Exception as e:  # the reader raises ValueError, IndexError, struct.error... on bad files
             raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     _READERS[key] = reader  # most recent last
