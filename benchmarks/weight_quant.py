@@ -7,7 +7,9 @@ speed on the GPU, speed and quality on the CPU, peers in the same run.
 GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table printed last):
   tests     the quantized kernels' real-size tests (tests/kernels/test_wq_gemm.py -k real_size)
   step      one batch-1 step's projections (32 layers, one CUDA graph): bf16 against each packed
-            format's one-row kernels (``--step-sweep``: every tile of STEP_CONFIGS)
+            format's one-row kernels (``--step-sweep``: every tile of STEP_CONFIGS;
+            ``--step-formats`` picks the formats, ``--step-per-shape`` also times each projection
+            alone)
   dispatch  each decoder projection (qkv, o, gate/up, down) at 1..2,048 rows: bf16 (the faster of
             cuBLAS and kvserve's skinny kernel) against the quantized shapes (skinny, tiled with
             in-register dequantization, dequantize-then-cuBLAS, and from 32 rows the weight-left
@@ -61,7 +63,7 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
 # "+nosplit": K never split; "+int8head": the output head in int8; "+noreserve" (any format):
-# admission keeps no room for decoding.
+# admission keeps no room for decoding. Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -291,7 +293,8 @@ def graph_time(launch, reps: int = 20) -> float:
 
 
 @section("step")
-def run_step(sweep: bool):
+def run_step(sweep: bool, formats: tuple[str, ...] = ("int8", "int4-g128", "int4-g32", "int8-g32"),
+             per_shape: bool = False):
     """The decoder projections of one batch-1 step of the Llama-3-8B shape: 32 layers of qkv, o,
     gate/up and down, each layer its own weights, launched back to back in one CUDA graph. bf16
     (the skinny kernel) against each packed format, with the generic one-row tile of
@@ -325,7 +328,7 @@ def run_step(sweep: bool):
     out["bf16"] = {"us": t * 1e6, "tb_s": nbytes(dense) / t / 1e12}
     TABLE.append("one step's projections, 32 layers in a graph: format | config | us | weight TB/s | x bf16")
     TABLE.append(f"  bf16       | gemv default | {t * 1e6:7.1f} | {out['bf16']['tb_s']:.2f} |")
-    for fmt in ("int8", "int4-g128", "int4-g32", "int8-g32"):
+    for fmt in formats:
         packed = [[pack(w, fmt) for w in layer] for layer in dense]
         size = nbytes(packed)
         configs = [("generic", GENERIC_ONE_ROW), ("default", None)]
@@ -347,8 +350,17 @@ def run_step(sweep: bool):
                 continue
             res[name] = {"us": t * 1e6, "tb_s": size / t / 1e12, "x_bf16": out["bf16"]["us"] / (t * 1e6),
                          "config": cfg}
+            shapes = ""
+            if per_shape:  # each projection alone: its 32 layers in one graph
+                for i, shape in enumerate(SHAPES):
+                    def one(cfg=cfg, packed=packed, i=i):
+                        for layer in packed:
+                            p = layer[i]
+                            wq_gemm.wq_mm(xs[p[0].shape[1] * (2 if int4 else 1)], *p, config=cfg)
+                    res[name][f"{shape}_us"] = graph_time(one) * 1e6 / 32
+                shapes = " | " + " ".join(f"{k}={res[name][f'{k}_us']:.2f}" for k in SHAPES)
             TABLE.append(f"  {fmt:10s} | {name:18s} | {t * 1e6:7.1f} | {size / t / 1e12:.2f} | "
-                         f"{out['bf16']['us'] / (t * 1e6):.2f}x")
+                         f"{out['bf16']['us'] / (t * 1e6):.2f}x{shapes}")
         ok = {k: v for k, v in res.items() if "us" in v}
         best = min(ok, key=lambda k: ok[k]["us"])
         out[fmt] = {"weight_bytes": size, "configs": res, "best": best}
@@ -411,18 +423,21 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
     decode_prompt = [rng.randrange(128000) for _ in range(512)]
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
     for name in formats:
-        fmt = name.split("+")[0]
+        fmt, *opts = name.split("+")
         kw = dict(GPU_FORMATS[fmt])
-        if name.endswith("+noreserve"):  # admission keeps no room for decoding (preempts when dry)
-            kw["decode_reserve"] = 0
-        elif name.endswith("+nosplit"):
-            kw["kernel"] = KernelConfig(wq_split_k=False)
-        elif name.endswith("+wl"):
-            kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
-        elif name.endswith("+int8head"):  # the output head in int8 (bf16 by default)
-            kw["quantization_head"] = "int8"
-        elif name.endswith("+deq"):  # the dispatch before the weight-left GEMM was on
-            kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
+        for opt in opts:
+            if opt == "noreserve":  # admission keeps no room for decoding (preempts when dry)
+                kw["decode_reserve"] = 0
+            elif opt == "nosplit":
+                kw["kernel"] = KernelConfig(wq_split_k=False)
+            elif opt == "wl":
+                kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
+            elif opt == "int8head":  # the output head in int8 (bf16 by default)
+                kw["quantization_head"] = "int8"
+            elif opt == "deq":  # the dispatch before the weight-left GEMM was on
+                kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
+            else:
+                raise SystemExit(f"--formats: unknown option +{opt} in {name}")
         t0 = time.perf_counter()
         llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)
@@ -581,6 +596,10 @@ def main():
                     help="engine section: the KV pool, or 'auto' to size it from the memory the weights leave")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="engine section: sequences a step at most")
     ap.add_argument("--step-sweep", action="store_true", help="step section: time every tile of STEP_CONFIGS")
+    ap.add_argument("--step-formats", default="int8,int4-g128,int4-g32,int8-g32",
+                    help="step section: packed formats, comma-separated")
+    ap.add_argument("--step-per-shape", action="store_true",
+                    help="step section: also time each projection alone (us a layer)")
     ap.add_argument("--skinny-sweep", action="store_true", help="dispatch section: time SKINNY_CONFIGS' tiles")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="dispatch section: row counts, comma-separated")
     ap.add_argument("--formats", default=",".join(GPU_FORMATS),
@@ -598,7 +617,8 @@ def main():
     only = set((args.only or ("tests,step,dispatch,engine,peer" if args.device == "cuda" else "cpu")).split(","))
     RESULTS["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     RESULTS["torch"] = torch.__version__
-    sections = {"tests": run_tests, "step": lambda: run_step(args.step_sweep),
+    sections = {"tests": run_tests,
+                "step": lambda: run_step(args.step_sweep, tuple(args.step_formats.split(",")), args.step_per_shape),
                 "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")], args.skinny_sweep),
                 "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows,
                                              None if args.kv_cache_memory == "auto" else args.kv_cache_memory,
