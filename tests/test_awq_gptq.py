@@ -133,6 +133,8 @@ def test_checkpoint_loads_packed_and_matches_dequantized(tmp_path, fmt, act_orde
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "awq", "bits": 8, "group_size": G}, "bits 8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 48}, "group_size 48"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32.0}, "group_size 32.0"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": True}, "group_size True"),
     ({"quant_method": "awq", "bits": 4, "group_size": G, "version": "gemv"}, "GEMM"),
     ({"quant_method": "gptq", "bits": 4, "group_size": G, "checkpoint_format": "gptq_v2"}, "checkpoint_format"),
     ({"quant_method": "bitsandbytes"}, "not loaded"),
@@ -142,6 +144,35 @@ def test_bad_configs(tmp_path, qc, match):
     with pytest.raises(ConfigError, match=match) as e:
         LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
     assert e.value.option == "quantization"
+
+
+@pytest.mark.parametrize("text,match", [("{not json", "quantize_config.json: not valid JSON"),
+                                        ("[1, 2]", "quantize_config.json: must be a JSON object")])
+def test_a_bad_quantize_config_file_is_a_load_error(tmp_path, text, match):
+    """AutoGPTQ's quantize_config.json (read where config.json has no quantization_config) that is
+    not a JSON object is refused naming the file."""
+    qdir, _, _ = _write(tmp_path, "gptq")
+    cfg = json.loads((qdir / "config.json").read_text())
+    del cfg["quantization_config"]
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    (qdir / "quantize_config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("qc,match", [("awq", "quantization_config must be an object"),
+                                      (["awq"], "quantization_config must be an object"),
+                                      ({"quant_method": ""}, "packed quantized tensor.*no usable quantization_config"),
+                                      (None, "packed quantized tensor.*no usable quantization_config")])
+def test_a_config_that_does_not_say_how_is_a_load_error(tmp_path, qc, match):
+    """Packed tensors under a quantization_config that is not an object, or names no method, are
+    refused saying so (not as unexpected weights of the model)."""
+    qdir, _, _ = _write(tmp_path, "awq")
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
 
 
 def test_config_and_tensors_disagree(tmp_path):

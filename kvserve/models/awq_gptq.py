@@ -44,13 +44,23 @@ PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 
 def read_config(directory: str, cfg: dict) -> dict | None:
     """The checkpoint's quantization config: config.json's ``quantization_config``, else AutoGPTQ's
-    quantize_config.json (None: an unquantized checkpoint)."""
+    quantize_config.json (None: an unquantized checkpoint). Either must be a JSON object."""
     q = cfg.get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        raise ModelLoadError(f"{directory}/config.json: quantization_config must be an object with a "
+                             f"quant_method; got {q!r}"[:300])
     path = os.path.join(directory, "quantize_config.json")
     if q is None and os.path.exists(path):
-        with open(path) as f:
-            q = {"quant_method": "gptq", **json.load(f)}
-    return q if isinstance(q, dict) else None
+        try:
+            with open(path) as f:
+                got = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(got, dict):
+            raise ModelLoadError(f"{path}: must be a JSON object (GPTQ's bits, group_size, desc_act); got "
+                                 f"{type(got).__name__}")
+        q = {"quant_method": "gptq", **got}
+    return q
 
 
 def check_config(q: dict, name: str) -> tuple[str, int, bool]:
@@ -66,7 +76,7 @@ def check_config(q: dict, name: str) -> tuple[str, int, bool]:
     if q.get("bits", q.get("w_bit")) != 4:
         raise ConfigError("quantization", f"{name}: bits {q.get('bits', q.get('w_bit'))!r}; the int4 kernels take 4")
     g = q.get("group_size", q.get("q_group_size"))
-    if g not in (32, 64, 128):
+    if not _int_in(g, (32, 64, 128)):
         raise ConfigError("quantization", f"{name}: group_size {g!r}; the int4 kernels take 32, 64 or 128")
     if method == "awq" and (str(q.get("version", "gemm")).lower() != "gemm" or not q.get("zero_point", True)):
         raise ConfigError("quantization", f"{name}: AWQ version {q.get('version')!r} / zero_point "
@@ -91,7 +101,8 @@ def _ct_weights(q: dict, name: str) -> dict:
     fmt = group.get("format") or q.get("format")
     if fmt != "pack-quantized":
         raise bad("format", fmt, "pack-quantized is loaded")
-    if "Linear" not in (group.get("targets") or []):
+    targets = group.get("targets")
+    if not isinstance(targets, list) or "Linear" not in targets:
         raise bad("targets", group.get("targets"), "the Linear layers must be the target")
     if group.get("input_activations") is not None:
         raise bad("input_activations", group.get("input_activations"), "weight-only schemes are loaded")
@@ -99,16 +110,25 @@ def _ct_weights(q: dict, name: str) -> dict:
     for field, want in (("type", "int"), ("num_bits", 4), ("strategy", "group")):
         if w.get(field) != want:
             raise bad(f"weights.{field}", w.get(field), f"the int4 kernels take {want!r}")
-    if w.get("group_size") not in (32, 64, 128):
+    if not _int_in(w.get("group_size"), (32, 64, 128)):
         raise bad("weights.group_size", w.get("group_size"), "the int4 kernels take 32, 64 or 128")
     if w.get("actorder") not in (None, "group", "weight", "static", "dynamic"):
         raise bad("weights.actorder", w.get("actorder"), "null, group, weight, static or dynamic")
+    if not isinstance(w.get("symmetric", True), bool):
+        raise bad("weights.symmetric", w.get("symmetric"), "true or false")
     return w
+
+
+def _int_in(v, allowed: tuple[int, ...]) -> bool:
+    """v is one of ``allowed`` as an integer (not 64.0, not True)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v in allowed
 
 
 def unpack_ct(packed, scale, zero_point, shape, g_idx):
     """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32 (8 when symmetric), g_idx)."""
     N, K = (int(d) for d in shape)
+    if not scale.is_floating_point():
+        raise RuntimeError(f"weight_scale is {scale.dtype}; scales are floating point")
     if packed.dtype != torch.int32 or packed.shape != (N, -(-K // 8)) or scale.dim() != 2 or scale.shape[0] != N:
         raise RuntimeError(f"weight_packed {tuple(packed.shape)} {packed.dtype} / weight_scale "
                            f"{tuple(scale.shape)} for weight_shape [{N}, {K}]")
@@ -130,6 +150,8 @@ def _nibbles(p: torch.Tensor) -> torch.Tensor:
 
 def unpack_awq(qweight, qzeros, scales, g: int):
     """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32, g_idx None)."""
+    if not scales.is_floating_point():
+        raise RuntimeError(f"scales are {scales.dtype}; scales are floating point")
     order = torch.tensor(AWQ_ORDER)
     q = torch.empty_like(_nibbles(qweight))
     q[..., order] = _nibbles(qweight)
@@ -142,6 +164,8 @@ def unpack_awq(qweight, qzeros, scales, g: int):
 
 def unpack_gptq(qweight, qzeros, scales, g_idx):
     """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32, g_idx [K])."""
+    if not scales.is_floating_point():
+        raise RuntimeError(f"scales are {scales.dtype}; scales are floating point")
     q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [K, N]
     z = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1
     return q.t().to(torch.uint8), scales.float().t(), z.t().float(), g_idx.long()
@@ -184,6 +208,12 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 missing = [f"{p}.{t}" for t in need if f"{p}.{t}" not in tensors]
                 if missing:
                     raise ModelLoadError(f"{name}: quantization_config says {method}, but {missing[0]} is missing")
+                if method == CT:  # the zero points exist exactly when the scheme is asymmetric
+                    symmetric = q["config_groups"][next(iter(q["config_groups"]))]["weights"].get("symmetric", True)
+                    if symmetric == (f"{p}.weight_zero_point" in tensors):
+                        raise ModelLoadError(
+                            f"{name}: quantization_config says symmetric={str(symmetric).lower()}, but "
+                            f"{p}.weight_zero_point is {'present' if symmetric else 'missing'}")
                 t = [tensors[f"{p}.{x}"] for x in need] + [tensors.get(f"{p}.{x}") for x in extra]
                 need += tuple(x for x in extra if f"{p}.{x}" in tensors)
                 try:

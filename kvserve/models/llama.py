@@ -136,6 +136,11 @@ class LlamaForCausalLM(nn.Module):
                 merged, shard = self._MERGED[parts[-2]]
                 target = ".".join(parts[:-2] + [merged, parts[-1]])
             if target not in params:
+                from kvserve.models.awq_gptq import TENSORS
+                if name.endswith(TENSORS):  # a packed checkpoint whose config does not say how
+                    raise ModelLoadError(f"weight {name!r} is a packed quantized tensor, but the checkpoint's "
+                                         f"config.json has no usable quantization_config (quant_method awq, gptq "
+                                         f"or compressed-tensors)")
                 raise ModelLoadError(f"unexpected weight {name!r} for {a.family} model")
             p = params[target]
             split = getattr(p, "tp_shards", None)  # this rank's slice of a split weight
