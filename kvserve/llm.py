@@ -75,11 +75,8 @@ class LLM:
                                    cuda_graph_capture=cuda_graph_capture, async_scheduling=async_scheduling,
                                    kernel=kernel or KernelConfig(), enable_sleep_mode=enable_sleep_mode,
                                    tensor_parallel_size=tensor_parallel_size,
-                                   quantization=(None if quantization is None and quantization_group_size is None
-                                                 and quantization_head is None
-                                                 else QuantConfig(quantization, quantization_group_size,
-                                                                  "none" if quantization_head is None
-                                                                  else quantization_head)),
+                                   quantization=_quant_config(quantization, quantization_group_size,
+                                                              quantization_head),
                                    speculative=(speculative_config
                                                 if isinstance(speculative_config, (SpeculativeConfig, type(None)))
                                                 else SpeculativeConfig.from_dict(speculative_config)),
@@ -246,6 +243,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in request_ids if r in done]
+
+
+def _quant_config(method, group_size, head) -> QuantConfig | None:
+    """``LLM``'s quantization options as a QuantConfig (None: none asked for). A group size or an
+    output-head format without a method to apply them to is refused, naming the option."""
+    if method is None:
+        if group_size is not None:
+            raise ConfigError("quantization_group_size", f"applies to quantization='int4', which is not set; "
+                              f"got {group_size!r}")
+        if head is not None and head != "none":
+            raise ConfigError("quantization_head", f"applies to quantization int8, int4 or fp8, which is not "
+                              f"set; got {head!r}")
+        return None
+    return QuantConfig(method, group_size, "none" if head is None else head)
 
 
 def _shutdown_at_exit(ref: weakref.ref, store) -> None:

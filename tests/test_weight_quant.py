@@ -280,14 +280,17 @@ def test_engine_equals_float_model_on_dequantized_weights(method, group, head):
     ({"quantization": "int4", "quantization_group_size": 2**63}, "quantization_group_size"),
     ({"quantization": "int4", "quantization_group_size": 128.0}, "quantization_group_size"),
     ({"quantization": "int8", "quantization_group_size": 64}, "quantization_group_size"),
-    ({"quantization_group_size": 64}, "quantization"),
+    ({"quantization_group_size": 64}, "quantization_group_size"),  # (which needs int4: not set)
     ({"quantization": "int8", "quantization_head": "int4"}, "quantization_head"),
     ({"quantization": "int8", "quantization_head": "INT8"}, "quantization_head"),
     ({"quantization": "int8", "quantization_head": ""}, "quantization_head"),
     ({"quantization": "int8", "quantization_head": True}, "quantization_head"),
     ({"quantization": "none", "quantization_head": "int8"}, "quantization_head"),
     ({"quantization": "gguf", "quantization_head": "int8"}, "quantization_head"),
-    ({"quantization_head": "int8"}, "quantization"),
+    ({"quantization_head": "int8"}, "quantization_head"),
+    ({"device": "banana"}, "device"),
+    ({"device": "cuda:7" if torch.cuda.is_available() else "cuda"}, "device"),
+    ({"device": 3}, "device"),
     # dummy:tiny is 64 wide: 128 does not divide it
     ({"quantization": "int4", "quantization_group_size": 128}, "quantization_group_size"),
 ])
@@ -295,6 +298,17 @@ def test_bad_options(kw, option):
     with pytest.raises(ConfigError) as e:
         LLM("dummy:tiny", show_progress=False, **kw)
     assert e.value.option == option, str(e.value)
+
+
+def test_options_without_a_method_say_what_they_need():
+    """A group size or a head format with no quantization method is refused saying which method it
+    needs (not that None is not a method); the head's default format alone is the default."""
+    with pytest.raises(ConfigError, match="applies to quantization='int4', which is not set"):
+        LLM("dummy:tiny", show_progress=False, quantization_group_size=64)
+    with pytest.raises(ConfigError, match="applies to quantization int8, int4 or fp8, which is not set"):
+        LLM("dummy:tiny", show_progress=False, quantization_head="int8")
+    llm = LLM("dummy:tiny", show_progress=False, quantization_head="none", kv_cache_memory="16MiB")
+    assert llm.config.quantization is None
 
 
 def test_a_group_size_that_does_not_divide_names_the_ones_that_do():

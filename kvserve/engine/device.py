@@ -10,11 +10,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA where there is a GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``;
+    anything else, or CUDA where there is none, a ConfigError naming ``device``."""
     from kvserve import envs
+    from kvserve.errors import ConfigError
     name = envs.get(envs.KVSERVE_DEVICE) or name
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name) if isinstance(name, (str, torch.device)) else None
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{name!r}: CUDA is not available here (no GPU, or a CPU build of PyTorch)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError("device", f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
