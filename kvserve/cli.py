@@ -283,7 +283,14 @@ def make_engine(args):
 def cmd_snapshot(args) -> int:
     from kvserve.models import snapshot
     args.model = args.model_path or args.model
-    args.quantization = args.quantization or "none"  # a snapshot holds float weights
+    if args.quantization not in (None, "none"):
+        raise ConfigError("quantization", f"a snapshot holds the model's float weights; got {args.quantization!r}")
+    args.quantization = "none"  # a GGUF's blocks dequantized
+    from kvserve.models import loader
+    src = loader.resolve(args.model)
+    if src.quant_method:
+        raise ConfigError("model", f"{src.name} is a {src.quant_method} checkpoint, whose weights load packed; "
+                          f"a snapshot holds float weights: write it from the unquantized model")
     t0 = time.perf_counter()
     llm = _make_llm(args)
     manifest = snapshot.write(llm.engine, args.out)

@@ -285,6 +285,9 @@ def test_refused_sources_and_destinations(gqa_model, tmp_path):
     (tmp_path / "full" / "x").write_text("mine")
     with pytest.raises(ModelLoadError, match="not an empty directory"):
         quantize(gqa_model, str(tmp_path / "full"), "rtn", group_size=32, text=TEXT, num_tokens=64)
+    for out in ("", "  "):
+        with pytest.raises(ConfigError, match="out: must be the path of a new or empty directory"):
+            quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64)
     with pytest.raises(ModelLoadError, match="a dummy source"):
         quantize("dummy:tiny", str(tmp_path / "q"), "rtn", group_size=32, text=TEXT, num_tokens=64)
     out = str(tmp_path / "q")
@@ -300,6 +303,9 @@ def test_refused_sources_and_destinations(gqa_model, tmp_path):
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8), "num_bits 8"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="channel"), "strategy 'channel'"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size 16"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32.0), "group_size 32.0"),
+    (lambda q: q["config_groups"]["group_0"].update(targets="NotLinear"), "targets 'NotLinear'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric="yes"), "symmetric 'yes'"),
     (lambda q: q.update(format="naive-quantized") or q["config_groups"]["group_0"].pop("format"), "format"),
     (lambda q: q["config_groups"].update(group_1=q["config_groups"]["group_0"]), "config_groups"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "input_activations"),
@@ -390,6 +396,61 @@ def test_the_source_dtype_and_architecture_are_kept(tmp_path):
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.float16
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").dtype == torch.float16
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_zero_points_must_match_the_schemes_symmetry(gqa_model, tmp_path, symmetric):
+    """A scheme that says symmetric over tensors with zero points, or asymmetric over tensors
+    without them, is refused naming the tensor, not loaded with zero points made up or ignored."""
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, symmetric=symmetric, text=TEXT, num_tokens=64, chunk=64)
+    path = os.path.join(out, "config.json")
+    cfg = json.load(open(path))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = not symmetric
+    json.dump(cfg, open(path, "w"))
+    with pytest.raises(ModelLoadError, match=f"symmetric={str(not symmetric).lower()}, but "
+                                             f"model.layers.0.self_attn.q_proj.weight_zero_point is "
+                                             f"{'present' if not symmetric else 'missing'}"):
+        LLM(out, show_progress=False, kv_cache_memory="16MiB")
+
+
+def test_integer_scales_are_a_load_error(gqa_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    path = os.path.join(out, "model.safetensors")
+    t = load_file(path)
+    t["model.layers.1.self_attn.k_proj.weight_scale"] = t["model.layers.1.self_attn.k_proj.weight_scale"].int()
+    save_file(t, path)
+    with pytest.raises(ModelLoadError, match="k_proj is not in compressed-tensors's layout.*scales are floating"):
+        LLM(out, show_progress=False, kv_cache_memory="16MiB")
+
+
+def test_the_checkpoints_files_are_as_readable_as_the_umask_allows(gqa_model, tmp_path):
+    """Every file of the checkpoint (the safetensors writer's own 0600 included) takes the mode a
+    new file gets under the process's umask: other users can load it where they can read the
+    directory."""
+    old = os.umask(0o022)
+    try:
+        out = str(tmp_path / "q")
+        quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    finally:
+        os.umask(old)
+    modes = {f: os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_a_snapshot_of_a_packed_checkpoint_is_refused_by_name(gqa_model, tmp_path, capsys):
+    """A snapshot holds float weights: the command refuses a packed checkpoint naming the model,
+    and a quantization method naming the option (not the engine's "leave quantization unset")."""
+    from kvserve.cli import main
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    assert main(["snapshot", out, "--out", str(tmp_path / "s")]) == 2
+    assert "compressed-tensors checkpoint, whose weights load packed; a snapshot holds float" in capsys.readouterr().err
+    assert main(["snapshot", gqa_model, "--quantization", "int8", "--out", str(tmp_path / "s")]) == 2
+    assert "quantization: a snapshot holds the model's float weights; got 'int8'" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "s")
 
 
 def test_a_malformed_weight_shape_is_a_load_error(gqa_model, tmp_path):

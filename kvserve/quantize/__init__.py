@@ -204,6 +204,8 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     check_args(method, bits, group_size, num_tokens, chunk, calibration_memory, observer)
     if act_order and method != "gptq":
         raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")
+    if not isinstance(out, str) or not out.strip():
+        raise ConfigError("out", f"must be the path of a new or empty directory; got {out!r}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ModelLoadError(f"{out}: exists and is not an empty directory; choose a new --out")
     src = loader.resolve(model)
@@ -344,13 +346,16 @@ def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qc
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would keep the checkpoint from other users
     try:
-        _write_into(tmp, out, src, eng, tensors, qconfig, about, dtype)
+        _write_into(tmp, out, src, eng, tensors, qconfig, about, dtype, 0o666 & ~umask)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write_into(tmp: str, out: str, src, eng, tensors: dict, qconfig: dict, about: dict, dtype) -> None:
+def _write_into(tmp: str, out: str, src, eng, tensors: dict, qconfig: dict, about: dict, dtype,
+                mode: int) -> None:
+    """The checkpoint's files into ``tmp``, each readable as the umask allows (``mode``; the
+    safetensors writer leaves its file 0600), then ``tmp`` renamed to ``out``."""
     from safetensors.torch import save_file
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     cfg = _hf_config(src)
@@ -365,6 +370,9 @@ def _write_into(tmp: str, out: str, src, eng, tensors: dict, qconfig: dict, abou
     if src.kind == "hf" and os.path.exists(os.path.join(src.path, "generation_config.json")):
         shutil.copy(os.path.join(src.path, "generation_config.json"), tmp)  # a chat model's end-of-turn ids
     eng.tokenizer.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        if os.path.isfile(os.path.join(tmp, name)):
+            os.chmod(os.path.join(tmp, name), mode)
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(tmp, out)
