@@ -70,3 +70,30 @@ def test_missing_weight_refused():
         hf.append(("model." + name, p.detach()))
     with pytest.raises(ModelLoadError, match="missing weights"):
         model.load_weights(hf)
+
+
+
+def test_missing_weights_are_named_as_checkpoints_name_them():
+    """A missing part of a merged projection is named as the checkpoint names it (k_proj, not
+    qkv_proj's shard 1), a plain weight by its own name."""
+    a = _arch()
+    model = loader.build_model(a, max_positions=64)
+    ref = loader.build_model(a, max_positions=64)
+    loader.init_dummy_weights(ref, seed=0)
+    rows = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+    hf = []
+    for name, p in ref.named_parameters():
+        if ".qkv_proj." in name:
+            for part, t in zip(("q", "k", "v"), p.detach().split(rows, 0)):
+                if not (part == "k" and name.startswith("layers.0.")):  # layer 0's k_proj left out
+                    hf.append(("model." + name.replace("qkv_proj", f"{part}_proj"), t))
+        elif ".gate_up_proj." in name:
+            for part, t in zip(("gate", "up"), p.detach().chunk(2, 0)):
+                hf.append(("model." + name.replace("gate_up_proj", f"{part}_proj"), t))
+        elif name != "norm.weight":  # left out
+            hf.append(("model." + name, p.detach()))
+    with pytest.raises(ModelLoadError) as e:
+        model.load_weights(hf)
+    assert "missing weights for 2 parameters" in str(e.value)
+    assert "'layers.0.self_attn.k_proj.weight'" in str(e.value) and "'norm.weight'" in str(e.value)
+    assert "#" not in str(e.value)

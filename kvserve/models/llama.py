@@ -169,5 +169,11 @@ class LlamaForCausalLM(nn.Module):
             n_shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(mod)
             expected |= {f"{pname}#{s}" for s in range(n_shards)} if n_shards else {f"{pname}#None"}
         missing = sorted(expected - loaded)
-        if missing:
-            raise ModelLoadError(f"missing weights for {len(missing)} parameters, e.g. {missing[:3]}")
+        if missing:  # named as checkpoints name them: k_proj, not qkv_proj's shard 1
+            part = {v: k for k, v in self._MERGED.items()}
+            shown = []
+            for m in missing[:3]:
+                pname, shard = m.split("#")
+                path, mod, leaf = pname.rsplit(".", 2) if pname.count(".") >= 2 else ("", "", pname)
+                shown.append(pname if shard == "None" else f"{path}.{part[(mod, int(shard))]}.{leaf}")
+            raise ModelLoadError(f"missing weights for {len(missing)} parameters, e.g. {shown}")
