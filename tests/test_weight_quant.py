@@ -320,6 +320,15 @@ def test_a_group_size_that_does_not_divide_names_the_ones_that_do():
     assert "does not divide" in str(e.value) and str(e.value).endswith("every layer's: 32, 64")
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors"])
+def test_a_checkpoint_method_on_a_gguf_file_says_what_it_is(method):
+    """The default model is a GGUF file: a checkpoint method is refused saying so and naming the
+    methods that load its blocks, not that the file is unquantized."""
+    with pytest.raises(ConfigError, match=f"{method} loads {method} checkpoints; .* is a GGUF file, whose "
+                                          f"blocks load with quantization gguf"):
+        LLM(quantization=method, show_progress=False, kv_cache_memory="16MiB")
+
+
 def test_already_quantized_checkpoint(tmp_path):
     from kvserve.models.presets import DUMMY_PRESETS
     cfg = {**DUMMY_PRESETS["tiny"], "quantization_config": {"quant_method": "awq", "bits": 4}}

@@ -27,9 +27,12 @@ class ModelWeights:
         quant = config.quantization
         checkpoint = src.quant_method.lower() if src.quant_method else None
         if quant is not None and quant.method in CHECKPOINT_METHODS and checkpoint != quant.method:
+            what = ("quantized as " + checkpoint if checkpoint else
+                    "a GGUF file, whose blocks load with quantization gguf (or none, dequantized)"
+                    if src.kind == "gguf" else "not quantized")
             raise ConfigError("quantization", f"{quant.method} loads {quant.method} checkpoints; {src.name} is "
-                              f"{'quantized as ' + checkpoint if checkpoint else 'not quantized'} (no quantizer "
-                              f"runs at load: int8, int4 and fp8 quantize unquantized weights)")
+                              f"{what} (no quantizer runs at load: int8, int4 and fp8 quantize unquantized "
+                              f"weights)")
         if quant is not None and quant.method == "gguf" and (src.kind != "gguf" or self.tp is not None):
             raise ConfigError("quantization", f"gguf keeps a GGUF file's blocks packed on one rank; {src.name} is "
                               f"{'not a GGUF file' if src.kind != 'gguf' else 'split across ranks'}")
