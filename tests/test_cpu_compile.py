@@ -88,6 +88,22 @@ def test_compiled_int4_bfloat16_matches_eager():
             assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=0.05)
 
 
+def test_compiled_fp8_traces_its_support_check_as_a_constant(recwarn):
+    """An fp8 engine's compiled step takes ``_scaled_mm``'s CPU support as a constant: one graph,
+    no break, no warning about a cached function traced; its tokens equal the eager engine's."""
+    kw = dict(quantization="fp8", kv_cache_memory="16MiB", show_progress=False)
+    eager = LLM("dummy:tiny", kernel=KernelConfig(cpu_compile=False), **kw)
+    counters.clear()
+    fast = LLM("dummy:tiny", kernel=KernelConfig(cpu_compile=True), **kw)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)], [str(w.message)[:200] for w in recwarn]
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    p = {"prompt_token_ids": prompts_of((7,))[0]}
+    assert fast.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        eager.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert fast.engine.runner.compiled.calls == N_NEW - 1
+
+
 @pytest.mark.slow
 def test_compiled_engines_of_one_model_class_keep_to_their_own_weights():
     """Dynamo's guards on the model's modules are skipped (``cpu_compile.CompiledDecode``): each
