@@ -20,6 +20,8 @@ row in ``kernels/wq_gemv.py``, as int8's), which decode them in registers; more 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -56,25 +58,25 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-_CPU_ROWWISE: list[bool] = []  # cpu_rowwise_scaled_mm's answer, once known
-
-
 @torch.compiler.assume_constant_result
 def cpu_rowwise_scaled_mm() -> bool:
     """This PyTorch's CPU ``_scaled_mm`` takes a scale per row of each operand (2.13 does; 2.11's
-    takes one scale per tensor and fails an internal assert otherwise): tried once, on a tiny
-    product. A compiled step takes the answer as a constant (it never changes in a process)
-    rather than tracing the trial; the answer is kept in a list, not by ``functools.cache``,
-    whose wrapper the compiler would trace through."""
-    if not _CPU_ROWWISE:
-        a = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
-        b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t()
-        try:
-            torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
-            _CPU_ROWWISE.append(True)
-        except (RuntimeError, NotImplementedError):
-            _CPU_ROWWISE.append(False)
-    return _CPU_ROWWISE[0]
+    takes one scale per tensor and fails an internal assert otherwise). A compiled step takes the
+    answer as a constant (it never changes in a process) rather than tracing the cached trial,
+    whose ``functools.cache`` wrapper the compiler would trace through."""
+    return _cpu_rowwise_trial()
+
+
+@functools.cache
+def _cpu_rowwise_trial() -> bool:
+    """``cpu_rowwise_scaled_mm``'s answer: tried once, on a tiny product."""
+    a = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class Fp8Linear(nn.Module):
