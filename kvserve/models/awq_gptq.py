@@ -198,6 +198,8 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
     from kvserve.layers.quant_linear import QuantLinear
     from kvserve.layers.rtn import pack_int4
     method, g, _ = check_config(q, name)
+    # compressed-tensors: the zero points exist exactly when the scheme is asymmetric
+    symmetric = _ct_weights(q, name).get("symmetric", True) if method == CT else None
     taken: set[str] = set()
     for i, _ in enumerate(model.layers):
         for ours, parts in PARTS.items():
@@ -208,12 +210,9 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 missing = [f"{p}.{t}" for t in need if f"{p}.{t}" not in tensors]
                 if missing:
                     raise ModelLoadError(f"{name}: quantization_config says {method}, but {missing[0]} is missing")
-                if method == CT:  # the zero points exist exactly when the scheme is asymmetric
-                    symmetric = q["config_groups"][next(iter(q["config_groups"]))]["weights"].get("symmetric", True)
-                    if symmetric == (f"{p}.weight_zero_point" in tensors):
-                        raise ModelLoadError(
-                            f"{name}: quantization_config says symmetric={str(symmetric).lower()}, but "
-                            f"{p}.weight_zero_point is {'present' if symmetric else 'missing'}")
+                if method == CT and symmetric == (f"{p}.weight_zero_point" in tensors):
+                    raise ModelLoadError(f"{name}: quantization_config says symmetric={str(symmetric).lower()}, but "
+                                         f"{p}.weight_zero_point is {'present' if symmetric else 'missing'}")
                 t = [tensors[f"{p}.{x}"] for x in need] + [tensors.get(f"{p}.{x}") for x in extra]
                 need += tuple(x for x in extra if f"{p}.{x}" in tensors)
                 try:
