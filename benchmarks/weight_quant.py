@@ -63,8 +63,7 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
 # "+nosplit": K never split; "+int8head": the output head in int8; "+noreserve" (any format):
-# admission keeps no room for decoding; "+nosilu": a one-row gate/up product's SiLU(gate) * up in
-# a kernel of its own. Options combine ("int4-g128+int8head+nosplit").
+# admission keeps no room for decoding. Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -426,24 +425,19 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
     for name in formats:
         fmt, *opts = name.split("+")
         kw = dict(GPU_FORMATS[fmt])
-        kernel = {}
         for opt in opts:
             if opt == "noreserve":  # admission keeps no room for decoding (preempts when dry)
                 kw["decode_reserve"] = 0
             elif opt == "nosplit":
-                kernel["wq_split_k"] = False
-            elif opt == "nosilu":  # SiLU(gate) * up in its own kernel after the one-row product
-                kernel["wq_fused_silu"] = False
+                kw["kernel"] = KernelConfig(wq_split_k=False)
             elif opt == "wl":
-                kernel["wq_weight_left_max_rows"] = weight_left_max_rows
+                kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
             elif opt == "int8head":  # the output head in int8 (bf16 by default)
                 kw["quantization_head"] = "int8"
             elif opt == "deq":  # the dispatch before the weight-left GEMM was on
-                kernel.update(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
+                kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
             else:
                 raise SystemExit(f"--formats: unknown option +{opt} in {name}")
-        if kernel:
-            kw["kernel"] = KernelConfig(**kernel)
         t0 = time.perf_counter()
         llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)

@@ -239,9 +239,6 @@ class KernelConfig:
     # The few-row and weight-left products split K over several programs where their tiles
     # alone leave most multiprocessors idle (kernels/wq_gemm.py: ``split_k``); False: never.
     wq_split_k: bool = True
-    # A one-row product of a quantized merged [gate | up] ends in SiLU(gate) * up inside its kernel
-    # (``kernels/wq_gemv.py``); False: a separate kernel applies it.
-    wq_fused_silu: bool = True
     # CPU: float32 projections (and bfloat16 ones where the CPU multiplies bfloat16 natively) run
     # in oneDNN on weights packed once at load (layers/linear.py); False: F.linear on the dense weights.
     cpu_packed_weights: bool = True
@@ -257,7 +254,7 @@ class KernelConfig:
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
-        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "wq_fused_silu", "cpu_packed_weights"):
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "cpu_packed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         if self.cpu_compile is not None and not isinstance(self.cpu_compile, bool):

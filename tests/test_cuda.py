@@ -288,35 +288,3 @@ def test_int8_output_head_every_product_and_graphs(method):
     eager = LLM("dummy:smollm2-135m", enforce_eager=True, **kw)
     assert eager.engine.runner.graphs is None
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == graphs
-
-
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_gate_up_ends_in_silu_in_its_kernel(method, monkeypatch):
-    """One row through a quantized merged gate/up projection takes SiLU(gate) * up in the one-row
-    kernel's epilogue (the separate activation kernel is never called), equals the product
-    with the weight dequantized in plain PyTorch, in float32, within bfloat16's rounding, and
-    equals the layer's product followed by the activation kernel exactly; two rows take the
-    product, then the activation."""
-    from kvserve.kernels.wq_gemm import dequantize_ref
-    from kvserve.layers import activation
-    from kvserve.layers.linear import gate_up_silu
-    llm = LLM("dummy:smollm2-135m", device="cuda", dtype="bfloat16", show_progress=False,
-              kv_cache_memory="256MiB", quantization=method, quantization_group_size=64 if method == "int4" else None)
-    layer = llm.engine.runner.model.layers[3].mlp.gate_up_proj
-    w = dequantize_ref(layer.qweight, layer.scales, layer.mins, layer.group_size).float()
-    inter = w.shape[0] // 2
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    separate = []
-    real = activation.silu_and_mul
-    monkeypatch.setattr(activation, "silu_and_mul", lambda y: separate.append(y.shape[0]) or real(y))
-    with torch.inference_mode():
-        for rows in (1, 2):
-            x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16, generator=gen)
-            full = x.float() @ w.T
-            want = torch.nn.functional.silu(full[:, :inter]) * full[:, inter:]
-            got = gate_up_silu(x, layer)
-            assert got.shape == want.shape
-            assert ((got.float() - want).norm() / want.norm()).item() < 1e-2, rows
-            if rows == 1:  # the epilogue rounds where the product and the activation kernel do
-                assert torch.equal(got, real(layer(x)))
-    assert separate == [2]

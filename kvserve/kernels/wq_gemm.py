@@ -449,23 +449,20 @@ def _check(x: torch.Tensor | None, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def wq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
           group_size: int = 0, bias: torch.Tensor | None = None, config: dict | None = None,
-          pdl: bool = True, split: bool = True, silu_mul: bool = False) -> torch.Tensor:
+          pdl: bool = True, split: bool = True) -> torch.Tensor:
     """x [M, K] times the dequantized weight's transpose -> [M, N] in x's dtype. ``qweight``: int8
     [N, K] with ``scales`` [N] (``group_size`` 0) or [N, K/g] (and optional ``mins``), or uint8
     [N, K/2] (int4) with ``scales``/``mins`` [N, K/g];
     ``config``: the tile (None: ``default_config``, or ``wq_gemv``'s for one row of a format it
     takes; a config with ``KIND`` is ``wq_gemv``'s); ``pdl``: programmatic dependent launch
     where the GPU has it (one-row kernel); ``split``: K split over several programs where the
-    tiles alone leave the GPU idle (``split_k``; a config's ``SPLIT_K`` overrides it).
-    ``silu_mul``: the weight is a merged [gate | up] and the result ``silu(gate) * up`` [1, N / 2],
-    in the one-row kernel: one row of a weight ``wq_gemv.takes``, N even."""
+    tiles alone leave the GPU idle (``split_k``; a config's ``SPLIT_K`` overrides it)."""
     N, K, int4 = _check(x, qweight, scales, mins, group_size)
     M = x.shape[0]
     if bias is not None:
         assert bias.shape == (N,) and bias.is_contiguous()
     if M == 1 and (config is None or "KIND" in config) and wq_gemv.takes(qweight, group_size):
-        return wq_gemv.wq_gemv(x, qweight, scales, mins, group_size, bias, N, K, int4, config, pdl, silu_mul)
-    assert not silu_mul, "SiLU(gate) * up is the one-row kernel's: one row of a weight it takes"
+        return wq_gemv.wq_gemv(x, qweight, scales, mins, group_size, bias, N, K, int4, config, pdl)
     assert config is None or "KIND" not in config, \
         "a one-row config (KIND) takes one row of int8, int4 or FP8 in whole words; this product does not"
     if M == 0:

@@ -47,7 +47,6 @@ from triton.experimental.gluon import language as gl
 
 from kvserve.kernels import interpreting
 from kvserve.kernels.common import capability, launch_pdl, pdl_kw, wait_inputs
-from kvserve.kernels.silu_mul import silu_mul_rounded
 
 # What comes off a code placed under 2^23's exponent (bits 0x4B000000): 2^23 for int4, 2^23 + 128
 # for int8 (stored plus 128); shared by both kernels.
@@ -108,26 +107,13 @@ def _bdecode(b, INT4: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _silu_rows(pid, i, N, BLOCK_N: tl.constexpr):
-    """The weight rows of a program that ends in SiLU(gate) * up, the merged [gate | up] weight
-    having ``N`` rows each: row i of the program is gate row j = pid * BLOCK_N / 2 + i // 2 for
-    even i, up row N + j for odd i (j past the end read as the last), so the epilogue splits its
-    sums in pairs."""
-    j = tl.minimum(pid * (BLOCK_N // 2) + i // 2, N - 1)
-    return j + (i % 2) * N
-
-
-@triton.jit
 def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
                    INT4: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, SILU: tl.constexpr):
+                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     tl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
-    if SILU:  # rows gate j, up j alternating (``_silu_rows``); N is the gate's rows
-        rn_safe = _silu_rows(tl.program_id(0), tl.arange(0, BLOCK_N), N, BLOCK_N).to(tl.int64)
-    else:
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
     rb = tl.arange(0, BLOCK_K // 2 if INT4 else BLOCK_K)
     NG: tl.constexpr = BLOCK_K // GROUP
     rg = tl.arange(0, NG)
@@ -167,13 +153,7 @@ def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
             y = y * FP8_UNIT
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)
-    if SILU:
-        g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
-        ro = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        dt = Y.dtype.element_ty  # rounded where the product, then silu_and_mul, would round
-        tl.store(Y + ro, silu_mul_rounded(g.to(dt), u.to(dt), dt).to(dt), mask=ro < N)
-    else:
-        tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
+    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
 
 
 # -- the Gluon one-row kernel (CUDA; the interpreter runs ``_wq_row_kernel`` above) ----------------
@@ -316,7 +296,7 @@ def _gl_dot_words(w, x, INT4: gl.constexpr, FP8: gl.constexpr, LW: gl.constexpr)
 def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
                    INT4: gl.constexpr, FP8: gl.constexpr, GROUPED: gl.constexpr, HAS_MIN: gl.constexpr,
                    HAS_BIAS: gl.constexpr, WPG: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr, SILU: gl.constexpr):
+                   NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
     gl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
     P: gl.constexpr = 8 if INT4 else 4  # codes a word
     NT: gl.constexpr = 32 * NUM_WARPS  # threads: each holds VEC words (16 bytes) of every row
@@ -327,11 +307,7 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
     LX: gl.constexpr = gl.SliceLayout(0, L4)  # x [NT, VEC, P]
     LA: gl.constexpr = gl.SliceLayout(2, LW)  # [BLOCK_N, NT]
     pid = gl.program_id(0)
-    i = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
-    if SILU:  # as the Triton kernel's ``_silu_rows``: gate row j, up row N + j alternating
-        rn = (gl.minimum(pid * (BLOCK_N // 2) + i // 2, N - 1) + (i % 2) * N).to(gl.int64)
-    else:
-        rn = gl.minimum(pid * BLOCK_N + i, N - 1).to(gl.int64)
+    rn = gl.minimum(pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA)), N - 1).to(gl.int64)
     t = gl.arange(0, NT, layout=gl.SliceLayout(0, LA))
     vv = gl.arange(0, VEC, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
     tx = gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
@@ -366,22 +342,12 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
         else:
             w, s, z = wn, sn, zn
     y = gl.sum(acc, axis=1)
+    rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
     if not GROUPED:
         y = y * gl.load(S + rn).to(gl.float32)
     if HAS_BIAS:
         y += gl.load(B + rn).to(gl.float32)
-    if SILU:  # every thread holds all the program's sums: the pairs split in its registers
-        LP: gl.constexpr = gl.BlockedLayout([BLOCK_N // 2, 2], [32, 1], [NUM_WARPS, 1], [1, 0])
-        g, u = gl.split(gl.convert_layout(gl.reshape(y, [BLOCK_N // 2, 2]), LP))
-        dt: gl.constexpr = Y.dtype.element_ty  # rounded as the product, then silu_and_mul, would
-        gf = g.to(dt).to(gl.float32)
-        act = (gf / (1.0 + gl.exp(-gf))).to(dt).to(gl.float32)
-        out = gl.convert_layout(act * u.to(dt).to(gl.float32), gl.SliceLayout(1, LP))
-        ro = pid * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, LP))
-        gl.store(Y + ro, out.to(Y.dtype.element_ty), mask=ro < N)
-    else:
-        rows = pid * BLOCK_N + i
-        gl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+    gl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
 def takes(qweight: torch.Tensor, group_size: int) -> bool:
@@ -423,26 +389,19 @@ def default_config(x: torch.Tensor, qweight: torch.Tensor, K: int, int4: bool, g
 
 def wq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
             group_size: int, bias: torch.Tensor | None, N: int, K: int, int4: bool,
-            config: dict | None = None, pdl: bool = True, silu_mul: bool = False) -> torch.Tensor:
+            config: dict | None = None, pdl: bool = True) -> torch.Tensor:
     """x [1, K] (unit stride) times the packed weight's transpose -> [1, N]; arguments checked by
     ``wq_gemm.wq_mm``, which calls this for one row when ``takes`` says so. ``config``: ``KIND``
     ("gluon": K a multiple of 32 for int4, 16 for int8; or "triton"), ``BLOCK_N``, ``PREFETCH`` (1
-    or 2), ``num_warps`` and for Triton ``TILE_BYTES`` (None: ``default_config``). ``silu_mul``:
-    the weight is the merged [gate | up] (N even) and the product ends in ``silu(gate) * up``
-    -> [1, N / 2], rounded where the product followed by ``silu_and_mul`` rounds (gate and up
-    to x's dtype, then silu), so the two give the same values (each program takes BLOCK_N / 2
-    rows of each half)."""
+    or 2), ``num_warps`` and for Triton ``TILE_BYTES`` (None: ``default_config``)."""
     cfg = dict(config or default_config(x, qweight, K, int4, group_size))
     block_n, kind, prefetch, nw = cfg.pop("BLOCK_N"), cfg.pop("KIND"), cfg.pop("PREFETCH"), cfg.pop("num_warps")
-    if silu_mul:
-        assert N % 2 == 0 and block_n >= 2, "SiLU(gate) * up: an even number of rows, 2 or more a program"
-        N //= 2  # the kernel's N: the gate's rows, which are its outputs
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, block_n // 2 if silu_mul else block_n),)
+    grid = (triton.cdiv(N, block_n),)
     bias_arg, mins_arg = bias if bias is not None else scales, scales if mins is None else mins
     fp8 = qweight.dtype == torch.float8_e4m3fn
     flags = dict(INT4=int4, FP8=fp8, GROUPED=group_size > 0, HAS_MIN=mins is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=block_n, PREFETCH=prefetch, SILU=silu_mul, num_warps=nw)
+                 BLOCK_N=block_n, PREFETCH=prefetch, num_warps=nw)
     if kind == "gluon":
         per_word = 8 if int4 else 4
         assert gluon_takes(x, qweight, K, int4), "the Gluon kernel: CUDA 8.0+, rows of whole 16-byte vectors"

@@ -208,25 +208,6 @@ class QuantLinear(nn.Module):
             y = self.tp.all_reduce(y)
         return y.view(*shape[:-1], self.out_features)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu(x W_g.T) * (x W_u.T)`` of this merged [gate | up] layer in one kernel, where x is
-        one row on CUDA whose product takes the one-row kernel; None otherwise (the caller
-        applies the activation to ``forward``'s result)."""
-        kernel = kernel_config()
-        if (not kernels.available(x) or x.numel() != self.in_features or self.tp is not None
-                or self.out_features % 2 or not kernel.wq_fused_silu):
-            return None
-        from kvserve.kernels import wq_gemm, wq_gemv
-        if not wq_gemv.takes(self.qweight, self.group_size):
-            return None
-        shape = x.shape
-        x = x.reshape(1, self.in_features)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
-        y = wq_gemm.wq_mm(x.contiguous(), self.qweight, self.scales, self.mins, self.group_size, self.bias,
-                          pdl=kernel.pdl, silu_mul=True)
-        return y.view(*shape[:-1], self.out_features // 2)
-
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.method == "int8" and (self.group_size or x.dtype != torch.bfloat16):
             y = self._cpu_int8_tiles(x)

@@ -24,7 +24,6 @@ from kernelutil import needs_cuda  # noqa: E402
 from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.errors import ConfigError  # noqa: E402
 from kvserve.kernels import wq_gemm  # noqa: E402
-from kvserve.kernels.silu_mul import silu_and_mul  # noqa: E402
 from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm, wq_mm_ref, wq_mm_wx, wx_block_k  # noqa: E402
 from kvserve.layers.fp8_linear import quantize_rows  # noqa: E402
 from kvserve.layers.rtn import quantize_int4, quantize_int8  # noqa: E402
@@ -98,41 +97,6 @@ def test_one_row_config_is_refused_elsewhere(device):
     x, packed, _ = _case(1, 8, 66, "fp8", 0, torch.float32, device, seed=1)
     with pytest.raises(AssertionError, match="one-row config"):
         wq_mm(x, *packed, config=cfg)
-
-
-def _check_silu_mul(inter, K, method, group, dtype, device, seed, config=None, bias=False):
-    """The merged [gate | up] product ending in SiLU(gate) * up against the reference product's
-    halves through torch's SiLU, in float64; and equal, value for value, to the same kernel's
-    product followed by the activation kernel (the epilogue rounds where the two kernels do)."""
-    x, packed, b = _case(1, 2 * inter, K, method, group, dtype, device, seed, bias)
-    y = wq_mm(x, *packed, bias=b, config=config, silu_mul=True)
-    full = wq_mm_ref(x, *packed, bias=b).double()
-    ref = torch.nn.functional.silu(full[:, :inter]) * full[:, inter:]
-    assert y.shape == (1, inter) and y.dtype == dtype
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    assert err < TOL[dtype], err
-    assert torch.equal(y, silu_and_mul(wq_mm(x, *packed, bias=b, config=config)))
-
-
-@pytest.mark.parametrize("method,group", FORMATS)
-@pytest.mark.parametrize("cfg", [None, {"KIND": "triton", "BLOCK_N": 2, "TILE_BYTES": 128, "PREFETCH": 2,
-                                        "num_warps": 2}], ids=["default", "two-rows"])
-@pytest.mark.parametrize("inter,K", [(37, 256), (8, 1152)])
-def test_one_row_silu_mul(method, group, cfg, inter, K, device):
-    """SiLU(gate) * up in the one-row kernel's epilogue: an odd number of outputs (the last
-    program's rows past the end), one program's worth, a bias, tiles smaller than K."""
-    _check_silu_mul(inter, K, method, group, torch.float32, device, seed=inter + K + group, config=cfg,
-                    bias=inter == 37)
-
-
-def test_silu_mul_is_refused_off_the_one_row_kernel(device):
-    """Two rows, or an odd number of weight rows, have no fused epilogue: a clear error."""
-    x, packed, _ = _case(2, 8, 64, "int8", 0, torch.float32, device, seed=1)
-    with pytest.raises(AssertionError, match="one-row kernel"):
-        wq_mm(x, *packed, silu_mul=True)
-    x, packed, _ = _case(1, 7, 64, "int8", 0, torch.float32, device, seed=1)
-    with pytest.raises(AssertionError, match="even number of rows"):
-        wq_mm(x, *packed, silu_mul=True)
 
 
 def test_one_row_strided_rows(device):
@@ -332,14 +296,6 @@ def test_real_size_bf16(method, group, M):
 
 
 @needs_cuda
-@pytest.mark.parametrize("method,group", FORMATS)
-def test_real_size_silu_mul_bf16(method, group):
-    """Llama-3-8B's merged gate/up projection ending in SiLU(gate) * up, bfloat16, in the kernel
-    CUDA picks (the Gluon one for rows of whole 16-byte vectors)."""
-    _check_silu_mul(14336, 4096, method, group, torch.bfloat16, torch.device("cuda"), seed=group + 3)
-
-
-@needs_cuda
 @pytest.mark.parametrize("method,group", [f for f in FORMATS if f[0] != "fp8"])
 @pytest.mark.parametrize("M", [64, 200, 512])
 def test_real_size_weight_left_bf16(method, group, M):
@@ -360,12 +316,11 @@ from kvserve.kernels.wq_gemv import _gl_row_kernel as K
 names = K.arg_names
 
 
-def counts(fmt, group, silu):
+def counts(fmt, group):
     int4, fp8 = fmt == "int4", fmt == "fp8"
     ptr = dict(X="*bf16", W="*i32", S="*fp32" if fp8 else "*bf16", Z="*bf16", B="*bf16", Y="*bf16")
     const = dict(INT4=int4, FP8=fp8, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False,
-                 WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True,
-                 SILU=silu)
+                 WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
     sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
     div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const}
     src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
@@ -379,39 +334,36 @@ def counts(fmt, group, silu):
 
 
 for case in sys.argv[1:]:  # one line each; a case that fails to compile says why on stderr
-    fmt, group, silu = case.split(":")
+    fmt, group = case.split(":")
     try:
-        print(case, *counts(fmt, int(group), silu == "silu"), flush=True)
+        print(case, *counts(fmt, int(group)), flush=True)
     except Exception:
         print(case, traceback.format_exc(), file=sys.stderr, flush=True)
 """
-GLUON_ROW_CASES = [("int4", 128, ""), ("int4", 32, ""), ("int8", 0, ""), ("int8", 32, ""), ("fp8", 0, ""),
-                   ("int4", 128, "silu"), ("int8", 0, "silu"), ("fp8", 0, "silu")]
+GLUON_ROW_CASES = [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32), ("fp8", 0)]
 
 
 @pytest.fixture(scope="module")
 def gluon_row_ptx():
     """Each case's counts from its PTX, all compiled in one subprocess (its imports once)."""
-    p = subprocess.run([sys.executable, "-c", _COMPILE, *(":".join(map(str, c)) for c in GLUON_ROW_CASES)],
+    p = subprocess.run([sys.executable, "-c", _COMPILE, *(f"{f}:{g}" for f, g in GLUON_ROW_CASES)],
                        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
-    cases = {":".join(map(str, c)) for c in GLUON_ROW_CASES}
+    cases = {f"{f}:{g}" for f, g in GLUON_ROW_CASES}
     counts = {words[0]: tuple(map(int, words[1:])) for words in map(str.split, p.stdout.splitlines())
               if len(words) == 7 and words[0] in cases}
     return counts, p
 
 
-@pytest.mark.parametrize("fmt,group,epilogue", GLUON_ROW_CASES)
-def test_gluon_row_kernel_compiles_for_sm90(gluon_row_ptx, fmt, group, epilogue):
+@pytest.mark.parametrize("fmt,group", GLUON_ROW_CASES)
+def test_gluon_row_kernel_compiles_for_sm90(gluon_row_ptx, fmt, group):
     """The CUDA one-row kernel, compiled for sm90 in a subprocess (no GPU): nothing spilled to local
     memory, no integer-to-float conversion instruction on the codes (their bits are read as
     subnormal floats), no float operation that flushes subnormals to zero (which would zero every
     code), the weights read as 16-byte vectors, and the wait on the previous kernel present once
-    (programmatic dependent launch). FP8's codes take the paired e4m3 conversion, the others none.
-    The same with the SiLU(gate) * up epilogue."""
+    (programmatic dependent launch). FP8's codes take the paired e4m3 conversion, the others none."""
     counts, p = gluon_row_ptx
-    case = f"{fmt}:{group}:{epilogue}"
-    assert case in counts, f"exit {p.returncode}: {p.stderr[-2000:]}"
-    spills, conversions, vector_loads, waits, flushes, e4m3_pairs = counts[case]
+    assert f"{fmt}:{group}" in counts, f"exit {p.returncode}: {p.stderr[-2000:]}"
+    spills, conversions, vector_loads, waits, flushes, e4m3_pairs = counts[f"{fmt}:{group}"]
     assert spills == 0 and conversions == 0 and waits == 1 and flushes == 0
     assert vector_loads >= 1
     assert (e4m3_pairs > 0) == (fmt == "fp8")
