@@ -63,13 +63,14 @@ def read_config(directory: str, cfg: dict) -> dict | None:
     return q
 
 
-def check_config(q: dict, name: str) -> tuple[str, int, bool]:
-    """(method, group size, desc_act) of a config this reader loads; ConfigError naming the field
-    otherwise."""
+def check_config(q: dict, name: str) -> tuple[str, int, bool | None]:
+    """(method, group size, symmetric) of a config this reader loads; ConfigError naming the field
+    otherwise. ``symmetric``: compressed-tensors' flag, whose checkpoints carry zero points
+    exactly when it is false; None for AWQ and GPTQ, which always carry them."""
     method = str(q.get("quant_method", "")).lower()
     if method == CT:
         w = _ct_weights(q, name)
-        return CT, w["group_size"], w.get("actorder") is not None
+        return CT, w["group_size"], w.get("symmetric", True)
     if method not in ("awq", "gptq"):
         raise ConfigError("quantization", f"{name}'s quant_method {q.get('quant_method')!r} is not loaded; "
                           f"supported: awq, gptq, {CT}")
@@ -84,7 +85,7 @@ def check_config(q: dict, name: str) -> tuple[str, int, bool]:
     if method == "gptq" and str(q.get("checkpoint_format", "gptq")).lower() != "gptq":
         raise ConfigError("quantization", f"{name}: checkpoint_format {q.get('checkpoint_format')!r}; "
                           f"GPTQ's own (v1) layout is loaded")
-    return method, g, bool(q.get("desc_act", False))
+    return method, g, None
 
 
 def _ct_weights(q: dict, name: str) -> dict:
@@ -197,9 +198,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
     from kvserve.layers.gguf_blocks import compact
     from kvserve.layers.quant_linear import QuantLinear
     from kvserve.layers.rtn import pack_int4
-    method, g, _ = check_config(q, name)
-    # compressed-tensors: the zero points exist exactly when the scheme is asymmetric
-    symmetric = _ct_weights(q, name).get("symmetric", True) if method == CT else None
+    method, g, symmetric = check_config(q, name)
     taken: set[str] = set()
     for i, _ in enumerate(model.layers):
         for ours, parts in PARTS.items():
