@@ -613,6 +613,10 @@ def main():
     ap.add_argument("--cpu-formats", default=",".join(CPU_FORMATS),
                     help=f"CPU formats, comma-separated (fp32 always runs): {', '.join(CPU_FORMATS)}")
     args = ap.parse_args()
+    step_formats = {"int8", *(f"int8-g{g}" for g in (16, 32, 64, 128)), *(f"int4-g{g}" for g in (32, 64, 128))}
+    for fmt in args.step_formats.split(","):
+        if fmt not in step_formats:
+            raise SystemExit(f"--step-formats: {fmt!r} is not one of {', '.join(sorted(step_formats))}")
     gpu_check.OUT_PATH = os.path.join(args.out, f"weight_quant_{args.device}.json")
     only = set((args.only or ("tests,step,dispatch,engine,peer" if args.device == "cuda" else "cpu")).split(","))
     RESULTS["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
