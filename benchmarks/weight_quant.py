@@ -25,6 +25,10 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
             the same run's dense GEMM ceiling (bf16's; FP8's for fp8)
   split     each projection through the product the rule picks, K summed in 1, 2, 4 or 8
             parts, against bf16 and ``wq_gemm.split_k``'s choice
+  s8        each projection at 64..2,048 rows (``--rows``) on the integer tensor cores, x split
+            in two int8 halves (``kernels/wq_s8.py``), at each tile of S8_CONFIGS, against bf16
+            cuBLAS and the product the default rule picks (weight-left GEMM or
+            dequantize-then-cuBLAS), in CUDA graphs over copies of the weights that outgrow L2
   peer      PyTorch's weight-only path as gpt-fast uses it (weight_quant_peer.py): a plain
             Llama of the same shape, decode step under torch.compile, bf16 / int8 / int4 g128
 CPU sections (the default model, SmolLM2-135M, float32 activations):
@@ -62,7 +66,8 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
-# "+nosplit": K never split; "+int8head": the output head in int8; "+noreserve" (any format):
+# "+nosplit": K never split; "+s8": products of ``--s8-min-rows`` rows or more on the integer
+# tensor cores (``KernelConfig.wq_s8_min_rows``); "+int8head": the output head in int8; "+noreserve" (any format):
 # admission keeps no room for decoding. Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
@@ -264,6 +269,12 @@ SKINNY_CONFIGS = {f"{bn}x{bk} w{nw} s{ns}": {"BLOCK_N": bn, "BLOCK_K": bk, "num_
 STEP_CONFIGS = ([{"KIND": "triton", "BLOCK_N": 4, "TILE_BYTES": 1024, "PREFETCH": 1, "num_warps": 4}] +
                 [{"KIND": "gluon", "BLOCK_N": bn, "PREFETCH": pf, "num_warps": nw}
                  for bn, pf, nw in [(4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 2), (8, 1, 2), (16, 1, 4)]])
+# The integer tensor-core product's tiles (int4: the column step is the group).
+S8_CONFIGS = {f"{bn}x{bm}x{bk} w{nw} s{ns}": {"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "num_warps": nw,
+                                             "num_stages": ns}
+              for bn, bm, bk, nw, ns in [(64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3),
+                                         (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 128, 8, 3),
+                                         (64, 256, 64, 8, 3)]}
 GENERIC_ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
 
 
@@ -411,8 +422,71 @@ def pack_as_gguf(llm, qtype: str) -> None:
 
 
 @section("engine")
+@section("s8")
+def run_s8(rows_measured: list[int]):
+    """Each projection at each row count on the integer tensor cores (``wq_s8.wq_mm_s8``, every
+    tile of S8_CONFIGS, K split as the rule says), against bf16 cuBLAS and the product the
+    default rule picks, all in CUDA graphs over copies of the weight that together outgrow L2;
+    microseconds per projection and per layer (qkv + o + gate/up + down)."""
+    import torch.nn.functional as F
+
+    from kvserve.kernels import wq_gemm, wq_s8
+    from kvserve.layers.rtn import quantize_int4, quantize_int8
+    kernel = KernelConfig()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    l2 = 2 * torch.cuda.get_device_properties(0).L2_cache_size
+    out = {}
+    for fmt in ("int8", "int4-g128"):
+        int4 = fmt != "int8"
+        res = {r: {} for r in rows_measured}
+        for shape, (N, K) in SHAPES.items():
+            w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+            packed = (*quantize_int4(w, 128, torch.bfloat16), 128) if int4 else (*quantize_int8(w, torch.bfloat16),
+                                                                                 None, 0)
+            size = sum(t.numel() * t.element_size() for t in packed if isinstance(t, torch.Tensor))
+            packs = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in packed)
+                     for _ in range(min(16, -(-l2 // size)))]
+            dense = [w.clone() for _ in range(min(16, -(-l2 // (w.numel() * 2))))]
+            for r in rows_measured:
+                x = torch.randn(r, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+                how = cuda_product(r, kernel, int4, wide=True)
+
+                def rule(p, how=how):
+                    if how == "weight-left":
+                        return wq_gemm.wq_mm_wx(x, *p)
+                    if how == "dequant":
+                        return F.linear(x, wq_gemm.dequantize(*p, dtype=torch.bfloat16))
+                    return wq_gemm.wq_mm(x, *p)
+                d = {"rule": how, "bf16": graph_time(lambda: [F.linear(x, v) for v in dense]) / len(dense) * 1e6,
+                     "rule_us": graph_time(lambda: [rule(p) for p in packs]) / len(packs) * 1e6, "s8_us": {}}
+                for name, cfg in S8_CONFIGS.items():
+                    try:
+                        d["s8_us"][name] = graph_time(
+                            lambda cfg=cfg: [wq_s8.wq_mm_s8(x, *p, config=cfg) for p in packs]) / len(packs) * 1e6
+                    except Exception as e:  # a tile past the SM's shared memory or registers
+                        d["s8_us"][name] = math.inf
+                        print(f"s8 {fmt} {shape} {r} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                res[r][shape] = d
+            packs = dense = None
+        TABLE.append(f"s8 {fmt}: rows | layer us: bf16 | the rule's product | s8 at its best tile (tile) | "
+                     f"s8 at the default tile | best / bf16")
+        for r in rows_measured:
+            bf = sum(d["bf16"] for d in res[r].values())
+            ru = sum(d["rule_us"] for d in res[r].values())
+            tiles = {n: sum(d["s8_us"][n] for d in res[r].values()) for n in S8_CONFIGS}
+            best = min(tiles, key=tiles.get)
+            dflt = wq_s8.s8_config(r)
+            dname = f"{dflt['BLOCK_N']}x{dflt['BLOCK_M']}x{dflt['BLOCK_K']} w{dflt['num_warps']} s{dflt['num_stages']}"
+            TABLE.append(f"  {r:5d} | {bf:7.1f} | {ru:7.1f} ({res[r]['qkv']['rule']}) | {tiles[best]:7.1f} ({best}) | "
+                         f"{tiles.get(dname, math.inf):7.1f} | {bf / tiles[best]:.2f}x")
+        out[fmt] = {str(r): v for r, v in res.items()}
+        print("\n".join(TABLE[-(len(rows_measured) + 1):]), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
 def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cache_memory: str | None = "40GiB",
-               max_num_seqs: int = 256):
+               max_num_seqs: int = 256, s8_min_rows: int = 64):
     """Batch-1 decode and offline throughput per format. ``kv_cache_memory`` None: the pool sized
     from the memory the weights leave (the engine's default), so a smaller format holds more
     sequences at once (with ``max_num_seqs`` raised to let it)."""
@@ -432,6 +506,8 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
                 kw["kernel"] = KernelConfig(wq_split_k=False)
             elif opt == "wl":
                 kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
+            elif opt == "s8":
+                kw["kernel"] = KernelConfig(wq_s8_min_rows=s8_min_rows)
             elif opt == "int8head":  # the output head in int8 (bf16 by default)
                 kw["quantization_head"] = "int8"
             elif opt == "deq":  # the dispatch before the weight-left GEMM was on
@@ -607,6 +683,8 @@ def main():
                          "format with +wl takes its large products by the weight-left GEMM")
     ap.add_argument("--weight-left-max-rows", type=int, default=1 << 20,
                     help="+wl formats: the most rows a product takes the weight-left GEMM")
+    ap.add_argument("--s8-min-rows", type=int, default=64,
+                    help="+s8 formats: the fewest rows a product takes the integer tensor cores")
     ap.add_argument("--cpu-new-tokens", type=int, default=64)
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed generations per format (the best counts)")
@@ -626,8 +704,9 @@ def main():
                 "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")], args.skinny_sweep),
                 "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows,
                                              None if args.kv_cache_memory == "auto" else args.kv_cache_memory,
-                                             args.max_num_seqs),
+                                             args.max_num_seqs, args.s8_min_rows),
                 "split": lambda: run_split([int(r) for r in args.rows.split(",")]),
+                "s8": lambda: run_s8([int(r) for r in args.rows.split(",")]),
                 "prefill": lambda: run_prefill(args.formats.split(",")),
                 "peer": run_peer,
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,

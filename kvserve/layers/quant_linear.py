@@ -11,6 +11,9 @@ product, never to a whole matrix at rest.
                                                  tensor cores' left operand (K and the group
                                                  in steps of 128)
               otherwise                          dequantize to x's dtype, then cuBLAS
+              rows >= wq_s8_min_rows (if set)    before all but one row: per-channel int8 and
+                                                 int4 on the integer tensor cores, x split in
+                                                 two int8 halves (``kernels/wq_s8.py``)
           int4 in groups of 128 or more skips the tiled GEMM: the skinny kernel up to
           ``wq_int4_skinny_max_rows``, then the weight-left GEMM. The skinny, tiled and
           weight-left products split K over programs where their tiles alone leave the GPU
@@ -62,10 +65,12 @@ _CPU_DEQUANT_MIN_ROWS = 512
 _CPU_FLOAT32_DEQUANT_MIN_ROWS = 2
 
 
-def cuda_product(rows: int, kernel: KernelConfig, int4: bool, wide: bool) -> str:
+def cuda_product(rows: int, kernel: KernelConfig, int4: bool, wide: bool, s8: bool = False) -> str:
     """Which CUDA product a weight-only layer takes for ``rows`` rows of x (the module's table):
-    "skinny", "tiled", "weight-left" or "dequant". ``wide``: the weight-left GEMM's column step
-    divides the layer's K and group."""
+    "skinny", "tiled", "weight-left", "s8" or "dequant". ``wide``: the weight-left GEMM's column
+    step divides the layer's K and group; ``s8``: the integer tensor-core product takes the weight."""
+    if s8 and kernel.wq_s8_min_rows and rows >= kernel.wq_s8_min_rows:
+        return "s8"
     if int4 and wide:  # no tiled GEMM
         if rows <= kernel.wq_int4_skinny_max_rows:
             return "skinny"
@@ -269,6 +274,12 @@ class QuantLinear(nn.Module):
         return y
 
     @functools.cached_property
+    def _s8(self) -> bool:
+        """The integer tensor-core product takes this weight (``kernels/wq_s8.py``)."""
+        from kvserve.kernels import wq_s8
+        return wq_s8.supports(self.qweight, self.group_size, self.in_features)
+
+    @functools.cached_property
     def _wide(self) -> bool:
         """The weight-left GEMM takes this weight: its measured column step divides K and the group."""
         from kvserve.kernels import wq_gemm
@@ -278,7 +289,11 @@ class QuantLinear(nn.Module):
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
         from kvserve.kernels import wq_gemm
         int4 = self.method == "int4"
-        how = cuda_product(x.shape[0], kernel, int4, self._wide)
+        how = cuda_product(x.shape[0], kernel, int4, self._wide, x.shape[0] > 1 and self._s8)
+        if how == "s8":
+            from kvserve.kernels import wq_s8
+            return wq_s8.wq_mm_s8(x, self.qweight, self.scales, self.mins, self.group_size, self.bias,
+                                  split=kernel.wq_split_k)
         if how in ("skinny", "tiled"):
             cfg = None if how == "skinny" else wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
                                                                       self.in_features, int4)
