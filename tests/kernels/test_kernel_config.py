@@ -38,7 +38,9 @@ def test_defaults_are_the_launchers():
 @pytest.mark.parametrize("kw,field", [(dict(pdl=1), "pdl"), (dict(kivi_gluon="yes"), "kivi_gluon"),
                                       (dict(gemv_max_rows_linear=-1), "gemv_max_rows_linear"),
                                       (dict(gemv_max_rows_logits=True), "gemv_max_rows_logits"),
-                                      (dict(kivi_l2_ahead=-1), "kivi_l2_ahead"), (dict(kivi_wave=0), "kivi_wave")])
+                                      (dict(kivi_l2_ahead=-1), "kivi_l2_ahead"), (dict(kivi_wave=0), "kivi_wave"),
+                                      (dict(wq_s8_min_rows=-1), "wq_s8_min_rows"),
+                                      (dict(wq_s8_min_rows=64.0), "wq_s8_min_rows")])
 def test_bad_values_are_config_errors(kw, field):
     with pytest.raises(ConfigError, match=field):
         KernelConfig(**kw)
