@@ -34,6 +34,9 @@ GPU sections (Llama-3-8B shape, dummy weights; JSON saved after each, a table pr
 CPU sections (the default model, SmolLM2-135M, float32 activations):
   cpu       batch-1 decode tok/s (64 new tokens) per format: fp32 (the GGUF dequantized at
             load), the GGUF's Q4_1 blocks kept packed, RTN int8 / int4, fp8
+  s8-quality  perplexity of int8 and int4 g32 with and without x rounded as the integer
+            tensor-core product's split rounds it (``wq_s8.split_rows_ref``, applied to the
+            input of every many-row product before the CPU's own; the CPU has no such kernel)
   quality   perplexity over a held-out text (Python's own reference documentation,
             ``pydoc_data.topics``, first 1,024 tokens) per format, against the unquantized model
 """
@@ -662,6 +665,42 @@ def run_cpu(new_tokens: int, quality_tokens: int, reps: int, formats: list[str])
     return out
 
 
+@section("s8-quality")
+def run_s8_quality(quality_tokens: int):
+    """What the s8 product's split of x costs in quality: each format's perplexity over the
+    held-out text as it is, then with every many-row product's input rounded to the split's
+    16-bit codes and back (the prompt is one prefill, so every product sees many rows)."""
+    from kvserve.bench.quality import heldout_ids, perplexity
+    from kvserve.kernels.wq_s8 import split_rows_ref
+    from kvserve.layers import quant_linear
+    plain = quant_linear.QuantLinear._cpu
+
+    def rounded(self, x):
+        if x.shape[0] > 1:
+            q, s, _ = split_rows_ref(x)
+            hi, lo = q.float()
+            x = ((256 * hi + lo) * s[:, None]).to(x.dtype)
+        return plain(self, x)
+    out = {}
+    TABLE.append(f"s8-quality, CPU, SmolLM2-135M in float32: format | perplexity over {quality_tokens} tokens | "
+                 f"with x split | change")
+    for name in ("int8", "int4-g32"):
+        llm = LLM(show_progress=False, max_model_len=quality_tokens + 16, dtype="float32", **CPU_FORMATS[name])
+        ids = heldout_ids(llm.get_tokenizer(), quality_tokens)
+        r = {"plain": perplexity(llm, ids)}
+        quant_linear.QuantLinear._cpu = rounded
+        try:
+            r["split"] = perplexity(llm, ids)
+        finally:
+            quant_linear.QuantLinear._cpu = plain
+        out[name] = r
+        TABLE.append(f"  {name:8s} | {r['plain']:.4f} | {r['split']:.4f} | {r['split'] / r['plain'] - 1:+.4%}")
+        print(TABLE[-1], flush=True)
+        del llm
+        gc.collect()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
@@ -709,6 +748,7 @@ def main():
                 "s8": lambda: run_s8([int(r) for r in args.rows.split(",")]),
                 "prefill": lambda: run_prefill(args.formats.split(",")),
                 "peer": run_peer,
+                "s8-quality": lambda: run_s8_quality(args.quality_tokens),
                 "cpu": lambda: run_cpu(args.cpu_new_tokens, args.quality_tokens, args.cpu_reps,
                                        args.cpu_formats.split(","))}
     for name, run in sections.items():
