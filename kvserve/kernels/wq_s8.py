@@ -10,18 +10,18 @@ the codes straight from shared memory:
 
     split     per row m of x: s_m = max_k |x[m, k]| / 32639, q = round(x / s_m), a 16-bit
               integer, written as hi = (q + 128) >> 8 and lo = q - 256 hi, both in [-128, 127]
-              (``split_rows``); int4 with mins also keeps each group's sum of x
+              (``split_rows``); a format with mins also keeps each group's sum of x
     product   acc_hi = W_codes @ hi^T and acc_lo = W_codes @ lo^T in int32, exact (|code| <= 128,
               so K up to 2^31 / 2^14 = 131,072 columns cannot overflow); then
               int8 per channel   y = s_m * scale[n] * (256 acc_hi + acc_lo)
-              int4, group j      y = s_m * sum_j (scale[n, j] * (256 acc_hi_j + acc_lo_j)
+              grouped, group j   y = s_m * sum_j (scale[n, j] * (256 acc_hi_j + acc_lo_j)
                                             + min[n, j] * (sum over group j of x[m, :] / s_m))
 
 x is held to 16 bits per row, 2^-16 of the row's largest magnitude: each product's error from
 it is below a tenth of what the int8 weight's own rounding contributes (the weight's error is
 2^-8 of its row's largest magnitude), and the weights are the same codes the other kernels read.
-The groups of int4 cost a rescale of the int32 sums per group of columns, which decoding the
-weight to bfloat16 does not.
+Groups (int4's, GGUF Q8_0's) cost a rescale of the int32 sums per group of columns, which
+decoding the weight to bfloat16 does not.
 
 A program owns BLOCK_N weight rows by BLOCK_M rows of x, the programs of one weight tile
 adjacent in launch order (the x tiles vary fastest), so each weight byte is read from memory
@@ -106,10 +106,12 @@ def split_rows_ref(x: torch.Tensor, group_size: int = 0):
 
 @triton.jit
 def _s8_kernel(Q, SX, XG, W, S, Z, B, Y, M, N, K, K_TILES, stride_wn, stride_sn, stride_ym, stride_ys,
-               INT4: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+               INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+               HAS_BIAS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (tile, s): Y^T's tile [BLOCK_N, BLOCK_M] from column step s K_TILES on (Y's slice s
-    when K is split). int4: BLOCK_K is the group (one scale a row a step)."""
+    when K is split). Grouped (int4, group-wise int8): BLOCK_K is the group (one scale a row a
+    step)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % num_m, pid // num_m
@@ -132,7 +134,7 @@ def _s8_kernel(Q, SX, XG, W, S, Z, B, Y, M, N, K, K_TILES, stride_wn, stride_sn,
             w = tl.load(W + rn_safe[:, None] * stride_wn + k0 + rk[None, :])
         xh = tl.load(hi_ptrs + k0)
         xl = tl.load(lo_ptrs + k0)
-        if INT4:
+        if GROUPED:
             h = tl.dot(w, tl.trans(xh), out_dtype=tl.int32)
             lo = tl.dot(w, tl.trans(xl), out_dtype=tl.int32)
             g = k0 // GROUP
@@ -146,7 +148,7 @@ def _s8_kernel(Q, SX, XG, W, S, Z, B, Y, M, N, K, K_TILES, stride_wn, stride_sn,
             acc_hi = tl.dot(w, tl.trans(xh), acc_hi, out_dtype=tl.int32)
             acc_lo = tl.dot(w, tl.trans(xl), acc_lo, out_dtype=tl.int32)
     sx = tl.load(SX + rm_safe)
-    if INT4:
+    if GROUPED:
         y = accf * sx[None, :]
     else:
         y = (acc_hi.to(tl.float32) * 256.0 + acc_lo.to(tl.float32)) * sx[None, :]
@@ -166,11 +168,13 @@ MIN_BLOCK_K = 32  # the integer tensor cores' K step for int8
 
 
 def supports(qweight: torch.Tensor, group_size: int, K: int) -> bool:
-    """The product takes this weight: per-channel int8 whose K is a multiple of 32, or int4 (its
-    column step is the group)."""
-    if qweight.dtype == torch.uint8:
+    """The product takes this weight: int4, or int8 per channel with K a multiple of 32 or in
+    groups of 32 to 128 (GGUF's Q8_0); a grouped weight's column step is its group."""
+    if qweight.dtype not in (torch.uint8, torch.int8):
+        return False
+    if group_size:
         return group_size in (32, 64, 128)
-    return qweight.dtype == torch.int8 and not group_size and K % MIN_BLOCK_K == 0
+    return qweight.dtype == torch.int8 and K % MIN_BLOCK_K == 0
 
 
 def wq_mm_s8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
@@ -180,11 +184,11 @@ def wq_mm_s8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins:
     ``supports`` takes. ``split``: K split as ``wq_gemm.split_k`` says (a config's ``SPLIT_K``
     overrides it)."""
     N, K, int4 = wq_gemm._check(x, qweight, scales, mins, group_size)
-    assert supports(qweight, group_size, K), "the int8 tensor-core product takes per-channel int8 and int4 weights"
+    assert supports(qweight, group_size, K), "the int8 tensor-core product takes int4 and int8 weights (groups >= 32)"
     M = x.shape[0]
     cfg = dict(config or s8_config(M))
     block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    if int4:
+    if group_size:
         block_k = group_size
     while K % block_k:  # (halved down to 32 at most: ``supports``)
         block_k //= 2
@@ -198,7 +202,7 @@ def wq_mm_s8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins:
                                scales if mins is None else mins, bias_in if bias_in is not None else scales,
                                out, M, N, K, k_tiles, qweight.stride(0), scales.stride(0),
                                out.stride(-2), out.stride(0) if parts > 1 else 0,
-                               INT4=int4, HAS_MIN=mins is not None, GROUP=group_size or 1,
+                               INT4=int4, GROUPED=group_size > 0, HAS_MIN=mins is not None, GROUP=group_size or 1,
                                HAS_BIAS=bias_in is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                **cfg)
     return wq_gemm._sum_parts(out, bias, y) if parts > 1 else y

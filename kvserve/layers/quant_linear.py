@@ -11,9 +11,9 @@ product, never to a whole matrix at rest.
                                                  tensor cores' left operand (K and the group
                                                  in steps of 128)
               otherwise                          dequantize to x's dtype, then cuBLAS
-              rows >= wq_s8_min_rows (if set)    before all but one row: per-channel int8 and
-                                                 int4 on the integer tensor cores, x split in
-                                                 two int8 halves (``kernels/wq_s8.py``)
+              rows >= wq_s8_min_rows             (0: off; checked first, never one row) int8
+                                                 and int4 on the integer tensor cores, x split
+                                                 in two int8 halves (``kernels/wq_s8.py``)
           int4 in groups of 128 or more skips the tiled GEMM: the skinny kernel up to
           ``wq_int4_skinny_max_rows``, then the weight-left GEMM. The skinny, tiled and
           weight-left products split K over programs where their tiles alone leave the GPU

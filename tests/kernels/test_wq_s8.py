@@ -1,8 +1,9 @@
 """The integer tensor-core product (``kvserve/kernels/wq_s8.py``): x split into two int8 halves,
 against the definition of the split and against dequantize-then-matmul in float64 on weights
-quantized by ``kvserve/layers/rtn.py``; int8 per channel and int4 in every group size, M and N
-that the tiles do not divide, bias, K split over programs; and one case the product must get
-exactly, where x is integers the split holds without rounding."""
+quantized by ``kvserve/layers/rtn.py``; int8 per channel and in groups (with and without mins),
+int4 in every group size, M and N that the tiles do not divide, bias, K split over programs;
+and one case the product must get exactly, where x is integers the split holds without
+rounding."""
 from __future__ import annotations
 
 import pytest
@@ -63,10 +64,16 @@ def _case(M, N, K, method, group, dtype, device, seed, bias=False):
     b = torch.randn(N, generator=g).to(dtype).to(device) if bias else None
     if method == "int8":
         return (*quantize_int8(w.to(device), dtype), None, 0), b
+    if method.startswith("int8g"):  # group-wise int8, as GGUF's Q8_0 repacks (with mins: "int8gm")
+        wg = w.view(N, K // group, group)
+        s = wg.abs().amax(dim=2).clamp_min(1e-8) / 127
+        q = (wg / s[..., None]).round().clamp(-128, 127).to(torch.int8).view(N, K)
+        z = (torch.randn(N, K // group, generator=g) * 0.01).to(dtype).to(device) if method == "int8gm" else None
+        return (q.to(device), s.to(dtype).to(device), z, group), b
     return quantize_int4(w.to(device), group, dtype) + (group,), b
 
 
-FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int8g", 32), ("int8gm", 64)]
 
 
 SHAPES = [(70, 100, 384), (3, 64, 256), (130, 37, 128), (9, 20, 576)]  # 576: int8 in steps of 64
@@ -121,7 +128,8 @@ def test_exact_int8(device):
 def test_supports():
     K = 4096
     assert supports(torch.empty(8, K, dtype=torch.int8), 0, K)
-    assert not supports(torch.empty(8, K, dtype=torch.int8), 32, K)  # group-wise int8 (GGUF Q8_0)
+    assert supports(torch.empty(8, K, dtype=torch.int8), 32, K)  # group-wise int8 (GGUF Q8_0)
+    assert not supports(torch.empty(8, K, dtype=torch.int8), 16, K)  # (Q6_K's 16: below the K step)
     assert supports(torch.empty(8, 576, dtype=torch.int8), 0, 576)  # (steps of 64 columns)
     assert not supports(torch.empty(8, 528, dtype=torch.int8), 0, 528)  # 32 does not divide K
     assert not supports(torch.empty(8, K, dtype=torch.float8_e4m3fn), 0, K)
