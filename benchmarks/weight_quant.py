@@ -69,9 +69,10 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
-# "+nosplit": K never split; "+s8": products of ``--s8-min-rows`` rows or more on the integer
-# tensor cores (``KernelConfig.wq_s8_min_rows``); "+int8head": the output head in int8; "+noreserve" (any format):
-# admission keeps no room for decoding. Options combine ("int4-g128+int8head+nosplit").
+# "+nosplit": K never split; "+s8": products of ``--s8-min-rows`` to ``--s8-max-rows`` rows on
+# the integer tensor cores (``KernelConfig.wq_s8_min_rows``, ``wq_s8_max_rows``); "+int8head":
+# the output head in int8; "+noreserve" (any format): admission keeps no room for decoding.
+# Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -489,7 +490,7 @@ def run_s8(rows_measured: list[int]):
 
 
 def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cache_memory: str | None = "40GiB",
-               max_num_seqs: int = 256, s8_min_rows: int = 64):
+               max_num_seqs: int = 256, s8_rows: tuple[int, int] = (64, 256)):
     """Batch-1 decode and offline throughput per format. ``kv_cache_memory`` None: the pool sized
     from the memory the weights leave (the engine's default), so a smaller format holds more
     sequences at once (with ``max_num_seqs`` raised to let it)."""
@@ -510,7 +511,7 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
             elif opt == "wl":
                 kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
             elif opt == "s8":
-                kw["kernel"] = KernelConfig(wq_s8_min_rows=s8_min_rows)
+                kw["kernel"] = KernelConfig(wq_s8_min_rows=s8_rows[0], wq_s8_max_rows=s8_rows[1])
             elif opt == "int8head":  # the output head in int8 (bf16 by default)
                 kw["quantization_head"] = "int8"
             elif opt == "deq":  # the dispatch before the weight-left GEMM was on
@@ -724,6 +725,8 @@ def main():
                     help="+wl formats: the most rows a product takes the weight-left GEMM")
     ap.add_argument("--s8-min-rows", type=int, default=64,
                     help="+s8 formats: the fewest rows a product takes the integer tensor cores")
+    ap.add_argument("--s8-max-rows", type=int, default=256,
+                    help="+s8 formats: the most rows a product takes the integer tensor cores")
     ap.add_argument("--cpu-new-tokens", type=int, default=64)
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--cpu-reps", type=int, default=3, help="timed generations per format (the best counts)")
@@ -743,7 +746,7 @@ def main():
                 "dispatch": lambda: run_dispatch([int(r) for r in args.rows.split(",")], args.skinny_sweep),
                 "engine": lambda: run_engine(args.requests, args.formats.split(","), args.weight_left_max_rows,
                                              None if args.kv_cache_memory == "auto" else args.kv_cache_memory,
-                                             args.max_num_seqs, args.s8_min_rows),
+                                             args.max_num_seqs, (args.s8_min_rows, args.s8_max_rows)),
                 "split": lambda: run_split([int(r) for r in args.rows.split(",")]),
                 "s8": lambda: run_s8([int(r) for r in args.rows.split(",")]),
                 "prefill": lambda: run_prefill(args.formats.split(",")),

@@ -236,10 +236,12 @@ class KernelConfig:
     # instead, which reads the packed weight only; dequantize-then-cuBLAS above, where the two
     # meet on an H100 (int8 at 512 rows, int4 at 256; BENCHMARKS.md, the large-batch tax).
     wq_weight_left_max_rows: int = 256
-    # From this many rows of x on (0: never), per-channel int8 and int4 products run on the
-    # integer tensor cores with x split into two int8 halves (kernels/wq_s8.py), in place of the
-    # weight-left GEMM and dequantize-then-cuBLAS.
+    # From ``wq_s8_min_rows`` (0: never) up to ``wq_s8_max_rows`` rows of x, int8 and int4
+    # products run on the integer tensor cores with x split into two int8 halves
+    # (kernels/wq_s8.py) in place of the products above. Off: from 64 rows with no upper bound
+    # (prefill chunks too) it made offline decoding slower (one H100, BENCHMARKS.md).
     wq_s8_min_rows: int = 0
+    wq_s8_max_rows: int = 256
     # The few-row and weight-left products split K over several programs where their tiles
     # alone leave most multiprocessors idle (kernels/wq_gemm.py: ``split_k``); False: never.
     wq_split_k: bool = True
@@ -268,7 +270,7 @@ class KernelConfig:
                              ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
                              ("wq_int4_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
                              ("wq_dequant_min_rows", 1, None), ("wq_weight_left_max_rows", 0, None),
-                             ("wq_s8_min_rows", 0, None)):
+                             ("wq_s8_min_rows", 0, None), ("wq_s8_max_rows", 1, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"

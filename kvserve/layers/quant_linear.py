@@ -11,7 +11,7 @@ product, never to a whole matrix at rest.
                                                  tensor cores' left operand (K and the group
                                                  in steps of 128)
               otherwise                          dequantize to x's dtype, then cuBLAS
-              rows >= wq_s8_min_rows             (0: off; checked first, never one row) int8
+              wq_s8_min_rows..wq_s8_max_rows     (min 0: off; checked first, never one row) int8
                                                  and int4 on the integer tensor cores, x split
                                                  in two int8 halves (``kernels/wq_s8.py``)
           int4 in groups of 128 or more skips the tiled GEMM: the skinny kernel up to
@@ -69,7 +69,7 @@ def cuda_product(rows: int, kernel: KernelConfig, int4: bool, wide: bool, s8: bo
     """Which CUDA product a weight-only layer takes for ``rows`` rows of x (the module's table):
     "skinny", "tiled", "weight-left", "s8" or "dequant". ``wide``: the weight-left GEMM's column
     step divides the layer's K and group; ``s8``: the integer tensor-core product takes the weight."""
-    if s8 and kernel.wq_s8_min_rows and rows >= kernel.wq_s8_min_rows:
+    if s8 and kernel.wq_s8_min_rows and kernel.wq_s8_min_rows <= rows <= kernel.wq_s8_max_rows:
         return "s8"
     if int4 and wide:  # no tiled GEMM
         if rows <= kernel.wq_int4_skinny_max_rows:

@@ -40,7 +40,8 @@ def test_defaults_are_the_launchers():
                                       (dict(gemv_max_rows_logits=True), "gemv_max_rows_logits"),
                                       (dict(kivi_l2_ahead=-1), "kivi_l2_ahead"), (dict(kivi_wave=0), "kivi_wave"),
                                       (dict(wq_s8_min_rows=-1), "wq_s8_min_rows"),
-                                      (dict(wq_s8_min_rows=64.0), "wq_s8_min_rows")])
+                                      (dict(wq_s8_min_rows=64.0), "wq_s8_min_rows"),
+                                      (dict(wq_s8_max_rows=0), "wq_s8_max_rows")])
 def test_bad_values_are_config_errors(kw, field):
     with pytest.raises(ConfigError, match=field):
         KernelConfig(**kw)

@@ -152,9 +152,11 @@ def test_real_size_s8(method, group, M):
 def test_rule_takes_s8_from_its_rows():
     from kvserve.config import KernelConfig
     from kvserve.layers.quant_linear import cuda_product
-    on = KernelConfig(wq_s8_min_rows=64)
+    on = KernelConfig(wq_s8_min_rows=64, wq_s8_max_rows=256)
     assert cuda_product(64, on, False, True, s8=True) == "s8"
+    assert cuda_product(256, on, True, True, s8=True) == "s8"
     assert cuda_product(63, on, False, True, s8=True) != "s8"
+    assert cuda_product(257, on, False, True, s8=True) == "dequant"
     assert cuda_product(4096, on, True, True, s8=False) == "dequant"  # a weight it does not take
     assert cuda_product(4096, KernelConfig(), False, True, s8=True) == "dequant"  # off by default
 
@@ -175,7 +177,7 @@ def test_layer_on_s8(method, group):
     layer = QuantLinear.from_linear(dense, QuantConfig(method, group_size=group or None))
     assert layer._s8
     w = dequantize_ref(layer.qweight, layer.scales, layer.mins, layer.group_size).float()
-    kernel = KernelConfig(wq_s8_min_rows=2)
+    kernel = KernelConfig(wq_s8_min_rows=2, wq_s8_max_rows=1 << 20)
     with torch.inference_mode():
         for rows in (1, 2, 40, 300):
             x = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
