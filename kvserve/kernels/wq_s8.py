@@ -17,11 +17,15 @@ the codes straight from shared memory:
               grouped, group j   y = s_m * sum_j (scale[n, j] * (256 acc_hi_j + acc_lo_j)
                                             + min[n, j] * (sum over group j of x[m, :] / s_m))
 
-x is held to 16 bits per row, 2^-16 of the row's largest magnitude: each product's error from
-it is below a tenth of what the int8 weight's own rounding contributes (the weight's error is
-2^-8 of its row's largest magnitude), and the weights are the same codes the other kernels read.
-Groups (int4's, GGUF Q8_0's) cost a rescale of the int32 sums per group of columns, which
-decoding the weight to bfloat16 does not.
+x is held to 16 bits per row, 2^-16 of the row's largest magnitude, where the weight's own
+rounding is 2^-8 of its row's; the weights are the same codes the other kernels read. On the
+default model the split moved int8's and int4's perplexity by under 0.01%. Groups (int4's, GGUF
+Q8_0's) cost a rescale of the int32 sums per group of columns, which decoding the weight to
+bfloat16 does not.
+
+Off by default (``KernelConfig.wq_s8_min_rows``): taking every product of 64 rows or more, at
+these tiles, it made offline decoding slower on an H100 (BENCHMARKS.md, "Many-row products on
+the integer tensor cores").
 
 A program owns BLOCK_N weight rows by BLOCK_M rows of x, the programs of one weight tile
 adjacent in launch order (the x tiles vary fastest), so each weight byte is read from memory
