@@ -58,8 +58,10 @@ def _split_rows_kernel(X, Q, S, XG, M, K, stride_xm, GROUP: tl.constexpr, HAS_SU
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        # (NaN kept: its row's scale is NaN, so the row's outputs are, as any other product's)
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
     amax_row = tl.max(amax, axis=0)
+    amax_row = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), amax_row)
     # Correctly rounded divisions (CUDA's plain one is not), so that the codes are a function of
     # x alone, as PyTorch computes them (``split_rows_ref``).
     rng = tl.full([], _SPLIT_RANGE, tl.float32)

@@ -108,6 +108,23 @@ def test_split_k(method, group, device):
     assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")  # (the interpreter's NaN)
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 64)])
+def test_nan_stays_in_its_row(method, group, device):
+    """A NaN in one row of x makes that row's outputs NaN, as any product does, and leaves the
+    other rows' alone."""
+    M, N, K = 6, 32, 256
+    x = _x(M, K, torch.float32, device, seed=11)
+    x[3, 17] = float("nan")
+    packed, _ = _case(M, N, K, method, group, torch.float32, device, seed=12)
+    y = wq_mm_s8(x, *packed, config={"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 128}).cpu()
+    assert y[3].isnan().all()
+    keep = [0, 1, 2, 4, 5]
+    ref = wq_mm_ref(x[keep], *packed)
+    assert not y[keep].isnan().any()
+    assert ((y[keep].double() - ref.cpu()).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
 def test_exact_int8(device):
     """x of integers with a row maximum of 32639 is split without rounding (scale 1), so the
     product is the integer sum times the weight's scale up to the float32 roundings of the
