@@ -229,6 +229,19 @@ def _dequant_kernel(W, S, Z, Out, N, K, stride_wn, stride_sn, stride_on,
 
 
 @triton.jit
+def weight_left_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``pid``'s weight rows and rows of x in a weight-left grid, whose programs of one
+    weight tile are adjacent (the x tiles vary fastest): (rn, rn clamped to N - 1, rm, rm clamped
+    to M - 1), the clamped ones int64. Rows past N and M read the last (valid memory, results
+    dropped), so the loads stay unmasked."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m, pid // num_m
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rn, tl.minimum(rn, N - 1).to(tl.int64), rm, tl.minimum(rm, M - 1).to(tl.int64)
+
+
+@triton.jit
 def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
                   INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -242,12 +255,7 @@ def _wq_wx_kernel(X, W, S, Z, B, Y, M, N, K, K_TILES, stride_xm, stride_wn, stri
     weight byte is read from memory about once; x is small and stays in L2. Split over K as
     ``_wq_mm_kernel`` (the split is the grid's second axis)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % num_m, pid // num_m
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N (and M) read the last: results dropped
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rm_safe = tl.minimum(rm, M - 1).to(tl.int64)
+    rn, rn_safe, rm, rm_safe = weight_left_tile(pid, M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     DOWN: tl.constexpr = 0 if X.dtype.element_ty == tl.float16 else 49  # (_int4_tile)

@@ -119,12 +119,7 @@ def _s8_kernel(Q, SX, XG, W, S, Z, B, Y, M, N, K, K_TILES, stride_wn, stride_sn,
     when K is split). Grouped (int4, group-wise int8): BLOCK_K is the group (one scale a row a
     step)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % num_m, pid // num_m
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N (and M) read the last: results dropped
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rm_safe = tl.minimum(rm, M - 1).to(tl.int64)
+    rn, rn_safe, rm, rm_safe = wq_gemm.weight_left_tile(pid, M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     hi_ptrs = Q + rm_safe[:, None] * K + rk[None, :]
     lo_ptrs = hi_ptrs + M.to(tl.int64) * K
