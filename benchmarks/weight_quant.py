@@ -180,6 +180,20 @@ def run_dispatch(rows_measured: list[int], skinny_sweep: bool = False):
     return out
 
 
+def copies_past_l2(w: torch.Tensor, int4: bool) -> tuple[list[tuple], list[torch.Tensor]]:
+    """Copies of ``w`` packed (int4 in groups of 128, or int8 per channel: wq_gemm's argument
+    tuples) and of ``w`` itself, each list at most 16 long and together twice the L2 cache, so
+    that products timed over them read their weights from memory, as 32 layers' do."""
+    from kvserve.layers.rtn import quantize_int4, quantize_int8
+    packed = (*quantize_int4(w, 128, w.dtype), 128) if int4 else (*quantize_int8(w, w.dtype), None, 0)
+    l2 = 2 * torch.cuda.get_device_properties(0).L2_cache_size
+    size = sum(t.numel() * t.element_size() for t in packed if isinstance(t, torch.Tensor))
+    packs = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in packed)
+             for _ in range(min(16, -(-l2 // size)))]
+    dense = [w.clone() for _ in range(min(16, -(-l2 // (w.numel() * w.element_size()))))]
+    return packs, dense
+
+
 @section("split")
 def run_split(rows_measured: list[int]):
     """Each projection at each row count through the product the engine's rule picks (skinny,
@@ -190,7 +204,6 @@ def run_split(rows_measured: list[int]):
 
     from kvserve.kernels import wq_gemm
     from kvserve.kernels.gemv import MAX_ROWS, gemv
-    from kvserve.layers.rtn import quantize_int4, quantize_int8
     kernel = KernelConfig()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -200,15 +213,7 @@ def run_split(rows_measured: list[int]):
         res = {r: {} for r in rows_measured}
         for shape, (N, K) in SHAPES.items():
             w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-            if int4:
-                packed = (*quantize_int4(w, 128, torch.bfloat16), 128)
-            else:
-                packed = (*quantize_int8(w, torch.bfloat16), None, 0)
-            l2 = 2 * torch.cuda.get_device_properties(0).L2_cache_size
-            size = sum(t.numel() * t.element_size() for t in packed if isinstance(t, torch.Tensor))
-            packs = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in packed)
-                     for _ in range(min(16, -(-l2 // size)))]
-            dense = [w.clone() for _ in range(min(16, -(-l2 // (w.numel() * 2))))]
+            packs, dense = copies_past_l2(w, int4)
             for r in rows_measured:
                 how = cuda_product(r, kernel, int4, wide=True)
                 if how == "dequant" or r == 1:
@@ -435,22 +440,15 @@ def run_s8(rows_measured: list[int]):
     import torch.nn.functional as F
 
     from kvserve.kernels import wq_gemm, wq_s8
-    from kvserve.layers.rtn import quantize_int4, quantize_int8
     kernel = KernelConfig()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    l2 = 2 * torch.cuda.get_device_properties(0).L2_cache_size
     out = {}
     for fmt in ("int8", "int4-g128"):
         int4 = fmt != "int8"
         res = {r: {} for r in rows_measured}
         for shape, (N, K) in SHAPES.items():
             w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-            packed = (*quantize_int4(w, 128, torch.bfloat16), 128) if int4 else (*quantize_int8(w, torch.bfloat16),
-                                                                                 None, 0)
-            size = sum(t.numel() * t.element_size() for t in packed if isinstance(t, torch.Tensor))
-            packs = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in packed)
-                     for _ in range(min(16, -(-l2 // size)))]
-            dense = [w.clone() for _ in range(min(16, -(-l2 // (w.numel() * 2))))]
+            packs, dense = copies_past_l2(w, int4)
             for r in rows_measured:
                 x = torch.randn(r, K, device="cuda", generator=gen, dtype=torch.bfloat16)
                 how = cuda_product(r, kernel, int4, wide=True)
