@@ -430,7 +430,6 @@ def pack_as_gguf(llm, qtype: str) -> None:
         rt.capture_graphs()
 
 
-@section("engine")
 @section("s8")
 def run_s8(rows_measured: list[int]):
     """Each projection at each row count on the integer tensor cores (``wq_s8.wq_mm_s8``, every
@@ -487,6 +486,7 @@ def run_s8(rows_measured: list[int]):
     return out
 
 
+@section("engine")
 def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cache_memory: str | None = "40GiB",
                max_num_seqs: int = 256, s8_rows: tuple[int, int] = (64, 256)):
     """Batch-1 decode and offline throughput per format. ``kv_cache_memory`` None: the pool sized
