@@ -488,7 +488,7 @@ def run_s8(rows_measured: list[int]):
 
 @section("engine")
 def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cache_memory: str | None = "40GiB",
-               max_num_seqs: int = 256, s8_rows: tuple[int, int] = (64, 256)):
+               max_num_seqs: int = 256, s8_rows: tuple[int, int] = (64, 512)):
     """Batch-1 decode and offline throughput per format. ``kv_cache_memory`` None: the pool sized
     from the memory the weights leave (the engine's default), so a smaller format holds more
     sequences at once (with ``max_num_seqs`` raised to let it)."""
@@ -723,7 +723,7 @@ def main():
                     help="+wl formats: the most rows a product takes the weight-left GEMM")
     ap.add_argument("--s8-min-rows", type=int, default=64,
                     help="+s8 formats: the fewest rows a product takes the integer tensor cores")
-    ap.add_argument("--s8-max-rows", type=int, default=256,
+    ap.add_argument("--s8-max-rows", type=int, default=512,
                     help="+s8 formats: the most rows a product takes the integer tensor cores")
     ap.add_argument("--cpu-new-tokens", type=int, default=64)
     ap.add_argument("--quality-tokens", type=int, default=1024)

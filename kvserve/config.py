@@ -236,12 +236,12 @@ class KernelConfig:
     # instead, which reads the packed weight only; dequantize-then-cuBLAS above, where the two
     # meet on an H100 (int8 at 512 rows, int4 at 256; BENCHMARKS.md, the large-batch tax).
     wq_weight_left_max_rows: int = 256
-    # From ``wq_s8_min_rows`` (0: never) up to ``wq_s8_max_rows`` rows of x, int8 and int4
+    # From ``wq_s8_min_rows`` (0: never) up to ``wq_s8_max_rows`` rows of x, int8 per-channel
     # products run on the integer tensor cores with x split into two int8 halves
-    # (kernels/wq_s8.py) in place of the products above. Off: from 64 rows with no upper bound
-    # (prefill chunks too) it made offline decoding slower (one H100, BENCHMARKS.md).
+    # (kernels/wq_s8.py) in place of the products above. Off until an offline engine run shows
+    # a gain: alone, each product beat the others from 64 to 512 rows (one H100, BENCHMARKS.md).
     wq_s8_min_rows: int = 0
-    wq_s8_max_rows: int = 256
+    wq_s8_max_rows: int = 512
     # The few-row and weight-left products split K over several programs where their tiles
     # alone leave most multiprocessors idle (kernels/wq_gemm.py: ``split_k``); False: never.
     wq_split_k: bool = True

@@ -23,9 +23,13 @@ default model the split moved int8's and int4's perplexity by under 0.01%. Group
 Q8_0's) cost a rescale of the int32 sums per group of columns, which decoding the weight to
 bfloat16 does not.
 
-Off by default (``KernelConfig.wq_s8_min_rows``): taking every product of 64 rows or more, at
-these tiles, it made offline decoding slower on an H100 (BENCHMARKS.md, "Many-row products on
-the integer tensor cores").
+The engine's rule sends it int8 per channel only (``dispatched``), and only when
+``KernelConfig.wq_s8_min_rows`` is set (off by default). On an H100, at Llama-3-8B's shapes, int8
+per channel at the best tile beat the rule's other products from 64 to 512 rows of x and lost
+to dequantize-then-cuBLAS at 2,048. Grouped int4 lost to them at every row count, and an
+engine run with it was slower. An offline engine run with int8 at 64-256 rows has not yet been
+made at the tiles ``s8_config`` now picks (BENCHMARKS.md, "Many-row products on the integer
+tensor cores").
 
 A program owns BLOCK_N weight rows by BLOCK_M rows of x, the programs of one weight tile
 adjacent in launch order (the x tiles vary fastest), so each weight byte is read from memory
@@ -161,8 +165,12 @@ def _s8_kernel(Q, SX, XG, W, S, Z, B, Y, M, N, K, K_TILES, stride_wn, stride_sn,
 
 
 def s8_config(rows: int) -> dict:
-    return {"BLOCK_N": 64, "BLOCK_M": 64 if rows <= 64 else 128, "BLOCK_K": 128, "num_warps": 4,
-            "num_stages": 4 if rows <= 64 else 3}
+    # The best of S8_CONFIGS (benchmarks/weight_quant.py, section s8) for int8 per channel on
+    # Llama-3-8B's projections, one H100: 64 x 64 up to 64 rows, 128 weight rows by 64 rows of x
+    # with 8 warps from 128 to 2,048 rows, where 64 x 128 took 17-40% longer.
+    if rows <= 64:
+        return {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 
 
 MIN_BLOCK_K = 32  # the integer tensor cores' K step for int8
@@ -176,6 +184,14 @@ def supports(qweight: torch.Tensor, group_size: int, K: int) -> bool:
     if group_size:
         return group_size in (32, 64, 128)
     return qweight.dtype == torch.int8 and K % MIN_BLOCK_K == 0
+
+
+def dispatched(qweight: torch.Tensor, group_size: int, K: int) -> bool:
+    """The engine's rule sends this weight's many-row products here: int8 per channel only. The
+    grouped formats are supported but lost to the weight-left GEMM and dequantize-then-cuBLAS at
+    every row count measured (int4 g128 from 64 to 2,048 rows, one H100): each group's rescale
+    of the float accumulator costs more than the integer products save."""
+    return group_size == 0 and supports(qweight, group_size, K)
 
 
 def wq_mm_s8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,

@@ -12,8 +12,8 @@ product, never to a whole matrix at rest.
                                                  in steps of 128)
               otherwise                          dequantize to x's dtype, then cuBLAS
               wq_s8_min_rows..wq_s8_max_rows     (min 0: off; checked first, never one row) int8
-                                                 and int4 on the integer tensor cores, x split
-                                                 in two int8 halves (``kernels/wq_s8.py``)
+                                                 per channel on the integer tensor cores, x
+                                                 split in two int8 halves (``kernels/wq_s8.py``)
           int4 in groups of 128 or more skips the tiled GEMM: the skinny kernel up to
           ``wq_int4_skinny_max_rows``, then the weight-left GEMM. The skinny, tiled and
           weight-left products split K over programs where their tiles alone leave the GPU
@@ -275,9 +275,10 @@ class QuantLinear(nn.Module):
 
     @functools.cached_property
     def _s8(self) -> bool:
-        """The integer tensor-core product takes this weight (``kernels/wq_s8.py``)."""
+        """The rule sends this weight's many-row products to the integer tensor cores
+        (``kernels/wq_s8.py``: ``dispatched``)."""
         from kvserve.kernels import wq_s8
-        return wq_s8.supports(self.qweight, self.group_size, self.in_features)
+        return wq_s8.dispatched(self.qweight, self.group_size, self.in_features)
 
     @functools.cached_property
     def _wide(self) -> bool:

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from kernelutil import needs_cuda  # noqa: E402
 
 from kvserve.kernels.wq_gemm import wq_mm_ref  # noqa: E402
-from kvserve.kernels.wq_s8 import SPLIT_RANGE, split_rows, split_rows_ref, supports, wq_mm_s8  # noqa: E402
+from kvserve.kernels.wq_s8 import SPLIT_RANGE, dispatched, s8_config, split_rows, split_rows_ref, supports, wq_mm_s8  # noqa: E402
 from kvserve.layers.rtn import quantize_int4, quantize_int8  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter internals
@@ -96,6 +96,18 @@ def test_product(method, group, M, N, K, dtype, device):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("M", [64, 70])
+def test_product_at_the_default_tiles(M, device):
+    """int8 per channel at the tiles the rule uses (``s8_config``: 64 x 64 up to 64 rows, 128
+    weight rows by 64 rows of x above), N and M they do not divide."""
+    N, K = 200, 384
+    x = _x(M, K, torch.float32, device, seed=M, outliers=True)
+    packed, b = _case(M, N, K, "int8", 0, torch.float32, device, seed=5, bias=True)
+    y = wq_mm_s8(x, *packed, bias=b, config={**s8_config(M), "SPLIT_K": 1})
+    ref = wq_mm_ref(x, *packed, bias=b)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 64)])
 def test_split_k(method, group, device):
     """K summed in 3 parts (4 column steps over 3 programs: one part shorter), bias added once."""
@@ -153,6 +165,14 @@ def test_supports():
     assert supports(torch.empty(8, K // 2, dtype=torch.uint8), 128, K)
 
 
+def test_dispatched_takes_int8_per_channel_only():
+    K = 4096
+    assert dispatched(torch.empty(8, K, dtype=torch.int8), 0, K)
+    assert not dispatched(torch.empty(8, 528, dtype=torch.int8), 0, 528)  # not supported at all
+    assert not dispatched(torch.empty(8, K, dtype=torch.int8), 32, K)  # supported, slower in groups
+    assert not dispatched(torch.empty(8, K // 2, dtype=torch.uint8), 128, K)
+
+
 @needs_cuda
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 128)])
 @pytest.mark.parametrize("M", [64, 200, 512])
@@ -182,8 +202,9 @@ def test_rule_takes_s8_from_its_rows():
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 64)])
 def test_layer_on_s8(method, group):
     """A quantized layer of SmolLM2's shape (K = 576: int8 in steps of 64 columns) with the rule
-    taking s8 from 2 rows: at 2 to 300 rows its product is x times the weight dequantized in
-    PyTorch, within bfloat16's rounding; one row keeps the one-row kernel."""
+    taking s8 from 2 rows (int8; int4 stays on the rule's other products): at 2 to 300 rows its
+    product is x times the weight dequantized in PyTorch, within bfloat16's rounding; one row
+    keeps the one-row kernel."""
     from kvserve.config import KernelConfig, QuantConfig
     from kvserve.kernels.wq_gemm import dequantize_ref
     from kvserve.layers.quant_linear import QuantLinear
@@ -192,7 +213,7 @@ def test_layer_on_s8(method, group):
     with torch.no_grad():
         dense.weight.normal_(0.0, 0.04, generator=gen)
     layer = QuantLinear.from_linear(dense, QuantConfig(method, group_size=group or None))
-    assert layer._s8
+    assert layer._s8 == (method == "int8")  # int4 keeps the other products (``dispatched``)
     w = dequantize_ref(layer.qweight, layer.scales, layer.mins, layer.group_size).float()
     kernel = KernelConfig(wq_s8_min_rows=2, wq_s8_max_rows=1 << 20)
     with torch.inference_mode():
