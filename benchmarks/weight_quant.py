@@ -71,7 +71,9 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
 # "+nosplit": K never split; "+s8": products of ``--s8-min-rows`` to ``--s8-max-rows`` rows on
 # the integer tensor cores (``KernelConfig.wq_s8_min_rows``, ``wq_s8_max_rows``); "+int8head":
-# the output head in int8; "+noreserve" (any format): admission keeps no room for decoding.
+# the output head in int8; "+noreserve" (any format): admission keeps no room for decoding;
+# "+msk<N>" (any format): each decode attention split takes at least N keys
+# (``KernelConfig.decode_split_min_keys``).
 # Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
@@ -500,22 +502,26 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
     prompts = [[rng.randrange(128000) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
     for name in formats:
         fmt, *opts = name.split("+")
-        kw = dict(GPU_FORMATS[fmt])
+        kw, kernel = dict(GPU_FORMATS[fmt]), {}
         for opt in opts:
             if opt == "noreserve":  # admission keeps no room for decoding (preempts when dry)
                 kw["decode_reserve"] = 0
             elif opt == "nosplit":
-                kw["kernel"] = KernelConfig(wq_split_k=False)
+                kernel["wq_split_k"] = False
             elif opt == "wl":
-                kw["kernel"] = KernelConfig(wq_weight_left_max_rows=weight_left_max_rows)
+                kernel["wq_weight_left_max_rows"] = weight_left_max_rows
             elif opt == "s8":
-                kw["kernel"] = KernelConfig(wq_s8_min_rows=s8_rows[0], wq_s8_max_rows=s8_rows[1])
+                kernel.update(wq_s8_min_rows=s8_rows[0], wq_s8_max_rows=s8_rows[1])
             elif opt == "int8head":  # the output head in int8 (bf16 by default)
                 kw["quantization_head"] = "int8"
             elif opt == "deq":  # the dispatch before the weight-left GEMM was on
-                kw["kernel"] = KernelConfig(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
+                kernel.update(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
+            elif opt.startswith("msk") and opt[3:].isdigit():  # decode attention splits of >= N keys
+                kernel["decode_split_min_keys"] = int(opt[3:])
             else:
                 raise SystemExit(f"--formats: unknown option +{opt} in {name}")
+        if kernel:
+            kw["kernel"] = KernelConfig(**kernel)
         t0 = time.perf_counter()
         llm = LLM("dummy:llama-3-8b", dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=8192, max_model_len=2048, show_progress=False, **kw)
