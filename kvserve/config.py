@@ -284,6 +284,9 @@ class KernelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise ConfigError(name, f"must be an integer {bound}, got {v!r}")
+        if 0 < self.wq_s8_max_rows < self.wq_s8_min_rows:  # (min 0: off, whatever the max)
+            raise ConfigError("wq_s8_min_rows", f"must be at most wq_s8_max_rows ({self.wq_s8_max_rows}), got "
+                              f"{self.wq_s8_min_rows}: no product would take the integer tensor cores")
 
     def gemv_max_rows(self, kind: str) -> int:
         """The row limit of a product of ``kind``: "linear", "gate_up_silu" or "logits"."""

@@ -53,6 +53,14 @@ def test_bad_values_are_config_errors(kw, field):
         KernelConfig().pdl = False
 
 
+def test_s8_rows_must_form_a_range():
+    """A row range that no product falls in is refused, naming both bounds; min 0 is off."""
+    with pytest.raises(ConfigError, match=r"wq_s8_min_rows.*wq_s8_max_rows \(512\), got 600"):
+        KernelConfig(wq_s8_min_rows=600)
+    assert KernelConfig(wq_s8_min_rows=512).wq_s8_min_rows == 512
+    assert KernelConfig(wq_s8_min_rows=0, wq_s8_max_rows=1).wq_s8_min_rows == 0
+
+
 def test_layers_follow_the_backend_of_the_step(monkeypatch):
     """The linear layers' row limits are the step's backend's; outside a step, the defaults."""
     monkeypatch.setattr(kernels, "available", lambda t: True)  # (the row rule, not the device)
