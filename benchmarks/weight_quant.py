@@ -60,7 +60,7 @@ from benchmarks import gpu_check  # noqa: E402
 from benchmarks.gpu_check import RESULTS, TABLE, section  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import KernelConfig  # noqa: E402
-from kvserve.layers.quant_linear import cuda_product  # noqa: E402
+from kvserve.layers.quant_linear import cuda_product, run_cuda_product  # noqa: E402
 from kvserve.models.presets import DUMMY_PRESETS  # noqa: E402
 
 GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
@@ -440,7 +440,7 @@ def run_s8(rows_measured: list[int]):
     microseconds per projection and per layer (qkv + o + gate/up + down)."""
     import torch.nn.functional as F
 
-    from kvserve.kernels import wq_gemm, wq_s8
+    from kvserve.kernels import wq_s8
     kernel = KernelConfig()
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {}
@@ -453,15 +453,9 @@ def run_s8(rows_measured: list[int]):
             for r in rows_measured:
                 x = torch.randn(r, K, device="cuda", generator=gen, dtype=torch.bfloat16)
                 how = cuda_product(r, kernel, int4, wide=True)
-
-                def rule(p, how=how):
-                    if how == "weight-left":
-                        return wq_gemm.wq_mm_wx(x, *p)
-                    if how == "dequant":
-                        return F.linear(x, wq_gemm.dequantize(*p, dtype=torch.bfloat16))
-                    return wq_gemm.wq_mm(x, *p)
                 d = {"rule": how, "bf16": graph_time(lambda: [F.linear(x, v) for v in dense]) / len(dense) * 1e6,
-                     "rule_us": graph_time(lambda: [rule(p) for p in packs]) / len(packs) * 1e6, "s8_us": {}}
+                     "rule_us": graph_time(lambda how=how: [run_cuda_product(how, x, *p, None, kernel)
+                                                            for p in packs]) / len(packs) * 1e6, "s8_us": {}}
                 for name, cfg in S8_CONFIGS.items():
                     try:
                         d["s8_us"][name] = graph_time(

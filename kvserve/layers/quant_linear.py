@@ -288,23 +288,28 @@ class QuantLinear(nn.Module):
                                   wq_gemm.WX_BLOCK_K) == wq_gemm.WX_BLOCK_K
 
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
-        from kvserve.kernels import wq_gemm
-        int4 = self.method == "int4"
-        how = cuda_product(x.shape[0], kernel, int4, self._wide, x.shape[0] > 1 and self._s8)
-        if how == "s8":
-            from kvserve.kernels import wq_s8
-            return wq_s8.wq_mm_s8(x, self.qweight, self.scales, self.mins, self.group_size, self.bias,
-                                  split=kernel.wq_split_k)
-        if how in ("skinny", "tiled"):
-            cfg = None if how == "skinny" else wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, self.out_features,
-                                                                      self.in_features, int4)
-            return wq_gemm.wq_mm(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, cfg,
-                                 pdl=kernel.pdl, split=kernel.wq_split_k)
-        if how == "weight-left":
-            return wq_gemm.wq_mm_wx(x, self.qweight, self.scales, self.mins, self.group_size, self.bias,
-                                    split=kernel.wq_split_k)
-        w = wq_gemm.dequantize(self.qweight, self.scales, self.mins, self.group_size, x.dtype)
-        return F.linear(x, w, self.bias)
+        how = cuda_product(x.shape[0], kernel, self.method == "int4", self._wide, x.shape[0] > 1 and self._s8)
+        return run_cuda_product(how, x, self.qweight, self.scales, self.mins, self.group_size, self.bias, kernel)
+
+
+def run_cuda_product(how: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                     kernel: KernelConfig) -> torch.Tensor:
+    """x times a packed weight (``wq_gemm``'s layout) through the product ``how`` names
+    (``cuda_product``'s choice), launched as ``kernel`` says."""
+    from kvserve.kernels import wq_gemm
+    if how == "s8":
+        from kvserve.kernels import wq_s8
+        return wq_s8.wq_mm_s8(x, qweight, scales, mins, group_size, bias, split=kernel.wq_split_k)
+    if how in ("skinny", "tiled"):
+        int4 = qweight.dtype == torch.uint8  # (two codes a byte: wq_gemm's int4)
+        cfg = None if how == "skinny" else wq_gemm.default_config(wq_gemm.MAX_SKINNY_ROWS + 1, qweight.shape[0],
+                                                                  x.shape[1], int4)
+        return wq_gemm.wq_mm(x, qweight, scales, mins, group_size, bias, cfg, pdl=kernel.pdl,
+                             split=kernel.wq_split_k)
+    if how == "weight-left":
+        return wq_gemm.wq_mm_wx(x, qweight, scales, mins, group_size, bias, split=kernel.wq_split_k)
+    return F.linear(x, wq_gemm.dequantize(qweight, scales, mins, group_size, x.dtype), bias)
 
 
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -392,3 +392,30 @@ def test_cuda_dispatch_by_rows(monkeypatch, method, group, expect):
         taken.clear()
         layer._cuda(torch.randn(rows, 256), KernelConfig())
         assert taken == [path], (rows, taken)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_each_named_product_runs_its_kernel(method, device):
+    """``run_cuda_product`` (what a CUDA QuantLinear and the benchmarks launch for the rule's
+    choice): each product it names, s8 included for int8, gives x times the weight dequantized
+    in PyTorch, with the bias, at the row counts the rule would send it."""
+    from kvserve.kernels import wq_s8
+    from kvserve.layers.quant_linear import run_cuda_product
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 256, generator=gen) * 0.05
+    bias = torch.randn(96, generator=gen).to(device)
+    if method == "int8":
+        packed = (*quantize_int8(w, torch.float32), None, 0)
+    else:
+        packed = (*quantize_int4(w, 64, torch.float32), 64)
+    packed = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in packed)
+    ref_w = dequantize_ref(*packed).float()
+    products = {"skinny": 3, "tiled": 20, "weight-left": 64, "dequant": 70}
+    if wq_s8.dispatched(packed[0], packed[3], 256):
+        products["s8"] = 65
+    for how, rows in products.items():
+        x = torch.randn(rows, 256, generator=gen).to(device)
+        got = run_cuda_product(how, x, *packed, bias, KernelConfig())
+        want = x @ ref_w.T + bias
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2, how
+    assert method == "int4" or "s8" in products
