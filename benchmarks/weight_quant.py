@@ -36,7 +36,8 @@ CPU sections (the default model, SmolLM2-135M, float32 activations):
             load), the GGUF's Q4_1 blocks kept packed, RTN int8 / int4, fp8
   s8-quality  perplexity of int8 and int4 g32 with and without x rounded as the integer
             tensor-core product's split rounds it (``wq_s8.split_rows_ref``, applied to the
-            input of every many-row product before the CPU's own; the CPU has no such kernel)
+            input of every many-row product before the CPU's own; the CPU has no such kernel),
+            and with x rounded to one int8 code a value instead
   quality   perplexity over a held-out text (Python's own reference documentation,
             ``pydoc_data.topics``, first 1,024 tokens) per format, against the unquantized model
 """
@@ -668,7 +669,9 @@ def run_cpu(new_tokens: int, quality_tokens: int, reps: int, formats: list[str])
 def run_s8_quality(quality_tokens: int):
     """What the s8 product's split of x costs in quality: each format's perplexity over the
     held-out text as it is, then with every many-row product's input rounded to the split's
-    16-bit codes and back (the prompt is one prefill, so every product sees many rows)."""
+    16-bit codes and back (the prompt is one prefill, so every product sees many rows), and
+    rounded instead to one int8 code per value (a scale per row, max |x| / 127): what a single
+    int8 product of x, twice the split's speed, would cost."""
     from kvserve.bench.quality import heldout_ids, perplexity
     from kvserve.kernels.wq_s8 import split_rows_ref
     from kvserve.layers import quant_linear
@@ -680,20 +683,29 @@ def run_s8_quality(quality_tokens: int):
             hi, lo = q.float()
             x = ((256 * hi + lo) * s[:, None]).to(x.dtype)
         return plain(self, x)
+
+    def one_int8(self, x):
+        if x.shape[0] > 1:
+            xf = x.float()
+            s = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127
+            x = (torch.round(xf / s) * s).to(x.dtype)
+        return plain(self, x)
     out = {}
     TABLE.append(f"s8-quality, CPU, SmolLM2-135M in float32: format | perplexity over {quality_tokens} tokens | "
-                 f"with x split | change")
+                 f"with x split (change) | with x in one int8 code (change)")
     for name in ("int8", "int4-g32"):
         llm = LLM(show_progress=False, max_model_len=quality_tokens + 16, dtype="float32", **CPU_FORMATS[name])
         ids = heldout_ids(llm.get_tokenizer(), quality_tokens)
         r = {"plain": perplexity(llm, ids)}
-        quant_linear.QuantLinear._cpu = rounded
-        try:
-            r["split"] = perplexity(llm, ids)
-        finally:
-            quant_linear.QuantLinear._cpu = plain
+        for key, product in (("split", rounded), ("one_int8", one_int8)):
+            quant_linear.QuantLinear._cpu = product
+            try:
+                r[key] = perplexity(llm, ids)
+            finally:
+                quant_linear.QuantLinear._cpu = plain
         out[name] = r
-        TABLE.append(f"  {name:8s} | {r['plain']:.4f} | {r['split']:.4f} | {r['split'] / r['plain'] - 1:+.4%}")
+        TABLE.append(f"  {name:8s} | {r['plain']:.4f} | {r['split']:.4f} ({r['split'] / r['plain'] - 1:+.4%}) | "
+                     f"{r['one_int8']:.4f} ({r['one_int8'] / r['plain'] - 1:+.4%})")
         print(TABLE[-1], flush=True)
         del llm
         gc.collect()
