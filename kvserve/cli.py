@@ -318,13 +318,15 @@ def cmd_calibrate_kv(args) -> int:
 
 
 def add_quantize_args(sub) -> None:
-    q = sub.add_parser("quantize", help="quantize a model's projections to 4-bit groups (RTN, AWQ or GPTQ) and "
+    q = sub.add_parser("quantize", help="quantize a model's projections to 4-bit groups or 8-bit groups or channels "
+                       "(RTN, AWQ or GPTQ) and "
                        "write a compressed-tensors checkpoint that kvserve, vLLM and transformers load")
     q.add_argument("model", metavar="MODEL", help="an unquantized Llama-family GGUF file or Hugging Face directory")
     q.add_argument("--out", required=True, help="the checkpoint directory to create (new or empty)")
     q.add_argument("--method", default="gptq", help="rtn, awq or gptq")
-    q.add_argument("--bits", type=int, default=4, help="4 (the int4 kernels' width)")
-    q.add_argument("--group-size", type=int, default=128, help="input columns sharing a scale: 32, 64 or 128")
+    q.add_argument("--bits", type=int, default=4, help="4 or 8 (the int4 and int8 kernels' widths)")
+    q.add_argument("--group-size", type=int, default=128, help="input columns sharing a scale: 32, 64 or 128; "
+                   "at 8 bits also 0, one scale per output channel")
     q.add_argument("--asymmetric", action="store_true", help="a zero point per group (default: symmetric)")
     q.add_argument("--act-order", action="store_true", help="gptq: columns by decreasing activation energy")
     q.add_argument("--text-file", default=None, help="calibration text (default: documentation shipped with Python)")

@@ -71,12 +71,14 @@ def gqa_model(tmp_path_factory):
     return _model_dir(tmp_path_factory.mktemp("gqa") / "m", heads=4, kv_heads=2)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("codes_shape,dim", [((6, 40), 1), ((13, 24), 0), ((16, 64), 1), ((9, 3), 0)])
-def test_packing_is_the_libraries_own(codes_shape, dim):
+def test_packing_is_the_libraries_own(codes_shape, dim, bits):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    g = torch.Generator().manual_seed(sum(codes_shape))
-    codes = torch.randint(-8, 8, codes_shape, generator=g, dtype=torch.int8)
-    assert torch.equal(pack_int32(codes, dim), pack_to_int32(codes, 4, packed_dim=dim))
+    g = torch.Generator().manual_seed(sum(codes_shape) + bits)
+    half = 1 << (bits - 1)
+    codes = torch.randint(-half, half, codes_shape, generator=g, dtype=torch.int8)
+    assert torch.equal(pack_int32(codes, dim, bits), pack_to_int32(codes, bits, packed_dim=dim))
 
 
 def _layer(seed: int, n: int = 96, k: int = 256, t: int = 1024):
@@ -121,7 +123,7 @@ def test_weighted_ranges_round_no_worse_on_the_layers_output():
     wg = w.view(w.shape[0], -1, 32)
 
     def weighted(s, z):
-        q = torch.round(wg / s[..., None] + z[..., None]).clamp(A.QMIN, A.QMAX)
+        q = torch.round(wg / s[..., None] + z[..., None]).clamp(grid.qmin, grid.qmax)
         return (((q - z[..., None]) * s[..., None] - wg).pow(2) * imp.view(-1, 32)).sum(dim=-1)
     plain = weighted(*A.group_params(wg, grid))
     chosen = weighted(*A.group_params(wg, grid, importance=imp.view(-1, 32)))
@@ -142,8 +144,8 @@ def test_the_mse_observer_never_rounds_a_group_worse_than_its_extremes(symmetric
 
     def err(grid, widen=True):
         s, z = A.group_params(wg, grid, widen)
-        q = torch.round(wg / s[..., None] + z[..., None]).clamp(A.QMIN, A.QMAX)
-        assert q.min() >= A.QMIN and q.max() <= A.QMAX
+        q = torch.round(wg / s[..., None] + z[..., None]).clamp(grid.qmin, grid.qmax)
+        assert q.min() >= grid.qmin and q.max() <= grid.qmax
         return ((q - z[..., None]) * s[..., None] - wg).pow(2).sum(dim=-1)
     minmax = err(A.Grid(32, symmetric, torch.float32), widen=False)  # the extremes' grid
     mse = err(A.Grid(32, symmetric, torch.float32, "mse"))
@@ -212,20 +214,29 @@ def test_awq_folding_keeps_the_model_equivalent(tmp_path, kv_heads):
     assert ((after - before).norm() / before.norm()).item() < 1e-4
 
 
-@pytest.mark.parametrize("method,symmetric,act_order", [("rtn", True, False), ("awq", True, False),
-                                                        ("gptq", True, False), ("gptq", False, True)])
-def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path, method, symmetric, act_order):
+@pytest.mark.parametrize("method,symmetric,act_order,bits,group", [
+    ("rtn", True, False, 4, 32), ("awq", True, False, 4, 32), ("gptq", True, False, 4, 32),
+    ("gptq", False, True, 4, 32), ("rtn", True, False, 8, 0), ("awq", False, False, 8, 32), ("gptq", True, True, 8, 0),
+    ("rtn", False, False, 8, 0)])
+def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path, method, symmetric, act_order, bits,
+                                                           group):
+    """8 bits: groups, or one scale per output channel (group 0; an asymmetric channel loads as
+    the int8 kernels' groups, each repeating the channel's scale and min)."""
     from transformers import AutoModelForCausalLM
     out = str(tmp_path / "q")
-    quantize(gqa_model, out, method, group_size=32, symmetric=symmetric, act_order=act_order, text=TEXT,
-             num_tokens=256, chunk=64)
+    quantize(gqa_model, out, method, bits=bits, group_size=group, symmetric=symmetric, act_order=act_order,
+             text=TEXT, num_tokens=256, chunk=64)
     assert json.load(open(os.path.join(out, "generation_config.json")))["eos_token_id"] == [0, 3]
     cfg = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"
-    assert cfg["config_groups"]["group_0"]["weights"]["symmetric"] is symmetric
+    weights = cfg["config_groups"]["group_0"]["weights"]
+    assert weights["symmetric"] is symmetric and weights["num_bits"] == bits
+    assert (weights["strategy"], weights["group_size"]) == (("group", group) if group else ("channel", None))
     llm = LLM(out, show_progress=False, kv_cache_memory="16MiB")
     layer = llm.engine.runner.model.layers[1]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
+    assert layer.self_attn.qkv_proj.method == f"int{bits}"
+    assert layer.mlp.down_proj.group_size == (group or (0 if symmetric else 128))  # (its K is 256)
     # every projection as the format's library decompresses it, read back through kvserve's layer
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -263,6 +274,9 @@ def test_checkpoint_loads_in_kvserve_and_transformers_alike(gqa_model, tmp_path,
     ({"calibration_memory": "8GiB"}, "calibration_memory"), ({"calibration_memory": None}, "calibration_memory"),
     ({"method": "awq", "act_order": True}, "act_order"), ({"text": "a b"}, "text"),
     ({"observer": "max"}, "observer"), ({"observer": ""}, "observer"), ({"observer": 3}, "observer"),
+    ({"group_size": 0}, "group_size: must be one of 32, 64, 128 at 4 bits"),
+    ({"bits": 8, "group_size": 16}, "group_size: must be one of 0, 32, 64, 128 at 8 bits"), ({"bits": 16}, "bits"),
+    ({"bits": 8.0}, "bits"), ({"bits": None}, "bits"),
 ])
 def test_bad_arguments_name_the_field(gqa_model, tmp_path, kwargs, field):
     args = {"method": "rtn", "group_size": 32, "text": TEXT, "num_tokens": 64} | kwargs
@@ -300,8 +314,13 @@ def test_refused_sources_and_destinations(gqa_model, tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8), "num_bits 8"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="channel"), "strategy 'channel'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), "num_bits 3"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8.0), "num_bits 8.0"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=True), "num_bits True"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="channel", group_size=None),
+     "strategy 'channel'; the int4 kernels take 'group'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8, strategy="channel"), "group_size 32"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8, strategy="tensor"), "strategy 'tensor'"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size 16"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32.0), "group_size 32.0"),
     (lambda q: q["config_groups"]["group_0"].update(targets="NotLinear"), "targets 'NotLinear'"),
@@ -321,16 +340,31 @@ def test_unsupported_compressed_tensors_configs_are_refused(gqa_model, tmp_path,
         LLM(out, show_progress=False, kv_cache_memory="16MiB")
 
 
+def test_a_config_whose_bits_its_tensors_do_not_have_is_refused(gqa_model, tmp_path):
+    """A 4-bit checkpoint whose config says 8 bits: its packed words hold eight codes, not four,
+    and the load names the tensor and the width."""
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    path = os.path.join(out, "config.json")
+    cfg = json.load(open(path))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8
+    json.dump(cfg, open(path, "w"))
+    with pytest.raises(ModelLoadError, match=r"is not in compressed-tensors's layout \(weight_packed .* at 8 bits"):
+        LLM(out, show_progress=False, kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 0)])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_a_checkpoint_the_format_library_wrote_loads(gqa_model, tmp_path, symmetric):
+def test_a_checkpoint_the_format_library_wrote_loads(gqa_model, tmp_path, symmetric, bits, group):
     """Scales and zero points from compressed-tensors' own ``calculate_qparams``, packed by its
     own compressor, config from its own ``QuantizationConfig``: kvserve loads every projection
-    as the library decompresses it."""
+    as the library decompresses it. 8 bits in groups of 32 and per output channel (group 0)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy="group" if group else "channel",
+                            group_size=group or None)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     out = tmp_path / "ct"
     out.mkdir()
@@ -342,7 +376,7 @@ def test_a_checkpoint_the_format_library_wrote_loads(gqa_model, tmp_path, symmet
         if not name.endswith("_proj.weight"):
             tensors[name] = w
             continue
-        groups = w.view(w.shape[0], -1, 32)
+        groups = w.view(w.shape[0], -1, group or w.shape[1])
         scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
         packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale,
                                                         "weight_zero_point": zero}, scheme)

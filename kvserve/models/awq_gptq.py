@@ -1,6 +1,8 @@
-"""AutoAWQ, GPTQ and compressed-tensors 4-bit checkpoints (Hugging Face directories), repacked at
-load into the int4 layout of ``layers/quant_linear.py`` (codes [N, K/2], scale and min per group
-of input columns).
+"""AutoAWQ, GPTQ and compressed-tensors 4-bit checkpoints, and compressed-tensors 8-bit ones
+(Hugging Face directories), repacked at load into the int4 and int8 layouts of
+``layers/quant_linear.py`` (int4: codes [N, K/2], scale and min per group of input columns;
+int8: codes [N, K], a scale per group, with a min where the zero points are not all the middle,
+or one scale per output channel).
 
 Both store, per projection ``P`` (``P.qweight``, ``P.qzeros``, ``P.scales``, GPTQ also ``P.g_idx``),
 eight 4-bit codes per int32, nibble i at bits 4i..4i+3, and define
@@ -17,7 +19,9 @@ eight 4-bit codes per int32, nibble i at bits 4i..4i+3, and define
                     llm-compressor use, and ``kvserve quantize`` writes): weight_packed [N, K/8]:
                     nibble i of word c holds column 8c + i as q + 8 (q in [-8, 7]);
                     weight_scale [N, G]; asymmetric: weight_zero_point [N/8, G] packed the same
-                    way down the rows; weight_shape [N, K]; act-order: weight_g_idx [K]
+                    way down the rows; weight_shape [N, K]; act-order: weight_g_idx [K].
+                    8 bits: four codes a word, byte i holding column 4c + i as q + 128
+                    (q in [-128, 127]); ``strategy`` channel: weight_scale [N, 1]
 
 With act-order the input columns of a group are scattered: the layer keeps them sorted by group
 (a permutation of K it applies to x first), so its groups are contiguous again. q/k/v (and
@@ -63,14 +67,15 @@ def read_config(directory: str, cfg: dict) -> dict | None:
     return q
 
 
-def check_config(q: dict, name: str) -> tuple[str, int, bool | None]:
-    """(method, group size, symmetric) of a config this reader loads; ConfigError naming the field
-    otherwise. ``symmetric``: compressed-tensors' flag, whose checkpoints carry zero points
-    exactly when it is false; None for AWQ and GPTQ, which always carry them."""
+def check_config(q: dict, name: str) -> tuple[str, int, bool | None, int]:
+    """(method, group size (0: per output channel), symmetric, bits) of a config this reader
+    loads; ConfigError naming the field otherwise. ``symmetric``: compressed-tensors' flag, whose
+    checkpoints carry zero points exactly when it is false; None for AWQ and GPTQ, which always
+    carry them."""
     method = str(q.get("quant_method", "")).lower()
     if method == CT:
         w = _ct_weights(q, name)
-        return CT, w["group_size"], w.get("symmetric", True)
+        return CT, w["group_size"] or 0, w.get("symmetric", True), w["num_bits"]
     if method not in ("awq", "gptq"):
         raise ConfigError("quantization", f"{name}'s quant_method {q.get('quant_method')!r} is not loaded; "
                           f"supported: awq, gptq, {CT}")
@@ -85,17 +90,18 @@ def check_config(q: dict, name: str) -> tuple[str, int, bool | None]:
     if method == "gptq" and str(q.get("checkpoint_format", "gptq")).lower() != "gptq":
         raise ConfigError("quantization", f"{name}: checkpoint_format {q.get('checkpoint_format')!r}; "
                           f"GPTQ's own (v1) layout is loaded")
-    return method, g, None
+    return method, g, None, 4
 
 
 def _ct_weights(q: dict, name: str) -> dict:
     """The weights scheme of a compressed-tensors config this reader loads: one config group of
-    int4 group-wise weights on the Linear layers, packed, no activation quantization."""
+    int4 group-wise or int8 group-wise or per-channel weights on the Linear layers, packed, no
+    activation quantization."""
     def bad(field: str, got, want: str) -> ConfigError:
         return ConfigError("quantization", f"{name}: compressed-tensors {field} {got!r}; {want}")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
-        raise bad("config_groups", groups, "one group of 4-bit weights is loaded")
+        raise bad("config_groups", groups, "one group of 4- or 8-bit weights is loaded")
     (group,) = groups.values()
     if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
         raise bad("config group", group, "a group with a weights scheme is loaded")
@@ -108,11 +114,19 @@ def _ct_weights(q: dict, name: str) -> dict:
     if group.get("input_activations") is not None:
         raise bad("input_activations", group.get("input_activations"), "weight-only schemes are loaded")
     w = group["weights"]
-    for field, want in (("type", "int"), ("num_bits", 4), ("strategy", "group")):
-        if w.get(field) != want:
-            raise bad(f"weights.{field}", w.get(field), f"the int4 kernels take {want!r}")
-    if not _int_in(w.get("group_size"), (32, 64, 128)):
-        raise bad("weights.group_size", w.get("group_size"), "the int4 kernels take 32, 64 or 128")
+    if w.get("type") != "int":
+        raise bad("weights.type", w.get("type"), "the int4 and int8 kernels take 'int'")
+    if not _int_in(w.get("num_bits"), (4, 8)):
+        raise bad("weights.num_bits", w.get("num_bits"), "the int4 and int8 kernels take 4 or 8")
+    strategies = ("group",) if w["num_bits"] == 4 else ("group", "channel")
+    if w.get("strategy") not in strategies:
+        raise bad("weights.strategy", w.get("strategy"), f"the int{w['num_bits']} kernels take "
+                  f"{' or '.join(map(repr, strategies))}")
+    if w["strategy"] == "channel":
+        if w.get("group_size") is not None:
+            raise bad("weights.group_size", w.get("group_size"), "a channel strategy has none (null)")
+    elif not _int_in(w.get("group_size"), (32, 64, 128)):
+        raise bad("weights.group_size", w.get("group_size"), f"the int{w['num_bits']} kernels take 32, 64 or 128")
     if w.get("actorder") not in (None, "group", "weight", "static", "dynamic"):
         raise bad("weights.actorder", w.get("actorder"), "null, group, weight, static or dynamic")
     if not isinstance(w.get("symmetric", True), bool):
@@ -125,28 +139,30 @@ def _int_in(v, allowed: tuple[int, ...]) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v in allowed
 
 
-def unpack_ct(packed, scale, zero_point, shape, g_idx):
-    """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32 (8 when symmetric), g_idx)."""
+def unpack_ct(packed, scale, zero_point, shape, g_idx, bits: int = 4):
+    """-> (codes [N, K] uint8 (q + 2^(b-1)), scales [N, G], zeros [N, G] float32 in the codes'
+    unit (2^(b-1) when symmetric), g_idx)."""
     N, K = (int(d) for d in shape)
+    per = 32 // bits
     if not scale.is_floating_point():
         raise RuntimeError(f"weight_scale is {scale.dtype}; scales are floating point")
-    if packed.dtype != torch.int32 or packed.shape != (N, -(-K // 8)) or scale.dim() != 2 or scale.shape[0] != N:
+    if packed.dtype != torch.int32 or packed.shape != (N, -(-K // per)) or scale.dim() != 2 or scale.shape[0] != N:
         raise RuntimeError(f"weight_packed {tuple(packed.shape)} {packed.dtype} / weight_scale "
-                           f"{tuple(scale.shape)} for weight_shape [{N}, {K}]")
-    q = _nibbles(packed).reshape(N, -1)[:, :K]
+                           f"{tuple(scale.shape)} for weight_shape [{N}, {K}] at {bits} bits")
+    q = _nibbles(packed, bits).reshape(N, -1)[:, :K]
     if zero_point is None:
-        z = torch.full(scale.shape, 8.0)
+        z = torch.full(scale.shape, float(1 << (bits - 1)))
     else:
-        if zero_point.dtype != torch.int32 or zero_point.shape != (-(-N // 8), scale.shape[1]):
+        if zero_point.dtype != torch.int32 or zero_point.shape != (-(-N // per), scale.shape[1]):
             raise RuntimeError(f"weight_zero_point {tuple(zero_point.shape)} {zero_point.dtype}")
-        z = _nibbles(zero_point.t().contiguous()).reshape(scale.shape[1], -1)[:, :N].t().float()
+        z = _nibbles(zero_point.t().contiguous(), bits).reshape(scale.shape[1], -1)[:, :N].t().float()
     return q.to(torch.uint8), scale.float(), z, None if g_idx is None else g_idx.long()
 
 
-def _nibbles(p: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> [R, C, 8]: nibble i of each word."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.device)
-    return (p.to(torch.int32).unsqueeze(-1) >> shifts) & 15
+def _nibbles(p: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C] -> [R, C, 32 / bits]: field i (bits b i up) of each word, unsigned."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=p.device)
+    return (p.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
 def unpack_awq(qweight, qzeros, scales, g: int):
@@ -198,7 +214,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
     from kvserve.layers.gguf_blocks import compact
     from kvserve.layers.quant_linear import QuantLinear
     from kvserve.layers.rtn import pack_int4
-    method, g, symmetric = check_config(q, name)
+    method, g, symmetric, bits = check_config(q, name)
     taken: set[str] = set()
     for i, _ in enumerate(model.layers):
         for ours, parts in PARTS.items():
@@ -216,10 +232,10 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 need += tuple(x for x in extra if f"{p}.{x}" in tensors)
                 try:
                     u = (unpack_awq(*t, g) if method == "awq" else unpack_gptq(*t) if method == "gptq"
-                         else unpack_ct(t[0], t[1], t[3], t[2].tolist(), t[4]))
+                         else unpack_ct(t[0], t[1], t[3], t[2].tolist(), t[4], bits))
                 except (RuntimeError, ValueError, TypeError) as e:
                     raise ModelLoadError(f"{name}: {p} is not in {method}'s layout ({e})") from None
-                codes, s, m, perm = repack(*u, g, p)
+                codes, s, m, perm = repack(*u, g or u[0].shape[1], p)
                 rows.append((codes, s, m))
                 perms.append(perm)
                 taken |= {f"{p}.{x}" for x in need}
@@ -232,14 +248,39 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 raise ModelLoadError(f"{name}: layer {i}'s {ours} unpacks to {tuple(codes.shape)}, expected "
                                      f"[{old.out_features}, {old.in_features}]")
             dev = old.weight.device
+            group = g
+            if bits == 8:
+                codes, group, s, m = _as_int8(codes, g, s, m)
             if dev.type != "cpu":  # the CPU kernel takes float32; CUDA ones the narrowest exact dtype
                 s, m = compact(s, m)
-            new = QuantLinear("int4", old.in_features, old.out_features, g, pack_int4(codes).to(dev),
-                              s.to(dev), m.to(dev), old.bias, fmt=method,
+            new = QuantLinear(f"int{bits}", old.in_features, old.out_features, group,
+                              (pack_int4(codes) if bits == 4 else codes).to(dev), s.to(dev),
+                              None if m is None else m.to(dev), old.bias, fmt=method,
                               perm=None if perms[0] is None else perms[0].to(dev))
             parent, _, attr = f"layers.{i}.{ours}".rpartition(".")
             setattr(model.get_submodule(parent), attr, new)
     return frozenset(taken)
+
+
+def _as_int8(codes: torch.Tensor, g: int, s: torch.Tensor, m: torch.Tensor):
+    """8-bit codes (q + 128, uint8) with ``repack``'s scales and mins -> the int8 layer's: signed
+    codes, the min moved by the 128 taken off (None where every min is then 0: symmetric), and
+    per output channel (g 0, scales [N]) where the checkpoint's channel strategy allows it. An
+    asymmetric channel's one scale and min repeat over groups of the kernels' largest size that
+    divides K (the int8 kernels take a min per group only)."""
+    N, K = codes.shape
+    q = (codes.to(torch.int16) - 128).to(torch.int8)
+    m = m + 128 * s
+    if not m.any():
+        m = None
+    if g and g != K:
+        return q, g, s, m
+    if m is None:  # one symmetric scale a channel
+        return q, 0, s[:, 0].contiguous(), None
+    g = next((x for x in (128, 64, 32, 16) if K % x == 0), None)
+    if g is None:
+        raise ModelLoadError(f"an asymmetric 8-bit channel needs K ({K}) divisible by 16")
+    return q, g, s.expand(N, K // g).contiguous(), m.expand(N, K // g).contiguous()
 
 
 # a projection's tensors by method: (required, optional)

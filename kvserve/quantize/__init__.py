@@ -1,5 +1,6 @@
-"""``kvserve quantize``: a model's decoder projections quantized to 4-bit groups by round-to-
-nearest, AWQ or GPTQ (``algorithms.py``), written as a Hugging Face directory in the
+"""``kvserve quantize``: a model's decoder projections quantized to 4-bit groups, or 8-bit groups
+or channels, by round-to-nearest, AWQ or GPTQ (``algorithms.py``), written as a Hugging Face
+directory in the
 compressed-tensors ``pack-quantized`` layout (the format vLLM and llm-compressor read; kvserve
 loads it packed, ``models/awq_gptq.py``).
 
@@ -41,6 +42,7 @@ from kvserve.quantize import algorithms
 from kvserve.quantize.algorithms import Grid, Quantized
 
 METHODS = ("rtn", "awq", "gptq")
+BITS = (4, 8)  # the int4 and int8 kernels' widths
 _PROJ = tuple(PARTS)  # our projections, in a layer's order
 
 
@@ -50,10 +52,12 @@ def check_args(method: str, bits: int, group_size: int, num_tokens: int, chunk: 
         raise ConfigError("method", f"must be one of {', '.join(METHODS)}; got {method!r}")
     if observer not in algorithms.OBSERVERS:
         raise ConfigError("observer", f"must be one of {', '.join(algorithms.OBSERVERS)}; got {observer!r}")
-    if type(bits) is not int or bits != 4:
-        raise ConfigError("bits", f"must be 4 (the int4 kernels' width); got {bits!r}")
-    if type(group_size) is not int or group_size not in INT4_GROUP_SIZES:
-        raise ConfigError("group_size", f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; got {group_size!r}")
+    if type(bits) is not int or bits not in BITS:
+        raise ConfigError("bits", f"must be 4 or 8 (the int4 and int8 kernels' widths); got {bits!r}")
+    sizes = INT4_GROUP_SIZES if bits == 4 else (0, *INT4_GROUP_SIZES)
+    if type(group_size) is not int or group_size not in sizes:
+        raise ConfigError("group_size", f"must be one of {', '.join(map(str, sizes))} at {bits} bits"
+                          f"{' (0: one scale per output channel)' if bits == 8 else ''}; got {group_size!r}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 16 <= num_tokens <= 1 << 20:
         raise ConfigError("num_tokens", f"must be an integer in [16, 1048576]; got {num_tokens!r}")
     if type(chunk) is not int or not 16 <= chunk <= 1 << 20:
@@ -218,7 +222,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
               quantization="none", show_progress=False, max_num_batched_tokens=max(chunk, 512))
     eng, a = llm.engine, llm.engine.arch
     widths = set(a.projection_input_widths)
-    if any(k % group_size for k in widths):
+    if group_size and any(k % group_size for k in widths):
         shown = ", ".join(map(str, sorted(widths)))
         raise ConfigError("group_size", f"must divide every projection's input width ({shown} for {src.name}); "
                           f"{group_size} does not: use one of "
@@ -231,7 +235,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     chunk = min(chunk, eng.max_model_len - 1)  # each prompt leaves room for the token it generates
     # RTN needs no calibration; AWQ searches on input rows, GPTQ on X^T X.
     params = {k: v.detach().float().cpu() for k, v in dense_parameters(eng.runner.model)}
-    grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path), observer)
+    grid = Grid(group_size, symmetric, torch.bfloat16 if src.kind == "gguf" else _hf_dtype(src.path), observer, bits)
     packed: dict[str, Quantized] = {}
     per_layer = max(1, _calibration_bytes(a, method))
     run = a.num_layers if method == "rtn" else max(1, min(a.num_layers, calibration_memory // per_layer))
@@ -250,7 +254,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
                 else:
                     packed[pre + p] = algorithms.rtn(w, grid, importance=importance.get(p))
         del inputs
-    config = _ct_config(group_size, symmetric, act_order, observer)
+    config = _ct_config(bits, group_size, symmetric, act_order, observer)
     _write(out, src, eng, a, params, packed, config,
            {"method": method, "calibration_tokens": len(ids), "kvserve_version": kvserve_version()})
     return config
@@ -295,8 +299,9 @@ def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> dict[str,
     return importance
 
 
-def _ct_config(group_size: int, symmetric: bool, act_order: bool, observer: str) -> dict:
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size,
+def _ct_config(bits: int, group_size: int, symmetric: bool, act_order: bool, observer: str) -> dict:
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
+               "strategy": "group" if group_size else "channel", "group_size": group_size or None,
                "dynamic": False, "actorder": "weight" if act_order else None, "observer": observer}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
@@ -304,15 +309,17 @@ def _ct_config(group_size: int, symmetric: bool, act_order: bool, observer: str)
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-def pack_int32(codes: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """Signed 4-bit codes [R, C] (int8 in [-8, 7]) -> int32 words along ``dim``: value i of a
-    run of eight at bits 4i, stored as q + 8 (compressed-tensors' ``pack_to_int32``)."""
-    u = (codes.to(torch.int32) + 8)
+def pack_int32(codes: torch.Tensor, dim: int = 1, bits: int = 4) -> torch.Tensor:
+    """Signed ``bits``-bit codes [R, C] (int8 in [-2^(b-1), 2^(b-1) - 1]) -> int32 words along
+    ``dim``: value i of a run of 32 / b at bits b i, stored as q + 2^(b-1) (compressed-tensors'
+    ``pack_to_int32``; b = 4 or 8, which divide a word)."""
+    per = 32 // bits
+    u = (codes.to(torch.int32) + (1 << (bits - 1)))
     if dim == 0:
         u = u.t()
     R, C = u.shape
-    u = torch.nn.functional.pad(u, (0, -C % 8)).view(R, -1, 8)
-    words = (u << torch.arange(0, 32, 4, dtype=torch.int32)).sum(dim=-1, dtype=torch.int64)
+    u = torch.nn.functional.pad(u, (0, -C % per)).view(R, -1, per)
+    words = (u << torch.arange(0, 32, bits, dtype=torch.int32)).sum(dim=-1, dtype=torch.int64)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return (words.t() if dim == 0 else words).contiguous()
 
@@ -328,15 +335,17 @@ def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qc
                 break
         else:
             tensors[name if name.startswith("lm_head") else "model." + name] = t.to(dtype).contiguous()
+    weights = qconfig["config_groups"]["group_0"]["weights"]
+    bits = weights["num_bits"]
     for name, q in packed.items():
         ours = name.split(".", 2)[2]
         for part, rows in zip(PARTS[ours], _row_ranges(a, ours)):
             p = f"model.{name.replace(ours, part)}."
-            tensors[p + "weight_packed"] = pack_int32(q.codes[rows])
+            tensors[p + "weight_packed"] = pack_int32(q.codes[rows], bits=bits)
             tensors[p + "weight_scale"] = q.scales[rows].contiguous()
             tensors[p + "weight_shape"] = torch.tensor([rows.stop - rows.start, q.codes.shape[1]], dtype=torch.int64)
-            if not qconfig["config_groups"]["group_0"]["weights"]["symmetric"]:
-                tensors[p + "weight_zero_point"] = pack_int32(q.zeros[rows], dim=0)
+            if not weights["symmetric"]:
+                tensors[p + "weight_zero_point"] = pack_int32(q.zeros[rows], dim=0, bits=bits)
             if q.g_idx is not None:
                 tensors[p + "weight_g_idx"] = q.g_idx.to(torch.int32)
     parent = os.path.dirname(os.path.abspath(out))

@@ -1,11 +1,13 @@
-"""Weight quantizers for 4-bit group-wise weights: round-to-nearest, AWQ's activation-aware
-scales and GPTQ's Hessian-guided rounding. Pure tensor math on one weight matrix at a time; what
-runs the model and writes the checkpoint is in ``__init__.py``.
+"""Weight quantizers for 4-bit group-wise and 8-bit group-wise or per-channel weights:
+round-to-nearest, AWQ's activation-aware scales and GPTQ's Hessian-guided rounding. Pure tensor
+math on one weight matrix at a time; what runs the model and writes the checkpoint is in
+``__init__.py``.
 
-The grid is the one compressed-tensors stores (``int``, ``num_bits`` 4, ``strategy`` group):
-signed codes q in [-8, 7] per group of ``g`` input columns, ``w ~ (q - z) * s``. Symmetric:
-z = 0, s = max|w| / 7.5 (the grid's half range, so both ends are used). Asymmetric: the range
-[min(w, 0), max(w, 0)] over 15 steps, z rounded into [-8, 7]. An integer z makes the levels
+The grid is the one compressed-tensors stores (``int``, ``num_bits`` 4 or 8, ``strategy`` group,
+or channel: one group of all K input columns): signed codes q in [-2^(b-1), 2^(b-1) - 1] ([-8, 7]
+at 4 bits) per group of ``g`` input columns, ``w ~ (q - z) * s``. Symmetric: z = 0,
+s = max|w| / 7.5 at 4 bits (the grid's half range, so both ends are used). Asymmetric: the range
+[min(w, 0), max(w, 0)] over 2^b - 1 steps, z rounded into the codes' range. An integer z makes the levels
 multiples of s, so the group's minimum lies up to half a step off the nearest one; the
 ``minmax`` observer also tries steps up to 10% wider (both ends stay within half a step of a
 level, as with the plain step: nothing more is clipped) and keeps the one whose rounded weights
@@ -30,9 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-QMIN, QMAX = -8, 7
-
-
 OBSERVERS = ("minmax", "mse")
 _SHRINK_STEPS, _MAX_SHRINK = 40, 0.2
 _WIDEN_STEPS, _MAX_WIDEN = 10, 0.1
@@ -41,15 +40,28 @@ _WEIGHTED_SHRINK_STEPS, _MAX_WEIGHTED_SHRINK = 5, 0.05
 
 @dataclass(frozen=True)
 class Grid:
-    group_size: int
+    group_size: int  # 0: one group per output channel (its K columns)
     symmetric: bool
     dtype: torch.dtype  # of the stored scales
     observer: str = "minmax"  # how a group's range is chosen: its extremes, or the least squared error
+    bits: int = 4
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def columns(self, K: int) -> int:
+        """Input columns a group holds in a matrix of K."""
+        return self.group_size or K
 
 
 @dataclass
 class Quantized:
-    """One matrix: codes [N, K] int8 in [-8, 7], scales and zeros [N, K / g] (zeros int8, all 0
+    """One matrix: codes [N, K] int8 in the grid's range, scales and zeros [N, K / g] (zeros int8, all 0
     when symmetric), ``g_idx`` [K] (column -> group) when the groups are not the contiguous runs
     of columns."""
     codes: torch.Tensor
@@ -84,21 +96,21 @@ def group_params(w: torch.Tensor, grid: Grid, widen: bool = True,
             shrunk = (1 - _MAX_WEIGHTED_SHRINK * i / _WEIGHTED_SHRINK_STEPS
                       for i in range(1, _WEIGHTED_SHRINK_STEPS + 1))
             candidates += [_range_params(lo * p, hi * p, grid) for p in shrunk]
-        scale, zero = _nearest(w, scale, zero, candidates, importance)
+        scale, zero = _nearest(w, scale, zero, candidates, grid, importance)
     if grid.observer == "mse":
         shrunk = (1 - _MAX_SHRINK * i / _SHRINK_STEPS for i in range(1, _SHRINK_STEPS + 1))
         scale, zero = _nearest(w, scale, zero, (_range_params(None if lo is None else lo * p, hi * p, grid)
-                                                for p in shrunk))
+                                                for p in shrunk), grid)
     return scale, zero
 
 
-def _nearest(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, candidates,
+def _nearest(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, candidates, grid: Grid,
              importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group, of (scale, zero) and each candidate pair, the one whose rounding is nearest w,
     its squared errors times ``importance`` where given (the first of equals)."""
-    best = _error(w, scale, zero, importance)
+    best = _error(w, scale, zero, grid, importance)
     for s, z in candidates:
-        err = _error(w, s, z, importance)
+        err = _error(w, s, z, grid, importance)
         better = err < best
         best = torch.where(better, err, best)
         scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
@@ -108,21 +120,22 @@ def _nearest(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, candidate
 def _range_params(lo: torch.Tensor | None, hi: torch.Tensor, grid: Grid,
                   widen: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) spanning [lo, hi] (``lo`` None: symmetric, [-hi, hi]); ``widen``: the
-    asymmetric step that many times (max - min) / 15, its zero rounded for it."""
-    scale = hi / ((QMAX - QMIN) / 2) if lo is None else (hi - lo) / (QMAX - QMIN) * widen
+    asymmetric step that many times (max - min) / (2^b - 1), its zero rounded for it."""
+    steps = grid.qmax - grid.qmin
+    scale = hi / (steps / 2) if lo is None else (hi - lo) / steps * widen
     scale = scale.to(grid.dtype).float().clamp(min=torch.finfo(grid.dtype).tiny)
-    zero = torch.zeros_like(scale) if lo is None else torch.round(QMIN - lo / scale).clamp(QMIN, QMAX)
+    zero = torch.zeros_like(scale) if lo is None else torch.round(grid.qmin - lo / scale).clamp(grid.qmin, grid.qmax)
     return scale, zero
 
 
-def _error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def _error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: Grid,
            importance: torch.Tensor | None = None) -> torch.Tensor:
-    err = ((_codes(w, scale, zero) - zero[..., None]) * scale[..., None] - w).pow(2)
+    err = ((_codes(w, scale, zero, grid) - zero[..., None]) * scale[..., None] - w).pow(2)
     return (err if importance is None else err * importance).sum(dim=-1)
 
 
-def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return torch.round(w / scale[..., None] + zero[..., None]).clamp(QMIN, QMAX)
+def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: Grid) -> torch.Tensor:
+    return torch.round(w / scale[..., None] + zero[..., None]).clamp(grid.qmin, grid.qmax)
 
 
 def rtn(w: torch.Tensor, grid: Grid, widen: bool = True,
@@ -130,10 +143,10 @@ def rtn(w: torch.Tensor, grid: Grid, widen: bool = True,
     """Round to nearest, per group of contiguous columns (``widen``; ``importance``
     [K], each column's cost per squared error: as ``group_params``)."""
     N, K = w.shape
-    g = grid.group_size
+    g = grid.columns(K)
     wg = w.float().view(N, K // g, g)
     scale, zero = group_params(wg, grid, widen, None if importance is None else importance.float().view(K // g, g))
-    q = _codes(wg, scale, zero).view(N, K)
+    q = _codes(wg, scale, zero, grid).view(N, K)
     return Quantized(q.to(torch.int8), scale.to(grid.dtype), zero.to(torch.int8))
 
 
@@ -155,7 +168,7 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, grid: Grid, steps: int = 20,
     ``importance``)."""
     w, x = w.float(), x.float()
     N, K = w.shape
-    g = grid.group_size
+    g = grid.columns(K)
     act = x.abs().mean(dim=0).clamp(min=1e-8)
     wg = w.abs().view(N, K // g, g)
     spread = (wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-12)).view(N, K).mean(dim=0).clamp(min=1e-4)
@@ -187,7 +200,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, grid: Grid, act_order: bool = F
     before any update, as the groups are visited out of order."""
     W = w.float().clone()
     N, K = W.shape
-    g = grid.group_size
+    g = grid.columns(K)
     H = hessian.float().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -211,7 +224,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, grid: Grid, act_order: bool = F
                 grp = torch.cat([W1[:, j:], W[:, i2:]], dim=1)[:, :g]
                 scales[:, col // g], zeros[:, col // g] = group_params(grp, grid)
             s, z = scales[:, group[col]], zeros[:, group[col]]
-            q = torch.round(W1[:, j] / s + z).clamp(QMIN, QMAX)
+            q = torch.round(W1[:, j] / s + z).clamp(grid.qmin, grid.qmax)
             Q1[:, j] = q
             err = (W1[:, j] - (q - z) * s) / Hi[j, j]
             W1[:, j:] -= err[:, None] * Hi[j, j:][None, :]
