@@ -1,6 +1,7 @@
 """Engine configuration: frozen dataclasses, validated when built."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -379,6 +380,13 @@ class EngineConfig:
 
     def __post_init__(self):
         spec = self.speculative
+        if isinstance(self.model, os.PathLike):  # (a pathlib.Path, as a string from here on)
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if not isinstance(self.kernel, KernelConfig):
+            raise ConfigError("kernel", f"must be a KernelConfig, got {type(self.kernel).__name__}")
+        if self.quantization is not None and not isinstance(self.quantization, QuantConfig):
+            raise ConfigError("quantization", f"must be a QuantConfig or None (LLM takes the method's name), "
+                              f"got {self.quantization!r}"[:200])
         self._check_tensor_parallel()
         if spec is not None:
             # Combinations whose output speculation would change or that it cannot roll back.

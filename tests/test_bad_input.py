@@ -232,6 +232,24 @@ def test_unknown_dummy_preset():
     assert "nope" in str(ei.value) and "tiny" in str(ei.value)
 
 
+def test_model_paths_and_config_objects_of_the_wrong_type():
+    """A pathlib path is a path; another type for the model, a dict for the kernel choices or a
+    method name where the engine config takes a QuantConfig is refused naming the field."""
+    import pathlib
+
+    from kvserve.config import EngineConfig
+    from kvserve.errors import ConfigError
+    with pytest.raises(ModelLoadError, match="model path '/nonexistent/m' does not exist"):
+        LLM(model=pathlib.Path("/nonexistent/m"), show_progress=False)
+    with pytest.raises(ModelLoadError, match="model must be a path or dummy:<preset> string; got int"):
+        LLM(model=3, show_progress=False)
+    with pytest.raises(ConfigError, match="kernel: must be a KernelConfig, got dict"):
+        LLM(model="dummy:tiny", kernel={"wq_split_k": False}, show_progress=False)
+    with pytest.raises(ConfigError, match="quantization: must be a QuantConfig or None"):
+        EngineConfig(model="dummy:tiny", quantization="int4")
+    assert EngineConfig(model=pathlib.Path("/m")).model == "/m"
+
+
 # -- requests ----------------------------------------------------------------------------------
 
 MAX_LEN = 256
