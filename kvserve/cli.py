@@ -321,7 +321,8 @@ def add_quantize_args(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a model's projections to 4-bit groups or 8-bit groups or channels "
                        "(RTN, AWQ or GPTQ) and "
                        "write a compressed-tensors checkpoint that kvserve, vLLM and transformers load")
-    q.add_argument("model", metavar="MODEL", help="an unquantized Llama-family GGUF file or Hugging Face directory")
+    q.add_argument("model", metavar="MODEL", help="a Llama-family GGUF file (its blocks dequantized first) or "
+                   "unquantized Hugging Face directory")
     q.add_argument("--out", required=True, help="the checkpoint directory to create (new or empty)")
     q.add_argument("--method", default="gptq", help="rtn, awq or gptq")
     q.add_argument("--bits", type=int, default=4, help="4 or 8 (the int4 and int8 kernels' widths)")
@@ -347,7 +348,8 @@ def cmd_quantize(args) -> int:
     t0 = time.perf_counter()
     quantize(args.model, args.out, args.method, args.bits, args.group_size, not args.asymmetric, args.act_order,
              text, args.num_tokens, device=args.device)
-    print(f"{args.method} int4 (groups of {args.group_size}) checkpoint written to {args.out} in "
+    groups = f"groups of {args.group_size}" if args.group_size else "per output channel"
+    print(f"{args.method} int{args.bits} ({groups}) checkpoint written to {args.out} in "
           f"{time.perf_counter() - t0:.1f} s")
     return 0
 

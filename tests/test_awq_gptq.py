@@ -192,3 +192,40 @@ def test_method_must_match_checkpoint(tmp_path):
         LLM(str(qdir), quantization="none", show_progress=False, kv_cache_memory="16MiB")
     llm = LLM(str(qdir), quantization="awq", show_progress=False, kv_cache_memory="16MiB")
     assert isinstance(llm.engine.runner.model.layers[1].mlp.gate_up_proj, QuantLinear)
+
+
+def _corrupt(qdir, name: str, change) -> None:
+    from safetensors.torch import load_file, save_file
+    path = str(qdir / "model.safetensors")
+    t = load_file(path)
+    t[name] = change(t[name])
+    save_file(t, path)
+
+
+def _nan_first(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("fmt,tensor,change,match", [
+    ("awq", "scales", _nan_first, r"scales holds 1 NaN or infinite"),
+    ("gptq", "scales", lambda t: t.clone().fill_(float("inf")), r"scales holds \d+ NaN or infinite"),
+    ("awq", "qweight", lambda t: t.float(), "qweight is torch.float32; packed codes are int32 words"),
+    ("gptq", "qzeros", lambda t: t.to(torch.int16), "qzeros is torch.int16; packed codes are int32"),
+    ("gptq", "g_idx", lambda t: t.float(), "g_idx is torch.float32; group indices are integers"),
+])
+def test_corrupt_packed_tensors_are_load_errors(tmp_path, fmt, tensor, change, match):
+    """A non-finite scale would load and turn the outputs it touches into NaN; packed words or
+    group indices of another dtype would load as other weights. Each is refused naming the
+    projection and the tensor."""
+    qdir, _, _ = _write(tmp_path, fmt)
+    _corrupt(qdir, f"model.layers.1.self_attn.k_proj.{tensor}", change)
+    with pytest.raises(ModelLoadError, match=rf"layers\.1\.self_attn\.k_proj is not in {fmt}'s layout.*{match}"):
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
+
+
+def test_bits_as_a_float_are_refused(tmp_path):
+    qdir, _, _ = _write(tmp_path, "awq", quant_cfg={"quant_method": "awq", "bits": 4.0, "group_size": G})
+    with pytest.raises(ConfigError, match="bits 4.0"):
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")

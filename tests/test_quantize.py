@@ -525,3 +525,52 @@ def test_calibration_in_bounded_runs_writes_the_same_checkpoint(gqa_model, tmp_p
     assert one.keys() == runs.keys() and any(k.endswith("weight_packed") for k in one)
     for k in one:
         assert torch.equal(one[k], runs[k]), k
+
+
+@pytest.mark.parametrize("tensor,change,match", [
+    ("weight_scale", lambda t: t.clone().fill_(float("nan")), r"weight_scale holds \d+ NaN or infinite"),
+    ("weight_shape", lambda t: t.float(), r"weight_shape is torch.float32 \(2,\); it is \[N, K\] as integers"),
+])
+def test_corrupt_compressed_tensors_are_load_errors(gqa_model, tmp_path, tensor, change, match):
+    from safetensors.torch import load_file, save_file
+    out = str(tmp_path / "q")
+    quantize(gqa_model, out, "rtn", group_size=32, text=TEXT, num_tokens=64, chunk=64)
+    path = os.path.join(out, "model.safetensors")
+    t = load_file(path)
+    name = f"model.layers.0.mlp.down_proj.{tensor}"
+    t[name] = change(t[name])
+    save_file(t, path)
+    with pytest.raises(ModelLoadError, match=rf"down_proj is not in compressed-tensors's layout.*{match}"):
+        LLM(out, show_progress=False, kv_cache_memory="16MiB")
+
+
+def test_flags_text_and_paths_are_checked_before_any_work(gqa_model, tmp_path):
+    """Wrong types name their argument, and an output path that cannot be created is refused
+    before the model is loaded or quantized; pathlib paths are taken."""
+    import pathlib
+    args = {"method": "rtn", "group_size": 32, "text": TEXT, "num_tokens": 64}
+    for kwargs, field in (({"symmetric": "no"}, "symmetric"), ({"symmetric": None}, "symmetric"),
+                          ({"method": "gptq", "act_order": 1}, "act_order"), ({"text": 123}, "text")):
+        with pytest.raises(ConfigError, match=f"{field}: must be"):
+            quantize(gqa_model, str(tmp_path / "q"), **(args | kwargs))
+    (tmp_path / "afile").write_text("x")
+    for out in (tmp_path / "afile" / "sub", tmp_path / ("n" * 250)):
+        with pytest.raises(ConfigError, match="out: cannot create the checkpoint directory"):
+            quantize(gqa_model, str(out), **args)
+    out = tmp_path / "via-pathlib"
+    quantize(pathlib.Path(gqa_model), out, chunk=64, **args)
+    assert isinstance(LLM(out, show_progress=False, kv_cache_memory="16MiB").engine.runner.model.layers[0]
+                      .mlp.down_proj, QuantLinear)
+    assert sorted(os.listdir(tmp_path)) == ["afile", "via-pathlib"]  # no partial directory left behind
+
+
+@pytest.mark.parametrize("text", ['"hello"', "[1, 2]"])
+def test_config_files_that_are_not_objects_are_load_errors(gqa_model, tmp_path, text):
+    """config.json and generation_config.json that parse but are not objects name the file."""
+    import shutil
+    for name in ("config.json", "generation_config.json"):
+        d = tmp_path / name
+        shutil.copytree(gqa_model, d)
+        (d / name).write_text(text)
+        with pytest.raises(ModelLoadError, match=f"{name}: must be a JSON object"):
+            LLM(str(d), show_progress=False, kv_cache_memory="16MiB")

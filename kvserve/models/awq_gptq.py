@@ -79,7 +79,7 @@ def check_config(q: dict, name: str) -> tuple[str, int, bool | None, int]:
     if method not in ("awq", "gptq"):
         raise ConfigError("quantization", f"{name}'s quant_method {q.get('quant_method')!r} is not loaded; "
                           f"supported: awq, gptq, {CT}")
-    if q.get("bits", q.get("w_bit")) != 4:
+    if not _int_in(q.get("bits", q.get("w_bit")), (4,)):
         raise ConfigError("quantization", f"{name}: bits {q.get('bits', q.get('w_bit'))!r}; the int4 kernels take 4")
     g = q.get("group_size", q.get("q_group_size"))
     if not _int_in(g, (32, 64, 128)):
@@ -142,10 +142,15 @@ def _int_in(v, allowed: tuple[int, ...]) -> bool:
 def unpack_ct(packed, scale, zero_point, shape, g_idx, bits: int = 4):
     """-> (codes [N, K] uint8 (q + 2^(b-1)), scales [N, G], zeros [N, G] float32 in the codes'
     unit (2^(b-1) when symmetric), g_idx)."""
+    if torch.is_tensor(shape):
+        if shape.is_floating_point() or shape.dtype == torch.bool or shape.shape != (2,):
+            raise RuntimeError(f"weight_shape is {shape.dtype} {tuple(shape.shape)}; it is [N, K] as integers")
+        shape = shape.tolist()
     N, K = (int(d) for d in shape)
     per = 32 // bits
-    if not scale.is_floating_point():
-        raise RuntimeError(f"weight_scale is {scale.dtype}; scales are floating point")
+    _check_scales(scale, "weight_scale")
+    if g_idx is not None and (g_idx.is_floating_point() or g_idx.dtype == torch.bool):
+        raise RuntimeError(f"weight_g_idx is {g_idx.dtype}; group indices are integers")
     if packed.dtype != torch.int32 or packed.shape != (N, -(-K // per)) or scale.dim() != 2 or scale.shape[0] != N:
         raise RuntimeError(f"weight_packed {tuple(packed.shape)} {packed.dtype} / weight_scale "
                            f"{tuple(scale.shape)} for weight_shape [{N}, {K}] at {bits} bits")
@@ -165,10 +170,26 @@ def _nibbles(p: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return (p.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
+def _check_scales(scales: torch.Tensor, name: str) -> None:
+    """Scales are floating point and finite: a NaN or infinite one would load and turn every
+    output it touches into NaN."""
+    if not scales.is_floating_point():
+        raise RuntimeError(f"{name} is {scales.dtype}; scales are floating point")
+    if not bool(torch.isfinite(scales).all()):
+        raise RuntimeError(f"{name} holds {int((~torch.isfinite(scales)).sum())} NaN or infinite values")
+
+
+def _check_words(**tensors: torch.Tensor) -> None:
+    """AutoAWQ's and GPTQ's packed codes and zeros are int32 words."""
+    for name, t in tensors.items():
+        if t.dtype != torch.int32:
+            raise RuntimeError(f"{name} is {t.dtype}; packed codes are int32 words")
+
+
 def unpack_awq(qweight, qzeros, scales, g: int):
     """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32, g_idx None)."""
-    if not scales.is_floating_point():
-        raise RuntimeError(f"scales are {scales.dtype}; scales are floating point")
+    _check_scales(scales, "scales")
+    _check_words(qweight=qweight, qzeros=qzeros)
     order = torch.tensor(AWQ_ORDER)
     q = torch.empty_like(_nibbles(qweight))
     q[..., order] = _nibbles(qweight)
@@ -181,8 +202,12 @@ def unpack_awq(qweight, qzeros, scales, g: int):
 
 def unpack_gptq(qweight, qzeros, scales, g_idx):
     """-> (codes [N, K] uint8, scales [N, G], zeros [N, G] float32, g_idx [K])."""
-    if not scales.is_floating_point():
-        raise RuntimeError(f"scales are {scales.dtype}; scales are floating point")
+    _check_scales(scales, "scales")
+    _check_words(qweight=qweight, qzeros=qzeros)
+    if qweight.dim() != 2:
+        raise RuntimeError(f"qweight has {qweight.dim()} dimensions; GPTQ's is [K/8, N]")
+    if g_idx.is_floating_point() or g_idx.dtype == torch.bool:
+        raise RuntimeError(f"g_idx is {g_idx.dtype}; group indices are integers")
     q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [K, N]
     z = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1
     return q.t().to(torch.uint8), scales.float().t(), z.t().float(), g_idx.long()
@@ -232,7 +257,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 need += tuple(x for x in extra if f"{p}.{x}" in tensors)
                 try:
                     u = (unpack_awq(*t, g) if method == "awq" else unpack_gptq(*t) if method == "gptq"
-                         else unpack_ct(t[0], t[1], t[3], t[2].tolist(), t[4], bits))
+                         else unpack_ct(t[0], t[1], t[3], t[2], t[4], bits))
                 except (RuntimeError, ValueError, TypeError) as e:
                     raise ModelLoadError(f"{name}: {p} is not in {method}'s layout ({e})") from None
                 codes, s, m, perm = repack(*u, g or u[0].shape[1], p)

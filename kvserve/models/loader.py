@@ -83,9 +83,13 @@ def default_model_path() -> str:
     return path
 
 
-def resolve(model: str | None) -> ModelSource:
+def resolve(model: str | os.PathLike | None) -> ModelSource:
     if model is None:
         model = default_model_path()
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise ModelLoadError(f"model must be a path or dummy:<preset> string; got {type(model).__name__}")
     if model.startswith("dummy:"):
         preset = model.removeprefix("dummy:")
         if preset not in DUMMY_PRESETS:
@@ -108,13 +112,20 @@ def resolve(model: str | None) -> ModelSource:
                 cfg = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{cfg_path}: must be a JSON object (the model's configuration); got "
+                                 f"{type(cfg).__name__}")
         gen_path = os.path.join(model, "generation_config.json")
         if os.path.exists(gen_path):  # chat models list their end-of-turn tokens here
             try:
                 with open(gen_path) as f:
-                    gen_eos = json.load(f).get("eos_token_id")
+                    gen = json.load(f)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                gen_eos = None
+                gen = None
+            if gen is not None and not isinstance(gen, dict):
+                raise ModelLoadError(f"{gen_path}: must be a JSON object (generation settings such as "
+                                     f"eos_token_id); got {type(gen).__name__}")
+            gen_eos = None if gen is None else gen.get("eos_token_id")
             if gen_eos is not None:
                 eos = cfg.get("eos_token_id")
                 merged = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -206,12 +206,20 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     if observer is None:
         observer = "mse" if method == "gptq" else "minmax"
     check_args(method, bits, group_size, num_tokens, chunk, calibration_memory, observer)
+    for name, flag in (("symmetric", symmetric), ("act_order", act_order)):
+        if not isinstance(flag, bool):
+            raise ConfigError(name, f"must be True or False, got {flag!r}")
     if act_order and method != "gptq":
         raise ConfigError("act_order", f"reorders GPTQ's columns; method {method} has no column order")
+    if text is not None and not isinstance(text, str):
+        raise ConfigError("text", f"must be the calibration text as a string (None: the default), got "
+                          f"{type(text).__name__}")
+    out = os.fspath(out) if isinstance(out, os.PathLike) else out
     if not isinstance(out, str) or not out.strip():
         raise ConfigError("out", f"must be the path of a new or empty directory; got {out!r}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ModelLoadError(f"{out}: exists and is not an empty directory; choose a new --out")
+    _check_out(out)
     src = loader.resolve(model)
     if src.kind not in ("gguf", "hf") or src.quant_method or src.arch.family == "gemma3":
         why = ("already quantized" if src.quant_method else "a Gemma 3 model" if src.arch.family == "gemma3"
@@ -258,6 +266,22 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     _write(out, src, eng, a, params, packed, config,
            {"method": method, "calibration_tokens": len(ids), "kvserve_version": kvserve_version()})
     return config
+
+
+def _check_out(out: str) -> None:
+    """Before any work: the directory the checkpoint is first written into (beside ``out``, see
+    ``_write``) can be made, so that a path that cannot be written fails now, not after the
+    quantization."""
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=_partial_prefix(out)))
+    except OSError as e:
+        raise ConfigError("out", f"cannot create the checkpoint directory {out!r} ({e.strerror or e})") from None
+
+
+def _partial_prefix(out: str) -> str:
+    return f".{os.path.basename(os.path.abspath(out))}.partial-"
 
 
 def _awq_layer(params: dict, inputs: dict, pre: str, a, grid: Grid) -> dict[str, torch.Tensor]:
@@ -350,7 +374,7 @@ def _write(out: str, src, eng, a, params: dict, packed: dict[str, Quantized], qc
                 tensors[p + "weight_g_idx"] = q.g_idx.to(torch.int32)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.partial-")
+    tmp = tempfile.mkdtemp(dir=parent, prefix=_partial_prefix(out))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would keep the checkpoint from other users
