@@ -229,3 +229,19 @@ def test_bits_as_a_float_are_refused(tmp_path):
     qdir, _, _ = _write(tmp_path, "awq", quant_cfg={"quant_method": "awq", "bits": 4.0, "group_size": G})
     with pytest.raises(ConfigError, match="bits 4.0"):
         LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
+
+
+def test_a_packed_checkpoint_across_ranks_is_refused_before_they_start(tmp_path, monkeypatch):
+    """Packed weights load on one rank: tensor parallelism over a checkpoint is refused naming
+    the option, before any rank's process is started."""
+    from kvserve.engine import tp_workers
+    started = []
+
+    def workers(*args, **kwargs):
+        started.append(args)
+        raise RuntimeError("a rank was started")
+    monkeypatch.setattr(tp_workers, "Workers", workers)
+    qdir, _, _ = _write(tmp_path, "gptq")
+    with pytest.raises(ConfigError, match="tensor_parallel_size: .* is a gptq checkpoint.*use tensor_parallel_size 1"):
+        LLM(str(qdir), tensor_parallel_size=2, device="cpu", show_progress=False, kv_cache_memory="16MiB")
+    assert not started

@@ -43,6 +43,9 @@ class LLMEngine(MemoryControls, RequestIntake):
         t_start = time.perf_counter()
         self.config = config
         src = loader.resolve(config.model)
+        if src.quant_method and config.tensor_parallel_size > 1:  # (before any rank's process starts)
+            raise ConfigError("tensor_parallel_size", f"{src.name} is a {src.quant_method.lower()} checkpoint, "
+                              f"whose packed weights load on one rank; use tensor_parallel_size 1")
         if src.kind == "snapshot":
             config = startup.snapshot_defaults(config, src.handle)
         self.model_name = src.name
