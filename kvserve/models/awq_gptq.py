@@ -141,12 +141,10 @@ def _int_in(v, allowed: tuple[int, ...]) -> bool:
 
 def unpack_ct(packed, scale, zero_point, shape, g_idx, bits: int = 4):
     """-> (codes [N, K] uint8 (q + 2^(b-1)), scales [N, G], zeros [N, G] float32 in the codes'
-    unit (2^(b-1) when symmetric), g_idx)."""
-    if torch.is_tensor(shape):
-        if shape.is_floating_point() or shape.dtype == torch.bool or shape.shape != (2,):
-            raise RuntimeError(f"weight_shape is {shape.dtype} {tuple(shape.shape)}; it is [N, K] as integers")
-        shape = shape.tolist()
-    N, K = (int(d) for d in shape)
+    unit (2^(b-1) when symmetric), g_idx). ``shape``: the weight_shape tensor."""
+    if shape.is_floating_point() or shape.dtype == torch.bool or shape.shape != (2,):
+        raise RuntimeError(f"weight_shape is {shape.dtype} {tuple(shape.shape)}; it is [N, K] as integers")
+    N, K = shape.tolist()
     per = 32 // bits
     _check_scales(scale, "weight_scale")
     if g_idx is not None and (g_idx.is_floating_point() or g_idx.dtype == torch.bool):
@@ -154,17 +152,17 @@ def unpack_ct(packed, scale, zero_point, shape, g_idx, bits: int = 4):
     if packed.dtype != torch.int32 or packed.shape != (N, -(-K // per)) or scale.dim() != 2 or scale.shape[0] != N:
         raise RuntimeError(f"weight_packed {tuple(packed.shape)} {packed.dtype} / weight_scale "
                            f"{tuple(scale.shape)} for weight_shape [{N}, {K}] at {bits} bits")
-    q = _nibbles(packed, bits).reshape(N, -1)[:, :K]
+    q = _fields(packed, bits).reshape(N, -1)[:, :K]
     if zero_point is None:
         z = torch.full(scale.shape, float(1 << (bits - 1)))
     else:
         if zero_point.dtype != torch.int32 or zero_point.shape != (-(-N // per), scale.shape[1]):
             raise RuntimeError(f"weight_zero_point {tuple(zero_point.shape)} {zero_point.dtype}")
-        z = _nibbles(zero_point.t().contiguous(), bits).reshape(scale.shape[1], -1)[:, :N].t().float()
+        z = _fields(zero_point.t().contiguous(), bits).reshape(scale.shape[1], -1)[:, :N].t().float()
     return q.to(torch.uint8), scale.float(), z, None if g_idx is None else g_idx.long()
 
 
-def _nibbles(p: torch.Tensor, bits: int = 4) -> torch.Tensor:
+def _fields(p: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """int32 [R, C] -> [R, C, 32 / bits]: field i (bits b i up) of each word, unsigned."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=p.device)
     return (p.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
@@ -191,10 +189,10 @@ def unpack_awq(qweight, qzeros, scales, g: int):
     _check_scales(scales, "scales")
     _check_words(qweight=qweight, qzeros=qzeros)
     order = torch.tensor(AWQ_ORDER)
-    q = torch.empty_like(_nibbles(qweight))
-    q[..., order] = _nibbles(qweight)
-    z = torch.empty_like(_nibbles(qzeros))
-    z[..., order] = _nibbles(qzeros)
+    q = torch.empty_like(_fields(qweight))
+    q[..., order] = _fields(qweight)
+    z = torch.empty_like(_fields(qzeros))
+    z[..., order] = _fields(qzeros)
     K = qweight.shape[0]
     return (q.reshape(K, -1).t().to(torch.uint8), scales.float().t(),
             z.reshape(z.shape[0], -1).t().float(), None)
@@ -208,8 +206,8 @@ def unpack_gptq(qweight, qzeros, scales, g_idx):
         raise RuntimeError(f"qweight has {qweight.dim()} dimensions; GPTQ's is [K/8, N]")
     if g_idx.is_floating_point() or g_idx.dtype == torch.bool:
         raise RuntimeError(f"g_idx is {g_idx.dtype}; group indices are integers")
-    q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [K, N]
-    z = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1
+    q = _fields(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [K, N]
+    z = _fields(qzeros).reshape(qzeros.shape[0], -1) + 1
     return q.t().to(torch.uint8), scales.float().t(), z.t().float(), g_idx.long()
 
 

@@ -1,8 +1,7 @@
 """``kvserve quantize``: a model's decoder projections quantized to 4-bit groups, or 8-bit groups
 or channels, by round-to-nearest, AWQ or GPTQ (``algorithms.py``), written as a Hugging Face
-directory in the
-compressed-tensors ``pack-quantized`` layout (the format vLLM and llm-compressor read; kvserve
-loads it packed, ``models/awq_gptq.py``).
+directory in the compressed-tensors ``pack-quantized`` layout (the format vLLM and llm-compressor
+read; kvserve loads it packed, ``models/awq_gptq.py``).
 
 Calibration runs kvserve's own engine over the calibration text (full precision, no prefix
 cache) with hooks on the projections: each keeps its inputs (AWQ's search) and their Gram
