@@ -182,6 +182,16 @@ def test_config_and_tensors_disagree(tmp_path):
         LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
 
 
+def test_awq_config_over_gptq_tensors(tmp_path):
+    """An AWQ config over GPTQ tensors: refused by the layout its qweight has, naming both."""
+    qdir, _, _ = _write(tmp_path, "gptq", quant_cfg={"quant_method": "awq", "bits": 4, "group_size": G,
+                                                     "zero_point": True, "version": "gemm"})
+    with pytest.raises(ModelLoadError, match=r"says awq, whose qweight is \[in_features, out_features / 8\] "
+                                             r"\(64 rows here\), but model.layers.0.self_attn.q_proj.qweight is "
+                                             r"\(8, 64\); .*g_idx is present"):
+        LLM(str(qdir), device="cpu", show_progress=False, kv_cache_memory="16MiB")
+
+
 def test_method_must_match_checkpoint(tmp_path):
     qdir, fdir, _ = _write(tmp_path, "awq")
     with pytest.raises(ConfigError, match="gptq loads gptq checkpoints.*quantized as awq"):

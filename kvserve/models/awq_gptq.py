@@ -241,6 +241,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
     taken: set[str] = set()
     for i, _ in enumerate(model.layers):
         for ours, parts in PARTS.items():
+            old = model.get_submodule(f"layers.{i}.{ours}")
             rows, perms = [], []
             for part in parts:
                 p = f"model.layers.{i}.{part}"
@@ -248,6 +249,7 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
                 missing = [f"{p}.{t}" for t in need if f"{p}.{t}" not in tensors]
                 if missing:
                     raise ModelLoadError(f"{name}: quantization_config says {method}, but {missing[0]} is missing")
+                _check_layout(method, p, tensors, old.in_features, name)
                 if method == CT and symmetric == (f"{p}.weight_zero_point" in tensors):
                     raise ModelLoadError(f"{name}: quantization_config says symmetric={str(symmetric).lower()}, but "
                                          f"{p}.weight_zero_point is {'present' if symmetric else 'missing'}")
@@ -265,7 +267,6 @@ def pack_projections(model: torch.nn.Module, tensors: dict[str, torch.Tensor], q
             if any(not _same(perms[0], x) for x in perms[1:]):
                 raise ModelLoadError(f"{name}: layer {i}'s {', '.join(parts)} order their input columns "
                                      f"differently (act-order); they share one input and must agree")
-            old = model.get_submodule(f"layers.{i}.{ours}")
             codes, s, m = (torch.cat(x) for x in zip(*rows))
             if codes.shape != (old.out_features, old.in_features):
                 raise ModelLoadError(f"{name}: layer {i}'s {ours} unpacks to {tuple(codes.shape)}, expected "
@@ -309,6 +310,26 @@ def _as_int8(codes: torch.Tensor, g: int, s: torch.Tensor, m: torch.Tensor):
 # a projection's tensors by method: (required, optional)
 _NEED = {"awq": (("qweight", "qzeros", "scales"), ()), "gptq": (("qweight", "qzeros", "scales", "g_idx"), ()),
          CT: (("weight_packed", "weight_scale", "weight_shape"), ("weight_zero_point", "weight_g_idx"))}
+
+
+def _check_layout(method: str, p: str, tensors: dict[str, torch.Tensor], K: int, name: str) -> None:
+    """AutoAWQ's qweight is [K, N/8], GPTQ's [K/8, N] (K the projection's input width): one that is
+    not is a checkpoint whose tensors another layout wrote than its config names (GPTQ's tensors
+    carry a g_idx, AWQ's none), refused as such rather than by the shapes it unpacks to."""
+    if method not in ("awq", "gptq"):
+        return
+    q = tensors[f"{p}.qweight"]
+    rows = K if method == "awq" else K // 8
+    if q.dim() == 2 and q.shape[0] == rows:
+        return
+    want = "[in_features, out_features / 8]" if method == "awq" else "[in_features / 8, out_features]"
+    hint = ""
+    if method == "awq" and f"{p}.g_idx" in tensors:
+        hint = f"; {p}.g_idx is present, as in GPTQ's tensors"
+    elif method == "gptq" and q.dim() == 2 and q.shape[0] == K:
+        hint = "; its rows are the input width, as in AutoAWQ's tensors"
+    raise ModelLoadError(f"{name}: quantization_config says {method}, whose qweight is {want} ({rows} rows here), "
+                         f"but {p}.qweight is {tuple(q.shape)}{hint}")
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
