@@ -70,8 +70,10 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # ``--formats`` may add "+wl" to a weight-only format: its large products by the weight-left GEMM
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
-# "+nosplit": K never split; "+s8": products of ``--s8-min-rows`` to ``--s8-max-rows`` rows on
-# the integer tensor cores (``KernelConfig.wq_s8_min_rows``, ``wq_s8_max_rows``); "+int8head":
+# "+nosplit": K never split; "+silu" / "+nosilu": the one-row gate/up product's SiLU-and-multiply
+# in its kernel or in one of its own (``KernelConfig.wq_fused_silu``); "+s8": products of ``--s8-min-rows`` to
+# ``--s8-max-rows`` rows on the integer tensor cores (``KernelConfig.wq_s8_min_rows``,
+# ``wq_s8_max_rows``); "+int8head":
 # the output head in int8; "+noreserve" (any format): admission keeps no room for decoding;
 # "+msk<N>" (any format): each decode attention split takes at least N keys
 # (``KernelConfig.decode_split_min_keys``).
@@ -503,6 +505,8 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
                 kw["decode_reserve"] = 0
             elif opt == "nosplit":
                 kernel["wq_split_k"] = False
+            elif opt in ("silu", "nosilu"):  # the one-row gate/up product's activation fused or not
+                kernel["wq_fused_silu"] = opt == "silu"
             elif opt == "wl":
                 kernel["wq_weight_left_max_rows"] = weight_left_max_rows
             elif opt == "s8":

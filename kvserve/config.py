@@ -251,6 +251,10 @@ class KernelConfig:
     # a gain: alone, each product beat the others from 64 to 512 rows (one H100, BENCHMARKS.md).
     wq_s8_min_rows: int = 0
     wq_s8_max_rows: int = 512
+    # One-row products of a quantized [gate | up] weight apply the MLP's SiLU-and-multiply in the
+    # one-row kernel (kernels/wq_gemv.py: a launch a layer fewer); False: a kernel of its own
+    # after the product. Off until a GPU run of the engine shows the gain.
+    wq_fused_silu: bool = False
     # The few-row and weight-left products split K over several programs where their tiles
     # alone leave most multiprocessors idle (kernels/wq_gemm.py: ``split_k``); False: never.
     wq_split_k: bool = True
@@ -269,7 +273,7 @@ class KernelConfig:
     def __post_init__(self):
         if self.decode_rows not in ("graphs", "always", "never"):
             raise ConfigError("decode_rows", f"must be one of graphs, always, never; got {self.decode_rows!r}")
-        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_split_k", "cpu_packed_weights"):
+        for name in ("pdl", "fused_rope_decode", "kivi_gluon", "wq_fused_silu", "wq_split_k", "cpu_packed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         if self.cpu_compile is not None and not isinstance(self.cpu_compile, bool):

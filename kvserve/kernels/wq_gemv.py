@@ -47,6 +47,7 @@ from triton.experimental.gluon import language as gl
 
 from kvserve.kernels import interpreting
 from kvserve.kernels.common import capability, launch_pdl, pdl_kw, wait_inputs
+from kvserve.kernels.silu_mul import silu_mul_rounded
 
 # What comes off a code placed under 2^23's exponent (bits 0x4B000000): 2^23 for int4, 2^23 + 128
 # for int8 (stored plus 128); shared by both kernels.
@@ -107,13 +108,26 @@ def _bdecode(b, INT4: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _rows(pid, j, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The weight rows of program ``pid``'s outputs ``j`` (int64; past the end, the last row again:
+    valid memory, results dropped). With the fused SiLU, N is the output width and the weight
+    [gate | up] has 2N rows: output j takes gate row n = pid * BLOCK_N / 2 + j // 2 (j even) or
+    up row N + n (j odd), so each gate row lies beside its up row in the program's results."""
+    if SILU_MUL:
+        n = tl.minimum(pid * (BLOCK_N // 2) + j // 2, N - 1) + (j % 2) * N
+    else:
+        n = tl.minimum(pid * BLOCK_N + j, N - 1)
+    return n.to(tl.int64)
+
+
+@triton.jit
 def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
                    INT4: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+                   SILU_MUL: tl.constexpr = False):
     tl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_safe = tl.minimum(rn, N - 1).to(tl.int64)
+    rn_safe = _rows(tl.program_id(0), tl.arange(0, BLOCK_N), N, BLOCK_N, SILU_MUL)
     rb = tl.arange(0, BLOCK_K // 2 if INT4 else BLOCK_K)
     NG: tl.constexpr = BLOCK_K // GROUP
     rg = tl.arange(0, NG)
@@ -153,6 +167,12 @@ def _wq_row_kernel(X, W, S, Z, B, Y, N, K, stride_wn, stride_sn,
             y = y * FP8_UNIT
     if HAS_BIAS:
         y += tl.load(B + rn_safe).to(tl.float32)
+    if SILU_MUL:  # rows (gate, up) side by side -> silu(gate) * up, half as many
+        g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        y = silu_mul_rounded(g.to(Y.dtype.element_ty), u.to(Y.dtype.element_ty), Y.dtype.element_ty)
+        rn = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
 
 
@@ -296,7 +316,8 @@ def _gl_dot_words(w, x, INT4: gl.constexpr, FP8: gl.constexpr, LW: gl.constexpr)
 def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
                    INT4: gl.constexpr, FP8: gl.constexpr, GROUPED: gl.constexpr, HAS_MIN: gl.constexpr,
                    HAS_BIAS: gl.constexpr, WPG: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr):
+                   NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr,
+                   SILU_MUL: gl.constexpr = False):
     gl.static_assert(PREFETCH == 1 or PREFETCH == 2, "PREFETCH: 1 or 2 tiles ahead")
     P: gl.constexpr = 8 if INT4 else 4  # codes a word
     NT: gl.constexpr = 32 * NUM_WARPS  # threads: each holds VEC words (16 bytes) of every row
@@ -307,7 +328,11 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
     LX: gl.constexpr = gl.SliceLayout(0, L4)  # x [NT, VEC, P]
     LA: gl.constexpr = gl.SliceLayout(2, LW)  # [BLOCK_N, NT]
     pid = gl.program_id(0)
-    rn = gl.minimum(pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA)), N - 1).to(gl.int64)
+    j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
+    if SILU_MUL:  # the rows of ``_rows``: each gate row beside its up row
+        rn = (gl.minimum(pid * (BLOCK_N // 2) + j // 2, N - 1) + (j % 2) * N).to(gl.int64)
+    else:
+        rn = gl.minimum(pid * BLOCK_N + j, N - 1).to(gl.int64)
     t = gl.arange(0, NT, layout=gl.SliceLayout(0, LA))
     vv = gl.arange(0, VEC, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
     tx = gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
@@ -342,11 +367,19 @@ def _gl_row_kernel(X, W, S, Z, B, Y, N, KV, stride_wn, stride_sn,
         else:
             w, s, z = wn, sn, zn
     y = gl.sum(acc, axis=1)
-    rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA))
     if not GROUPED:
         y = y * gl.load(S + rn).to(gl.float32)
     if HAS_BIAS:
         y += gl.load(B + rn).to(gl.float32)
+    if SILU_MUL:  # (gate, up) pairs -> silu(gate) * up, rounded as ``silu_mul_rounded`` rounds
+        LY: gl.constexpr = gl.BlockedLayout([BLOCK_N // 2, 2], [32, 1], [NUM_WARPS, 1], [1, 0])
+        g, u = gl.split(gl.convert_layout(gl.reshape(y, [BLOCK_N // 2, 2]), LY))
+        g = g.to(Y.dtype.element_ty).to(gl.float32)
+        act = (g / (1.0 + gl.exp(-g))).to(Y.dtype.element_ty).to(gl.float32)
+        y = act * u.to(Y.dtype.element_ty).to(gl.float32)
+        rows = pid * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=y.type.layout)
+    else:
+        rows = pid * BLOCK_N + j
     gl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
@@ -389,19 +422,24 @@ def default_config(x: torch.Tensor, qweight: torch.Tensor, K: int, int4: bool, g
 
 def wq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
             group_size: int, bias: torch.Tensor | None, N: int, K: int, int4: bool,
-            config: dict | None = None, pdl: bool = True) -> torch.Tensor:
+            config: dict | None = None, pdl: bool = True, silu_mul: bool = False) -> torch.Tensor:
     """x [1, K] (unit stride) times the packed weight's transpose -> [1, N]; arguments checked by
     ``wq_gemm.wq_mm``, which calls this for one row when ``takes`` says so. ``config``: ``KIND``
     ("gluon": K a multiple of 32 for int4, 16 for int8; or "triton"), ``BLOCK_N``, ``PREFETCH`` (1
-    or 2), ``num_warps`` and for Triton ``TILE_BYTES`` (None: ``default_config``)."""
+    or 2), ``num_warps`` and for Triton ``TILE_BYTES`` (None: ``default_config``). ``silu_mul``:
+    the weight is the merged [gate | up] (2N rows, no bias) and the result silu(x W_gate.T) *
+    (x W_up.T) [1, N], rounded as the unfused product and ``silu_and_mul`` round it; a program
+    takes ``BLOCK_N`` / 2 gate rows and their up rows."""
     cfg = dict(config or default_config(x, qweight, K, int4, group_size))
     block_n, kind, prefetch, nw = cfg.pop("BLOCK_N"), cfg.pop("KIND"), cfg.pop("PREFETCH"), cfg.pop("num_warps")
+    assert not silu_mul or (bias is None and block_n >= 2 and qweight.shape[0] == 2 * N), \
+        "the fused SiLU: the [gate | up] weight of 2N rows, no bias, BLOCK_N >= 2"
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, block_n),)
+    grid = (triton.cdiv(N, block_n // 2 if silu_mul else block_n),)
     bias_arg, mins_arg = bias if bias is not None else scales, scales if mins is None else mins
     fp8 = qweight.dtype == torch.float8_e4m3fn
     flags = dict(INT4=int4, FP8=fp8, GROUPED=group_size > 0, HAS_MIN=mins is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=block_n, PREFETCH=prefetch, num_warps=nw)
+                 BLOCK_N=block_n, PREFETCH=prefetch, SILU_MUL=silu_mul, num_warps=nw)
     if kind == "gluon":
         per_word = 8 if int4 else 4
         assert gluon_takes(x, qweight, K, int4), "the Gluon kernel: CUDA 8.0+, rows of whole 16-byte vectors"

@@ -98,6 +98,19 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"fp8 e4m3, in_features={self.in_features}, out_features={self.out_features}"
 
+    def silu_mul_one_row(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x W_gate.T) * (x W_up.T) of this merged [gate | up] layer for one row of x on CUDA
+        in the one-row kernel, as ``QuantLinear.silu_mul_one_row``; None where it does not apply."""
+        if not (x.dim() == 2 and x.shape[0] == 1 and kernels.available(x) and self.bias is None
+                and self.out_features % 2 == 0):
+            return None
+        from kvserve.kernels import wq_gemv
+        kernel = kernel_config()
+        if not (kernel.wq_fused_silu and kernel.wq_skinny_max_rows >= 1 and wq_gemv.takes(self.qweight, 0)):
+            return None
+        return wq_gemv.wq_gemv(x.contiguous(), self.qweight, self.wscale, None, 0, None, self.out_features // 2,
+                               self.in_features, False, pdl=kernel.pdl, silu_mul=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)

@@ -177,9 +177,14 @@ def unpack_cpu_weights(model: nn.Module) -> None:
 
 def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
     """``silu(x W_g.T) * (x W_u.T)`` for the merged [gate | up] matrix: one kernel for few rows
-    (a quantized matrix: its product, then the activation)."""
+    (a quantized matrix: one kernel for one row where its layer says so, else its product, then
+    the activation)."""
     if isinstance(gate_up, nn.Linear) and gate_up.bias is None and takes_gemv(x, gate_up.weight, "gate_up_silu"):
         from kvserve.kernels.gemv import gemv
         return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel_config().pdl)
+    fused = getattr(gate_up, "silu_mul_one_row", None)
+    y = fused(x) if fused is not None else None
+    if y is not None:
+        return y
     from kvserve.layers.activation import silu_and_mul
     return silu_and_mul(gate_up(x))

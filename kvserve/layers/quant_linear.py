@@ -287,6 +287,25 @@ class QuantLinear(nn.Module):
         return wq_gemm.wx_block_k(self.qweight, self.group_size, self.in_features,
                                   wq_gemm.WX_BLOCK_K) == wq_gemm.WX_BLOCK_K
 
+    def silu_mul_one_row(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x W_gate.T) * (x W_up.T) of this merged [gate | up] layer in one kernel, the one-row
+        product's, for one row of x on CUDA where the rule sends it there (``KernelConfig``:
+        ``wq_fused_silu``, the skinny product at one row); None elsewhere (the caller runs the
+        product, then the activation)."""
+        if not (x.dim() == 2 and x.shape[0] == 1 and kernels.available(x) and self.bias is None
+                and self.tp is None and self.out_features % 2 == 0):
+            return None
+        from kvserve.kernels import wq_gemv
+        kernel = kernel_config()
+        int4 = self.method == "int4"
+        if not (kernel.wq_fused_silu and cuda_product(1, kernel, int4, self._wide) == "skinny"
+                and wq_gemv.takes(self.qweight, self.group_size)):
+            return None
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        return wq_gemv.wq_gemv(x.contiguous(), self.qweight, self.scales, self.mins, self.group_size, None,
+                               self.out_features // 2, self.in_features, int4, pdl=kernel.pdl, silu_mul=True)
+
     def _cuda(self, x: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:
         how = cuda_product(x.shape[0], kernel, self.method == "int4", self._wide, x.shape[0] > 1 and self._s8)
         return run_cuda_product(how, x, self.qweight, self.scales, self.mins, self.group_size, self.bias, kernel)

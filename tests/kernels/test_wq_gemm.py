@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -23,7 +24,7 @@ from kernelutil import needs_cuda  # noqa: E402
 
 from kvserve.config import KernelConfig  # noqa: E402
 from kvserve.errors import ConfigError  # noqa: E402
-from kvserve.kernels import wq_gemm  # noqa: E402
+from kvserve.kernels import wq_gemm, wq_gemv  # noqa: E402
 from kvserve.kernels.wq_gemm import dequantize, dequantize_ref, wq_mm, wq_mm_ref, wq_mm_wx, wx_block_k  # noqa: E402
 from kvserve.layers.fp8_linear import quantize_rows  # noqa: E402
 from kvserve.layers.rtn import quantize_int4, quantize_int8  # noqa: E402
@@ -85,6 +86,65 @@ def test_one_row_tiles(method, group, cfg, N, K, device):
     4.5 tiles of 256 int8 columns; 640: an int8 row of 160 words, per channel 2.5 tiles of 64),
     both prefetch depths, and N below and past BLOCK_N."""
     _check(1, N, K, method, group, torch.float32, device, seed=N + K + group, config=cfg, bias=N == 19)
+
+
+@pytest.mark.parametrize("method,group", FORMATS)
+@pytest.mark.parametrize("N,K,cfg", [
+    (37, 256, None),  # N: an odd number of outputs, not a multiple of a program's
+    (64, 1152, {"KIND": "triton", "BLOCK_N": 2, "TILE_BYTES": 128, "PREFETCH": 2, "num_warps": 2}),
+    (5, 640, {"KIND": "triton", "BLOCK_N": 8, "TILE_BYTES": 256, "PREFETCH": 1, "num_warps": 4}),
+], ids=["default", "p2", "p1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_row_silu_mul(method, group, N, K, cfg, dtype, device):
+    """The fused SiLU-and-multiply of the merged [gate | up] weight (2N rows): silu(x W_g.T) *
+    (x W_u.T) as PyTorch computes it from the exact product (float64, rounded to x's dtype as the
+    unfused product's output is), each output checked, none left unwritten."""
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        dtype = torch.float16  # (the interpreter has no bfloat16 conversion of its own)
+    x, (q, s, z, g), _ = _case(1, 2 * N, K, method, group, dtype, device, seed=2 * N + K + group)
+    y = wq_gemv.wq_gemv(x, q, s, z, g, None, N, K, method == "int4", cfg, silu_mul=True)
+    h = wq_mm_ref(x, q, s, z, g).to(dtype)
+    ref = (F.silu(h[:, :N].float()).to(dtype).float() * h[:, N:].float()).to(dtype)
+    assert y.shape == (1, N) and y.dtype == dtype and not y.isnan().any()
+    err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < TOL[dtype], err
+    # each output is its own gate and up row's: a swap or a shifted row would show here
+    tol = 4 * TOL[dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
+# (a CPU QuantLinear keeps int4 in PyTorch's CPU layout, which the CUDA kernels do not read)
+@pytest.mark.parametrize("method", ["int8", "int8-act-order", pytest.param("int4", marks=needs_cuda), "fp8"])
+def test_one_row_silu_mul_in_the_layer(monkeypatch, method, device):
+    """A CUDA quantized layer (QuantLinear, Fp8Linear) of the merged gate/up weight at one row
+    takes the fused kernel (and gives the unfused product's activation), unless
+    ``KernelConfig.wq_fused_silu`` is off or the row count is not one. An act-order layer (its
+    input columns permuted, as GPTQ's) permutes x first."""
+    from kvserve import kernels
+    from kvserve.config import QuantConfig
+    from kvserve.layers import fp8_linear, linear, quant_linear
+    from kvserve.layers.activation import silu_and_mul
+    torch.manual_seed(5)
+    dense = torch.nn.Linear(256, 2 * 48, bias=False)
+    layer = (fp8_linear.Fp8Linear.from_linear(dense) if method == "fp8" else
+             quant_linear.QuantLinear.from_linear(dense.to(device), QuantConfig(
+                 method.removesuffix("-act-order"), group_size=32 if method == "int4" else None)))
+    layer = layer.to(device)
+    if method.endswith("act-order"):
+        layer.perm = torch.randperm(256, device=device)
+    monkeypatch.setattr(kernels, "available", lambda t: True)  # the CUDA path (the interpreter's on a CPU)
+    calls = []
+    real = wq_gemv.wq_gemv
+    monkeypatch.setattr(wq_gemv, "wq_gemv", lambda *a, **k: calls.append(k.get("silu_mul", False)) or real(*a, **k))
+    for rows, fused, expect in ((1, True, [True]), (1, False, []), (2, True, [])):
+        for module in (quant_linear, fp8_linear):
+            monkeypatch.setattr(module, "kernel_config", lambda fused=fused: KernelConfig(wq_fused_silu=fused))
+        x = torch.randn(rows, 256, device=device)
+        calls.clear()
+        y = linear.gate_up_silu(x, layer)
+        assert [c for c in calls if c] == expect, (rows, fused, calls)
+        ref = silu_and_mul(layer(x))
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_one_row_config_is_refused_elsewhere(device):
@@ -317,10 +377,12 @@ names = K.arg_names
 
 
 def counts(fmt, group):
+    fmt, _, silu = fmt.partition("+")
     int4, fp8 = fmt == "int4", fmt == "fp8"
     ptr = dict(X="*bf16", W="*i32", S="*fp32" if fp8 else "*bf16", Z="*bf16", B="*bf16", Y="*bf16")
     const = dict(INT4=int4, FP8=fp8, GROUPED=group > 0, HAS_MIN=int4, HAS_BIAS=False,
-                 WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True)
+                 WPG=group // (8 if int4 else 4) or 1, BLOCK_N=8, VEC=4, NUM_WARPS=4, PREFETCH=1, USE_PDL=True,
+                 SILU_MUL=bool(silu))
     sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
     div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const}
     src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=div)
@@ -340,7 +402,8 @@ for case in sys.argv[1:]:  # one line each; a case that fails to compile says wh
     except Exception:
         print(case, traceback.format_exc(), file=sys.stderr, flush=True)
 """
-GLUON_ROW_CASES = [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32), ("fp8", 0)]
+GLUON_ROW_CASES = [("int4", 128), ("int4", 32), ("int8", 0), ("int8", 32), ("fp8", 0),
+                   ("int4+silu", 128), ("int8+silu", 0), ("fp8+silu", 0)]  # +silu: the fused activation
 
 
 @pytest.fixture(scope="module")
@@ -360,13 +423,14 @@ def test_gluon_row_kernel_compiles_for_sm90(gluon_row_ptx, fmt, group):
     memory, no integer-to-float conversion instruction on the codes (their bits are read as
     subnormal floats), no float operation that flushes subnormals to zero (which would zero every
     code), the weights read as 16-byte vectors, and the wait on the previous kernel present once
-    (programmatic dependent launch). FP8's codes take the paired e4m3 conversion, the others none."""
+    (programmatic dependent launch). FP8's codes take the paired e4m3 conversion, the others none;
+    the fused SiLU-and-multiply (+silu) keeps all of it."""
     counts, p = gluon_row_ptx
     assert f"{fmt}:{group}" in counts, f"exit {p.returncode}: {p.stderr[-2000:]}"
     spills, conversions, vector_loads, waits, flushes, e4m3_pairs = counts[f"{fmt}:{group}"]
     assert spills == 0 and conversions == 0 and waits == 1 and flushes == 0
     assert vector_loads >= 1
-    assert (e4m3_pairs > 0) == (fmt == "fp8")
+    assert (e4m3_pairs > 0) == fmt.startswith("fp8")
 
 
 @pytest.mark.parametrize("method, group, expect", [
