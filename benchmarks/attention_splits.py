@@ -1,10 +1,10 @@
 """Decode attention at small batches, by how the context is split (CUDA): the engine's launch
-(``decode_splits``' count, the fused RoPE + KV write, PDL) against splits held to at least N keys
-(``KernelConfig.decode_split_min_keys``), other split counts, 32-key tiles and 8 warps, at
-contexts from 128 to 32k keys. Llama-3-8B's heads (32 query, 8 KV, 128 wide), a bf16 cache of 16-token pages; 32
-layers, each with its own cache, in one CUDA graph (as a decode step runs them), microseconds a
-layer. Every output is checked against the engine launch's. (Without CUDA the kernels run in
-Triton's interpreter, a check of the script only: ``TRITON_INTERPRET=1``, small contexts.)
+(``decode_splits``' count, the fused RoPE + KV write, PDL) against other split counts, 32-key
+tiles and 8 warps, at contexts from 128 to 32k keys. Llama-3-8B's heads (32 query, 8 KV, 128
+wide), a bf16 cache of 16-token pages; 32 layers, each with its own cache, in one CUDA graph (as
+a decode step runs them), microseconds a layer. Every output is checked against the engine
+launch's. (Without CUDA the kernels run in Triton's interpreter, a check of the script only:
+``TRITON_INTERPRET=1``, small contexts.)
 
     PYTHONPATH=$PWD python benchmarks/attention_splits.py --out $OUT
     PYTHONPATH=$PWD python benchmarks/attention_splits.py --batches 1,8 --contexts 512,4096 --out $OUT
@@ -31,7 +31,6 @@ from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
 H, KVH, D, PAGE, LAYERS = 32, 8, 128, 16, 32
 # (the CPU runs the kernels in Triton's interpreter: a check of this script at small contexts)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-MIN_KEYS = (128, 256, 512, 1024, 2048)
 SPLITS = (4, 8, 16)
 
 
@@ -71,8 +70,7 @@ def main() -> None:
     res = {}
     for batch in map(int, a.batches.split(",")):
         default_splits = decode_splits(None, batch, KVH, torch.device(DEV))
-        configs = {"engine": {}, **{f"min {n} keys": {"min_split_keys": n} for n in MIN_KEYS},
-                   **{f"{s} splits": {"splits": s} for s in SPLITS if s != default_splits},
+        configs = {"engine": {}, **{f"{s} splits": {"splits": s} for s in SPLITS if s != default_splits},
                    "32-key tiles": {"block_n": 32}, "8 warps": {"num_warps": 8}}
         for ctx in map(int, a.contexts.split(",")):
             ls = layers(batch, ctx, gen)

@@ -74,9 +74,7 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # in its kernel or in one of its own (``KernelConfig.wq_fused_silu``); "+s8": products of ``--s8-min-rows`` to
 # ``--s8-max-rows`` rows on the integer tensor cores (``KernelConfig.wq_s8_min_rows``,
 # ``wq_s8_max_rows``); "+int8head":
-# the output head in int8; "+noreserve" (any format): admission keeps no room for decoding;
-# "+msk<N>" (any format): each decode attention split takes at least N keys
-# (``KernelConfig.decode_split_min_keys``).
+# the output head in int8; "+noreserve" (any format): admission keeps no room for decoding.
 # Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
@@ -515,8 +513,6 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
                 kw["quantization_head"] = "int8"
             elif opt == "deq":  # the dispatch before the weight-left GEMM was on
                 kernel.update(wq_skinny_max_rows=16, wq_dequant_min_rows=64, wq_weight_left_max_rows=0)
-            elif opt.startswith("msk") and opt[3:].isdigit():  # decode attention splits of >= N keys
-                kernel["decode_split_min_keys"] = int(opt[3:])
             else:
                 raise SystemExit(f"--formats: unknown option +{opt} in {name}")
         if kernel:

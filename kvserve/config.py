@@ -191,9 +191,6 @@ class SchedulerConfig:
 _GEMV_MAX_ROWS = 32
 # Rows of x the quantized skinny kernel takes at most (kernels/wq_gemm.py: MAX_SKINNY_ROWS)
 _WQ_SKINNY_MAX_ROWS = 32
-# Keys a decode attention split may be held to at least: past any context a model serves, and a
-# kernel constant (its key tiles) that stays a 32-bit integer
-_SPLIT_MIN_KEYS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -220,11 +217,6 @@ class KernelConfig:
     # (0: none), and programs per SM in its one wave.
     kivi_l2_ahead: int = 2
     kivi_wave: int = 8
-    # Decode attention over uncompressed and 8-bit caches (kernels/decode_attention.py): the
-    # fewest keys a split of a sequence's context takes (0: as many splits as the context has key
-    # tiles, up to the batch's count), so that a short context runs in fewer programs with fewer
-    # partials to merge. The split count stays a function of the batch (graph-safe).
-    decode_split_min_keys: int = 0
     # Steps where every sequence brings a few tokens after cached context (speculative verify
     # steps) run as decode steps of one row per token (``kvserve/engine/decode_rows.py``):
     # "graphs" where a captured CUDA graph holds the rows, else through the prefill path;
@@ -280,8 +272,7 @@ class KernelConfig:
             raise ConfigError("cpu_compile", f"must be True, False or None, got {self.cpu_compile!r}")
         for name, lo, hi in (("gemv_max_rows_linear", 0, _GEMV_MAX_ROWS), ("gemv_max_rows_gate_up", 0, _GEMV_MAX_ROWS),
                              ("gemv_max_rows_logits", 0, _GEMV_MAX_ROWS), ("kivi_l2_ahead", 0, None),
-                             ("kivi_wave", 1, None), ("decode_split_min_keys", 0, _SPLIT_MIN_KEYS),
-                             ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
+                             ("kivi_wave", 1, None), ("wq_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
                              ("wq_int4_skinny_max_rows", 0, _WQ_SKINNY_MAX_ROWS),
                              ("wq_dequant_min_rows", 1, None), ("wq_weight_left_max_rows", 0, None),
                              ("wq_s8_min_rows", 0, None), ("wq_s8_max_rows", 1, None)):

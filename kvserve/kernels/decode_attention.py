@@ -57,14 +57,12 @@ ROPE_LAUNCH = MappingProxyType({"enable_fp_fusion": False})
 
 @triton.jit
 def _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 MIN_PER: tl.constexpr, WINDOW: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr,
-                 STREAM: tl.constexpr):
+                 WINDOW: tl.constexpr, PAGE: tl.constexpr, SINK: tl.constexpr, STREAM: tl.constexpr):
     """Sequence ``b``'s length, its splits with keys (``active``: a short context leaves the rest
     empty), split ``split``'s key range [start, end), the first key the query sees after the
     sinks, and (streaming) where the skipped span starts (``hole``) and its length (``gap``).
-    A split takes at least ``MIN_PER`` key tiles, so a short context runs in fewer. Streaming,
-    the splits cut the key tiles with the span cut out: ``start`` and ``end`` count keys before
-    ``hole`` as they are and the later ones ``gap`` keys earlier (``_tile_keys``)."""
+    Streaming, the splits cut the key tiles with the span cut out: ``start`` and ``end`` count
+    keys before ``hole`` as they are and the later ones ``gap`` keys earlier (``_tile_keys``)."""
     seq_len = tl.load(SEQ_LENS + b)
     first = 0
     if WINDOW > 0:
@@ -79,7 +77,7 @@ def _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: 
         hole = (SINK + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         gap = tl.maximum((first // BLOCK_N) * BLOCK_N - hole, 0)
     n_chunks = tl.cdiv(seq_len - gap - lo, BLOCK_N)
-    per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), MIN_PER)
+    per = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
     start = lo + split * per * BLOCK_N
     end = tl.minimum(start + per * BLOCK_N, seq_len - gap)
     return seq_len, tl.cdiv(n_chunks, per), start, end, first, hole, gap
@@ -115,7 +113,7 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RECENT, RSLOTS, O
                          scale_log2,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIN_PER: tl.constexpr, PREC: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
                          FMT: tl.constexpr, BITS: tl.constexpr, QGROUP: tl.constexpr, FAST: tl.constexpr,
                          VD: tl.constexpr, HEADS: tl.constexpr, MERGE_S: tl.constexpr,
                          ROPE: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr,
@@ -141,8 +139,8 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RECENT, RSLOTS, O
         # own key is patched into that tile from registers; later tiles are read after its
         # store.
         DT: tl.constexpr = Q.dtype.element_ty
-        seq_len, active, start, end, first, hole, gap = _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N, NUM_SPLITS,
-                                                                     MIN_PER, WINDOW, PAGE, SINK, STREAM)
+        seq_len, active, start, end, first, hole, gap = _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N,
+                                                                     NUM_SPLITS, WINDOW, PAGE, SINK, STREAM)
         if split >= tl.maximum(active, 1):
             return
         n0, nmask0 = _tile_keys(start, w, end, first, hole, gap, SINK, STREAM)
@@ -184,8 +182,8 @@ def _decode_split_kernel(Q, KC, VC, KS, VS, RES, BT, SEQ_LENS, RECENT, RSLOTS, O
         # context's critical path; an empty split's load is wasted, and cheap
         q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
-        seq_len, active, start, end, first, hole, gap = _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N, NUM_SPLITS,
-                                                                     MIN_PER, WINDOW, PAGE, SINK, STREAM)
+        seq_len, active, start, end, first, hole, gap = _split_range(SEQ_LENS, RECENT, b, split, BLOCK_N,
+                                                                     NUM_SPLITS, WINDOW, PAGE, SINK, STREAM)
         if split >= tl.maximum(active, 1):
             return  # an empty split: no partial, no vote (split 0 of an empty sequence writes zeros)
         loop_start = start
@@ -299,8 +297,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
                            res_slots: torch.Tensor | None = None, num_warps: int | None = None,
                            num_stages: int = 2, maxnreg: int | None = None, rope: RopeWrite | None = None,
                            pdl: bool = True, counters: SplitCounters | None = None,
-                           window: int | None = None, streaming: Streaming | None = None,
-                           min_split_keys: int = 0) -> torch.Tensor:
+                           window: int | None = None, streaming: Streaming | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, page, KVH, D], or a compressed layer's ``KVViews`` as
     ``k_cache`` (``v_cache`` None; KIVI formats also need ``res_slots`` [B] int32);
     block_tables: [B, max_pages] int; seq_lens: [B] int (keys per sequence, this step's token
@@ -312,10 +309,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
     where the GPU has it. ``counters``: the splits' counters (the caller's, kept across launches
     and graph captures; None: fresh ones for this launch). ``window``: each query sees only its
     last ``window`` keys (None: all). ``streaming``: the sinks and recent spans of streaming
-    KV eviction (uncompressed caches, no window; None: every key). ``min_split_keys``: the fewest
-    keys a split takes (rounded down to whole key tiles), so that a short context runs in fewer
-    programs, with fewer partials to merge; 0: as many splits as the context has tiles, up to
-    ``splits``. Returns [B, H, D]."""
+    KV eviction (uncompressed caches, no window; None: every key). Returns [B, H, D]."""
     assert window is None or window >= 1
     assert streaming is None or (window is None and isinstance(k_cache, torch.Tensor))
     B, H, D = q.shape
@@ -383,7 +377,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torc
         lsep.stride(0) if splits > 1 else 0, lsep.stride(1) if splits > 1 else 0,
         scale * LOG2E,
         GROUP=group, BLOCK_G=BLOCK_G, HEAD_DIM=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=splits, MIN_PER=max(1, min_split_keys // block_n), PREC=dot_precision(q.dtype),
+        NUM_SPLITS=splits, PREC=dot_precision(q.dtype),
         FMT=fmt_kw["FMT"], BITS=fmt_kw["BITS"], QGROUP=fmt_kw["GROUP"], FAST=fast, VD=fmt_kw["VD"],
         HEADS=heads, MERGE_S=merge_s, ROPE=rope is not None, WINDOW=window or 0,
         SINK=streaming.sink if streaming is not None else 0, STREAM=streaming is not None, num_warps=num_warps,

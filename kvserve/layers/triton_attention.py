@@ -101,8 +101,7 @@ def _decode(c: _Call, fused: bool) -> torch.Tensor:
                                            c.q.device)
     return paged_decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.seq_lens_t, c.scale, splits=splits,
                                   res_slots=m.res_slots_t, rope=c.rope_write() if fused else None,
-                                  pdl=c.kernel.pdl, counters=c.counters, window=c.window, streaming=m.streaming,
-                                  min_split_keys=c.kernel.decode_split_min_keys)
+                                  pdl=c.kernel.pdl, counters=c.counters, window=c.window, streaming=m.streaming)
 
 
 def _decode_kivi4(c: _Call, fused: bool) -> torch.Tensor:

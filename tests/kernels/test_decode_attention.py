@@ -140,7 +140,7 @@ def test_decode_real_size_shapes(device, paged_kv, rel, H, KVH, D, page):
 @pytest.mark.parametrize("H,KVH,D,page", [(8, 2, 64, 16), (9, 3, 48, 4)])
 @pytest.mark.parametrize("grid_order", ["forward", "reversed"])
 def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, splits, dtype, grid_order,
-                                    monkeypatch, min_split_keys=0):
+                                    monkeypatch):
     """``rope=``: the step's token enters unrotated; the kernel rotates q in registers (q in
     memory untouched), and the split holding the last key rotates k and stores k and v at the
     slot. Each split reads its first tile before that (before the PDL wait), so the split that
@@ -179,7 +179,7 @@ def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, spli
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, kc, vc, bt, sl, D ** -0.5, splits=splits, out=out,
-                           rope=RopeWrite(positions, slots, k, v, rope.cos, rope.sin), min_split_keys=min_split_keys)
+                           rope=RopeWrite(positions, slots, k, v, rope.cos, rope.sin))
     assert torch.equal(q, q0)
     assert torch.equal(kc.isnan(), kc_ref.isnan()) and torch.equal(kc.nan_to_num(), kc_ref.nan_to_num())
     assert torch.equal(vc.isnan(), vc_ref.isnan()) and torch.equal(vc.nan_to_num(), vc_ref.nan_to_num())
@@ -192,41 +192,11 @@ def test_decode_fused_rope_kv_write(device, paged_kv, rel, H, KVH, D, page, spli
             assert (out[b] == 0).all()
 
 
-@pytest.mark.parametrize("min_split_keys", [16, 48, 96, 10_000])
-def test_decode_min_split_keys(device, paged_kv, rel, min_split_keys):
-    """``min_split_keys``: each split takes at least that many keys (whole 16-key tiles), so the
-    short contexts run in fewer of the 6 splits and the longest (150 keys: 10 tiles) in 5, 4, 2
-    or 1 (the output then written without a merge)."""
-    gen = torch.Generator().manual_seed(31 + min_split_keys)
-    seq_lens = [150, 0, 1, 33, 64, 17]
-    k_cache, v_cache, bt = paged_kv(gen, seq_lens, 4, 2, 32, torch.float32, device)
-    q = (torch.randn(len(seq_lens), 8, 32, generator=gen) * 1.5).to(device)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k_cache, v_cache, bt, sl, 32 ** -0.5, splits=6, out=out, block_n=16,
-                           min_split_keys=min_split_keys)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 32 ** -0.5)
-    for b, L in enumerate(seq_lens):
-        if L:
-            assert rel(out[b], ref[b]) < 1e-5, (b, L)
-        else:
-            assert (out[b] == 0).all()
-
-
-@pytest.mark.parametrize("min_split_keys", [128, 256])
-def test_decode_min_split_keys_fused_rope(device, paged_kv, rel, min_split_keys, monkeypatch):
-    """The fused RoPE + KV write with splits held to a minimum (64-key tiles: the 129-key context
-    in 2 splits, the second of one key, then in 1): the last split with keys is still the one
-    that stores the step's key (the grid run last first, as in the test above)."""
-    test_decode_fused_rope_kv_write(device, paged_kv, rel, 8, 2, 64, 16, 16, torch.float32, "reversed", monkeypatch,
-                                    min_split_keys=min_split_keys)
-
-
 _COMPILE_FUSED_PTX = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from kvserve.kernels.decode_attention import ROPE_LAUNCH, _decode_split_kernel as K
-const = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, NUM_SPLITS=4, MIN_PER=1, PREC="tf32",
+const = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, NUM_SPLITS=4, PREC="tf32",
              FMT=0, BITS=16, QGROUP=1, FAST=False, VD=1, HEADS=4, MERGE_S=4, ROPE=True, USE_PDL=False,
              SINK=0, STREAM=False)
 ptrs = {"POS": "*i64", "SLOT": "*i64", "COS": "*fp32", "SIN": "*fp32", "OP": "*fp32", "LSEP": "*fp32",

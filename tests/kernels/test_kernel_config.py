@@ -41,11 +41,7 @@ def test_defaults_are_the_launchers():
                                       (dict(kivi_l2_ahead=-1), "kivi_l2_ahead"), (dict(kivi_wave=0), "kivi_wave"),
                                       (dict(wq_s8_min_rows=-1), "wq_s8_min_rows"),
                                       (dict(wq_s8_min_rows=64.0), "wq_s8_min_rows"),
-                                      (dict(wq_s8_max_rows=0), "wq_s8_max_rows"),
-                                      (dict(decode_split_min_keys=-1), "decode_split_min_keys"),
-                                      (dict(decode_split_min_keys=2 ** 63), "decode_split_min_keys"),
-                                      (dict(decode_split_min_keys=float("nan")), "decode_split_min_keys"),
-                                      (dict(decode_split_min_keys=None), "decode_split_min_keys")])
+                                      (dict(wq_s8_max_rows=0), "wq_s8_max_rows")])
 def test_bad_values_are_config_errors(kw, field):
     with pytest.raises(ConfigError, match=field):
         KernelConfig(**kw)
@@ -184,21 +180,3 @@ def test_backend_passes_fused_rope_down(device, paged_kv):
     assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(v1.nan_to_num(), v2.nan_to_num())
     assert not o1.isnan().any()
     torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-6)
-
-
-def test_backend_passes_split_min_keys_down(monkeypatch):
-    """``decode_split_min_keys`` reaches the decode attention kernel's launch; 0 by default."""
-    from kvserve.layers import triton_attention as ta
-    from kvserve.layers.rotary import RotaryEmbedding
-    seen = []
-    monkeypatch.setattr(ta, "paged_decode_attention", lambda q, *a, **k: seen.append(k["min_split_keys"]) or q)
-    monkeypatch.setattr(ta, "rope_kv_write", lambda *a, **k: None)
-    q, k = torch.zeros(2, 8, 32), torch.zeros(2, 2, 32)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(2, dtype=torch.long), block_tables=torch.zeros(2, 4),
-                             seq_lens=[30, 7], query_lens=[1, 1], query_start=[0, 1, 2], block_size=16)
-    cache, rope = torch.zeros(4, 16, 2, 32), RotaryEmbedding(32, 64, 10000.0)
-    for cfg in (KernelConfig(), KernelConfig(decode_split_min_keys=512)):
-        backend = get_backend("triton", cfg)
-        backend.prepare(meta, torch.device("cpu"))
-        backend.forward(torch.tensor([29, 6]), q, k, k, rope, cache, cache, meta, 0.25)
-    assert seen == [0, 512]

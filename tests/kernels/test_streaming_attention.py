@@ -100,19 +100,6 @@ def test_decode_streaming_matches_kept_keys(device, paged_kv, rel, H, KVH, D, pa
             assert rel(out[b], ref) < 1e-5, (b, SEQ_LENS[b], RECENTS[b])
 
 
-def test_decode_streaming_min_split_keys(device, paged_kv, rel):
-    """Splits held to at least 32 keys (two 16-key tiles) count the tiles left after the skipped
-    span: a sequence's sinks and recent keys in fewer splits, the span still unread."""
-    out, refs, evicted = run_decode(device, paged_kv, 4, 2, 32, 4, SEQ_LENS, RECENTS, splits=5, block_n=16,
-                                    min_split_keys=32)
-    assert evicted > 0
-    for b, ref in enumerate(refs):
-        if ref is None:
-            assert (out[b] == 0).all()
-        else:
-            assert rel(out[b], ref) < 1e-5, (b, SEQ_LENS[b], RECENTS[b])
-
-
 def test_decode_streaming_fused_rope_write(device, paged_kv, rel):
     """The fused RoPE + KV write (``rope=``) with streaming: the split holding the last key is
     the last one, after the skipped span; it stores the step's key and value and reads them."""
