@@ -71,11 +71,11 @@ GPU_FORMATS = {"bf16": {}, "int8": {"quantization": "int8"},
 # up to ``--weight-left-max-rows`` (``KernelConfig.wq_weight_left_max_rows``); "+deq": the
 # skinny kernel up to 16 rows, the tiled GEMM below 64, dequantize-then-cuBLAS from there;
 # "+nosplit": K never split; "+silu" / "+nosilu": the one-row gate/up product's SiLU-and-multiply
-# in its kernel or in one of its own (``KernelConfig.wq_fused_silu``); "+s8": products of ``--s8-min-rows`` to
-# ``--s8-max-rows`` rows on the integer tensor cores (``KernelConfig.wq_s8_min_rows``,
-# ``wq_s8_max_rows``); "+int8head":
-# the output head in int8; "+noreserve" (any format): admission keeps no room for decoding.
-# Options combine ("int4-g128+int8head+nosplit").
+# in its kernel (the default) or in one of its own (``KernelConfig.wq_fused_silu``); "+s8" /
+# "+nos8": products of ``--s8-min-rows`` to ``--s8-max-rows`` rows on the integer tensor cores
+# (``KernelConfig.wq_s8_min_rows``, ``wq_s8_max_rows``; int8 per channel takes 64 to 512 by
+# default), or none; "+int8head": the output head in int8; "+noreserve" (any format): admission
+# keeps no room for decoding. Options combine ("int4-g128+int8head+nosplit").
 # The default model is 576 wide: int4 groups of 128 do not divide it.
 CPU_FORMATS = {"fp32": {"quantization": "none"}, "gguf-Q4_1": {"quantization": "gguf"},
                "int8": {"quantization": "int8"},
@@ -509,6 +509,8 @@ def run_engine(n_req: int, formats: list[str], weight_left_max_rows: int, kv_cac
                 kernel["wq_weight_left_max_rows"] = weight_left_max_rows
             elif opt == "s8":
                 kernel.update(wq_s8_min_rows=s8_rows[0], wq_s8_max_rows=s8_rows[1])
+            elif opt == "nos8":
+                kernel["wq_s8_min_rows"] = 0
             elif opt == "int8head":  # the output head in int8 (bf16 by default)
                 kw["quantization_head"] = "int8"
             elif opt == "deq":  # the dispatch before the weight-left GEMM was on

@@ -239,14 +239,15 @@ class KernelConfig:
     wq_weight_left_max_rows: int = 256
     # From ``wq_s8_min_rows`` (0: never) up to ``wq_s8_max_rows`` rows of x, int8 per-channel
     # products run on the integer tensor cores with x split into two int8 halves
-    # (kernels/wq_s8.py) in place of the products above. Off until an offline engine run shows
-    # a gain: alone, each product beat the others from 64 to 512 rows (one H100, BENCHMARKS.md).
-    wq_s8_min_rows: int = 0
+    # (kernels/wq_s8.py) in place of the products above: alone, each product beat the others
+    # from 64 to 512 rows, and int8 offline gained 4% at 256 requests and 2% at 1,024 (one
+    # H100, BENCHMARKS.md).
+    wq_s8_min_rows: int = 64
     wq_s8_max_rows: int = 512
     # One-row products of a quantized [gate | up] weight apply the MLP's SiLU-and-multiply in the
     # one-row kernel (kernels/wq_gemv.py: a launch a layer fewer); False: a kernel of its own
-    # after the product. Off until a GPU run of the engine shows the gain.
-    wq_fused_silu: bool = False
+    # after the product.
+    wq_fused_silu: bool = True
     # The few-row and weight-left products split K over several programs where their tiles
     # alone leave most multiprocessors idle (kernels/wq_gemm.py: ``split_k``); False: never.
     wq_split_k: bool = True

@@ -434,7 +434,8 @@ def test_gluon_row_kernel_compiles_for_sm90(gluon_row_ptx, fmt, group):
 
 
 @pytest.mark.parametrize("method, group, expect", [
-    ("int8", 0, {16: "skinny", 17: "tiled", 63: "tiled", 64: "weight-left", 256: "weight-left", 257: "dequant"}),
+    # int8 per channel: the integer tensor cores from 64 rows to 512 (kernels/wq_s8.py)
+    ("int8", 0, {16: "skinny", 17: "tiled", 63: "tiled", 64: "s8", 512: "s8", 513: "dequant"}),
     ("int4", 128, {32: "skinny", 33: "weight-left", 256: "weight-left", 257: "dequant"}),
     # groups the weight-left GEMM's column step of 128 does not divide: no weight-left, no int4 exception
     ("int4", 64, {16: "skinny", 17: "tiled", 64: "dequant", 256: "dequant"}),
@@ -443,7 +444,7 @@ def test_cuda_dispatch_by_rows(monkeypatch, method, group, expect):
     """Which product a CUDA QuantLinear takes for x of each row count, under the default
     KernelConfig (the rule its comments give; the kernels themselves are tested above)."""
     from kvserve.config import KernelConfig, QuantConfig
-    from kvserve.kernels import wq_gemm
+    from kvserve.kernels import wq_gemm, wq_s8
     from kvserve.layers.quant_linear import QuantLinear
     torch.manual_seed(0)
     layer = QuantLinear.from_linear(torch.nn.Linear(256, 64, bias=False),
@@ -452,6 +453,7 @@ def test_cuda_dispatch_by_rows(monkeypatch, method, group, expect):
     monkeypatch.setattr(wq_gemm, "wq_mm", lambda x, *a, **k: taken.append("skinny" if a[5] is None else "tiled"))
     monkeypatch.setattr(wq_gemm, "wq_mm_wx", lambda *a, **k: taken.append("weight-left"))
     monkeypatch.setattr(wq_gemm, "dequantize", lambda *a, **k: taken.append("dequant") or torch.zeros(64, 256))
+    monkeypatch.setattr(wq_s8, "wq_mm_s8", lambda *a, **k: taken.append("s8"))
     for rows, path in expect.items():
         taken.clear()
         layer._cuda(torch.randn(rows, 256), KernelConfig())

@@ -195,7 +195,12 @@ def test_rule_takes_s8_from_its_rows():
     assert cuda_product(63, on, False, True, s8=True) != "s8"
     assert cuda_product(257, on, False, True, s8=True) == "dequant"
     assert cuda_product(4096, on, True, True, s8=False) == "dequant"  # a weight it does not take
-    assert cuda_product(4096, KernelConfig(), False, True, s8=True) == "dequant"  # off by default
+    # by default int8 per channel from 64 to 512 rows (the weight-left GEMM below, then cuBLAS)
+    assert cuda_product(63, KernelConfig(), False, True, s8=True) == "tiled"
+    assert cuda_product(64, KernelConfig(), False, True, s8=True) == "s8"
+    assert cuda_product(512, KernelConfig(), False, True, s8=True) == "s8"
+    assert cuda_product(513, KernelConfig(), False, True, s8=True) == "dequant"
+    assert cuda_product(128, KernelConfig(wq_s8_min_rows=0), False, True, s8=True) == "weight-left"  # off
 
 
 @needs_cuda
