@@ -107,8 +107,9 @@ def run_tests():
 
 
 def rule_choice(rows: int, kernel: KernelConfig, int4: bool) -> str:
-    """What layers/quant_linear.py picks for Llama-3-8B's layers (every K a multiple of 128)."""
-    how = cuda_product(rows, kernel, int4, wide=True)
+    """What layers/quant_linear.py picks for Llama-3-8B's layers (every K a multiple of 128; int8
+    per channel, the integer tensor cores' weight: ``wq_s8.dispatched``)."""
+    how = cuda_product(rows, kernel, int4, wide=True, s8=not int4)
     return "dequant+cuBLAS" if how == "dequant" else how
 
 
@@ -207,7 +208,7 @@ def run_split(rows_measured: list[int]):
 
     from kvserve.kernels import wq_gemm
     from kvserve.kernels.gemv import MAX_ROWS, gemv
-    kernel = KernelConfig()
+    kernel = KernelConfig(wq_s8_min_rows=0)  # the products that split K: the rule without s8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {}
@@ -442,7 +443,7 @@ def run_s8(rows_measured: list[int]):
     import torch.nn.functional as F
 
     from kvserve.kernels import wq_s8
-    kernel = KernelConfig()
+    kernel = KernelConfig(wq_s8_min_rows=0)  # s8 against the rule's other products
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {}
     for fmt in ("int8", "int4-g128"):

@@ -283,7 +283,8 @@ class KernelConfig:
                 raise ConfigError(name, f"must be an integer {bound}, got {v!r}")
         if 0 < self.wq_s8_max_rows < self.wq_s8_min_rows:  # (min 0: off, whatever the max)
             raise ConfigError("wq_s8_min_rows", f"must be at most wq_s8_max_rows ({self.wq_s8_max_rows}), got "
-                              f"{self.wq_s8_min_rows}: no product would take the integer tensor cores")
+                              f"{self.wq_s8_min_rows}: no product would take the integer tensor cores (set "
+                              f"wq_s8_min_rows lower, or 0 to turn them off)")
 
     def gemv_max_rows(self, kind: str) -> int:
         """The row limit of a product of ``kind``: "linear", "gate_up_silu" or "logits"."""

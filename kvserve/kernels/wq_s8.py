@@ -23,13 +23,14 @@ default model the split moved int8's and int4's perplexity by under 0.01%. Group
 Q8_0's) cost a rescale of the int32 sums per group of columns, which decoding the weight to
 bfloat16 does not.
 
-The engine's rule sends it int8 per channel only (``dispatched``), and only when
-``KernelConfig.wq_s8_min_rows`` is set (off by default). On an H100, at Llama-3-8B's shapes, int8
-per channel at the best tile beat the rule's other products from 64 to 512 rows of x and lost
-to dequantize-then-cuBLAS at 2,048. Grouped int4 lost to them at every row count, and an
-engine run with it was slower. An offline engine run with int8 at 64-256 rows has not yet been
-made at the tiles ``s8_config`` now picks (BENCHMARKS.md, "Many-row products on the integer
-tensor cores").
+The engine's rule sends it int8 per channel only (``dispatched``: the decoder's projections on
+a GPU of compute capability 8.0 or later, not the int8 output head, whose shape was not
+measured), from ``KernelConfig.wq_s8_min_rows`` to ``wq_s8_max_rows`` rows (64 to 512 by
+default). On an H100, at Llama-3-8B's shapes, int8 per channel at the best tile beat the rule's
+other products from 64 to 512 rows of x and lost to dequantize-then-cuBLAS at 2,048, and the
+engine's int8 offline throughput rose 3.9% at 256 requests and 1.9% at 1,024. Grouped int4
+lost to the other products at every row count, and an engine run with it was slower
+(BENCHMARKS.md, "Many-row products on the integer tensor cores").
 
 A program owns BLOCK_N weight rows by BLOCK_M rows of x, the programs of one weight tile
 adjacent in launch order (the x tiles vary fastest), so each weight byte is read from memory
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels import wq_gemm
+from kvserve.kernels.common import capability
 
 SPLIT_RANGE = 32639.0  # |q| <= this: (q + 128) >> 8 stays in [-127, 127], q - 256 hi in [-128, 127]
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: v + this - this rounds v half to even for |v| < 2^22
@@ -187,10 +189,14 @@ def supports(qweight: torch.Tensor, group_size: int, K: int) -> bool:
 
 
 def dispatched(qweight: torch.Tensor, group_size: int, K: int) -> bool:
-    """The engine's rule sends this weight's many-row products here: int8 per channel only. The
-    grouped formats are supported but lost to the weight-left GEMM and dequantize-then-cuBLAS at
-    every row count measured (int4 g128 from 64 to 2,048 rows, one H100): each group's rescale
-    of the float accumulator costs more than the integer products save."""
+    """The engine's rule sends this weight's many-row products here: int8 per channel only, on a
+    GPU of compute capability 8.0 or later (the tiles' shared memory and int8 tensor cores were
+    measured on 9.0; older GPUs keep the other products). The grouped formats are supported but
+    lost to the weight-left GEMM and dequantize-then-cuBLAS at every row count measured (int4
+    g128 from 64 to 2,048 rows, one H100): each group's rescale of the float accumulator costs
+    more than the integer products save."""
+    if qweight.is_cuda and capability(qweight.device) < 8:
+        return False
     return group_size == 0 and supports(qweight, group_size, K)
 
 

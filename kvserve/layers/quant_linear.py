@@ -152,6 +152,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = None  # a row-parallel layer's group: the products are summed over its ranks
+        # Many-row products may take the integer tensor cores where the rule sends the weight
+        # there (``_s8``); False for the int8 output head, whose shape was not measured there.
+        self.s8_products = True
         # The scales in x's dtype, the key they were converted under, and that dtype: see _scales_as
         self._cast: torch.Tensor | None = None
         self._cast_key: tuple | None = None
@@ -278,7 +281,7 @@ class QuantLinear(nn.Module):
         """The rule sends this weight's many-row products to the integer tensor cores
         (``kernels/wq_s8.py``: ``dispatched``)."""
         from kvserve.kernels import wq_s8
-        return wq_s8.dispatched(self.qweight, self.group_size, self.in_features)
+        return self.s8_products and wq_s8.dispatched(self.qweight, self.group_size, self.in_features)
 
     @functools.cached_property
     def _wide(self) -> bool:
@@ -379,4 +382,5 @@ def _quantize_head(model: nn.Module) -> bool:
         return False
     with torch.no_grad():
         model.lm_head = QuantLinear.from_linear(head, QuantConfig("int8"))
+    model.lm_head.s8_products = False
     return True

@@ -41,7 +41,8 @@ def test_defaults_are_the_launchers():
                                       (dict(kivi_l2_ahead=-1), "kivi_l2_ahead"), (dict(kivi_wave=0), "kivi_wave"),
                                       (dict(wq_s8_min_rows=-1), "wq_s8_min_rows"),
                                       (dict(wq_s8_min_rows=64.0), "wq_s8_min_rows"),
-                                      (dict(wq_s8_max_rows=0), "wq_s8_max_rows")])
+                                      (dict(wq_s8_max_rows=0), "wq_s8_max_rows"),
+                                      (dict(wq_fused_silu=None), "wq_fused_silu")])
 def test_bad_values_are_config_errors(kw, field):
     with pytest.raises(ConfigError, match=field):
         KernelConfig(**kw)
@@ -55,6 +56,10 @@ def test_s8_rows_must_form_a_range():
         KernelConfig(wq_s8_min_rows=600)
     assert KernelConfig(wq_s8_min_rows=512).wq_s8_min_rows == 512
     assert KernelConfig(wq_s8_min_rows=0, wq_s8_max_rows=1).wq_s8_min_rows == 0
+    # a maximum below the default minimum (64) says how to get the range asked for
+    with pytest.raises(ConfigError, match=r"wq_s8_max_rows \(32\), got 64.*or 0 to turn them off"):
+        KernelConfig(wq_s8_max_rows=32)
+    assert KernelConfig(wq_s8_min_rows=16, wq_s8_max_rows=32).wq_s8_max_rows == 32
 
 
 def test_layers_follow_the_backend_of_the_step(monkeypatch):

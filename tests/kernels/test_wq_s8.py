@@ -227,3 +227,29 @@ def test_layer_on_s8(method, group):
             want = x.float() @ w.T + dense.bias.float()
             got = layer._cuda(x, kernel).float()
             assert ((got - want).norm() / want.norm()).item() < 1e-2, rows
+
+
+def test_rule_keeps_the_head_and_older_gpus_off_s8(monkeypatch):
+    """The rule's weights (``QuantLinear._s8``): an int8 per-channel projection, not the int8 output
+    head that ``quantization_head`` builds (its shape was not measured there), and none on a GPU
+    before compute capability 8.0."""
+    from types import SimpleNamespace
+
+    from kvserve.config import QuantConfig
+    from kvserve.kernels import wq_s8
+    from kvserve.layers.linear import Linear
+    from kvserve.layers.quant_linear import QuantLinear, _quantize_head
+    torch.manual_seed(0)
+    proj = QuantLinear.from_linear(torch.nn.Linear(256, 64, bias=False), QuantConfig("int8"))
+    assert proj._s8
+    model = torch.nn.Module()
+    model.lm_head = Linear(256, 96, bias=False)
+    torch.nn.init.normal_(model.lm_head.weight)
+    assert _quantize_head(model)
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.method == "int8"
+    assert not model.lm_head._s8
+    old_gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.int8)
+    monkeypatch.setattr(wq_s8, "capability", lambda device: 7)
+    assert not wq_s8.dispatched(old_gpu, 0, 256)
+    monkeypatch.setattr(wq_s8, "capability", lambda device: 9)
+    assert wq_s8.dispatched(old_gpu, 0, 256)
