@@ -99,10 +99,9 @@ class Fp8Linear(nn.Module):
         return f"fp8 e4m3, in_features={self.in_features}, out_features={self.out_features}"
 
     def silu_mul_one_row(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(x W_gate.T) * (x W_up.T) of this merged [gate | up] layer for one row of x on CUDA
+        """silu(x W_gate.T) * (x W_up.T) of this merged [gate | up] layer for x of one row on CUDA
         in the one-row kernel, as ``QuantLinear.silu_mul_one_row``; None where it does not apply."""
-        if not (x.dim() == 2 and x.shape[0] == 1 and kernels.available(x) and self.bias is None
-                and self.out_features % 2 == 0):
+        if not (self.bias is None and self.out_features % 2 == 0):
             return None
         from kvserve.kernels import wq_gemv
         kernel = kernel_config()

@@ -183,8 +183,9 @@ def gate_up_silu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor:
         from kvserve.kernels.gemv import gemv
         return gemv(x, gate_up.weight, silu_mul=True, pdl=kernel_config().pdl)
     fused = getattr(gate_up, "silu_mul_one_row", None)
-    y = fused(x) if fused is not None else None
-    if y is not None:
-        return y
+    if fused is not None and x.dim() == 2 and x.shape[0] == 1 and kernels.available(x):
+        y = fused(x)
+        if y is not None:
+            return y
     from kvserve.layers.activation import silu_and_mul
     return silu_and_mul(gate_up(x))

@@ -292,11 +292,10 @@ class QuantLinear(nn.Module):
 
     def silu_mul_one_row(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(x W_gate.T) * (x W_up.T) of this merged [gate | up] layer in one kernel, the one-row
-        product's, for one row of x on CUDA where the rule sends it there (``KernelConfig``:
-        ``wq_fused_silu``, the skinny product at one row); None elsewhere (the caller runs the
-        product, then the activation)."""
-        if not (x.dim() == 2 and x.shape[0] == 1 and kernels.available(x) and self.bias is None
-                and self.tp is None and self.out_features % 2 == 0):
+        product's, for x of one row on CUDA (``linear.gate_up_silu`` asks only then) where the
+        rule sends it there (``KernelConfig``: ``wq_fused_silu``, the skinny product at one row);
+        None elsewhere (the caller runs the product, then the activation)."""
+        if not (self.bias is None and self.tp is None and self.out_features % 2 == 0):
             return None
         from kvserve.kernels import wq_gemv
         kernel = kernel_config()
